@@ -1,0 +1,483 @@
+"""Offline generation throughput: tapllm against Hugging Face transformers (and vLLM).
+
+What it measures
+    Output tokens per second of one offline ``generate`` call over a batch of prompts, for
+    tapllm (``LLM.generate``) and for transformers (``model.generate``), in the same process,
+    on the same weights (the default model's Hugging Face folder, SmolLM2-135M-Instruct) and
+    the same prompts. Prompts are random token ids (fixed seed) of equal length, so
+    transformers needs no padding; decoding is greedy with EOS ignored, so every prompt yields
+    exactly ``--new-tokens`` tokens. The time is the whole call (prefill plus decode) and the
+    token count is what each engine actually returned. Each engine is warmed up once per
+    dtype with a small run before it is timed.
+
+    It also reports
+    * the peak RSS of each engine/dtype phase (the kernel's high-water mark, reset before
+      each phase where ``/proc/self/clear_refs`` allows), the process's ``ru_maxrss`` and,
+      with psutil, the current RSS;
+    * tapllm's time from process start to first token: a fresh interpreter constructs
+      ``LLM(dtype="bfloat16")`` and generates one token for a short prompt (warm disk cache:
+      the dequantized default weights are converted once and cached).
+
+    vLLM runs in its own interpreter (it is kept in a separate venv): pass
+    ``--vllm-python /tmp/vllm-venv/bin/python`` and add ``vllm`` to ``--engines``; its part is
+    run by ``benchmarks/_vllm_worker.py`` over the same prompts, one subprocess per dtype.
+
+How to run (from the repository root)
+    python benchmarks/throughput.py                  # full grid: batch 1,16,64 x prompt 128,512
+                                                      # x 128 new tokens x bf16,fp32 (long on CPU)
+    python benchmarks/throughput.py --quick          # batch 16, prompt 128, 32 new tokens, bf16
+    python benchmarks/throughput.py --batch-sizes 16 --prompt-lens 128,512 --dtypes bf16
+    python benchmarks/throughput.py --engines tapllm,hf,vllm --vllm-python /tmp/vllm-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import time
+
+_SCRIPT_START = time.time()  # first thing: the startup probe measures from here too
+
+import argparse
+import gc
+import json
+import os
+import random
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
+ENGINES = ("tapllm", "hf", "vllm")
+FIRST_TOKEN_ID = 32  # random prompts avoid the low ids, where SmolLM2 keeps its special tokens
+
+
+@dataclass(frozen=True)
+class Config:
+    """One cell of the grid."""
+
+    dtype: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype} b={self.batch} p={self.prompt_len} n={self.new_tokens}"
+
+
+@dataclass
+class Report:
+    """Everything measured: tok/s per config and engine, and notes printed at the end."""
+
+    tok_s: dict[tuple[Config, str], float] = field(default_factory=dict)
+    memory: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 16, 64])
+    p.add_argument("--prompt-lens", type=int_list, default=[128, 512])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--dtypes", type=str_list, default=["bf16", "fp32"], help="bf16,fp32")
+    p.add_argument("--engines", type=str_list, default=["tapllm", "hf"], help="tapllm,hf[,vllm]")
+    p.add_argument("--quick", action="store_true", help="batch 16, prompt 128, 32 new tokens, bf16")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--vllm-python", default=None, help="interpreter of the venv that has vllm")
+    p.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds per vLLM subprocess")
+    p.add_argument("--skip-startup", action="store_true", help="skip the time-to-first-token probe")
+    p.add_argument("--startup-probe", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_sizes, args.prompt_lens, args.new_tokens, args.dtypes = [16], [128], 32, ["bf16"]
+    for d in args.dtypes:
+        if d not in DTYPES:
+            p.error(f"--dtypes: unknown {d!r} (use {','.join(DTYPES)})")
+    for e in args.engines:
+        if e not in ENGINES:
+            p.error(f"--engines: unknown {e!r} (use {','.join(ENGINES)})")
+    return args
+
+
+def grid(args: argparse.Namespace) -> list[Config]:
+    return [
+        Config(d, b, p, args.new_tokens)
+        for d in args.dtypes
+        for b in args.batch_sizes
+        for p in args.prompt_lens
+    ]
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token ids; the same (batch, length, seed) always gives the same prompts."""
+    rng = random.Random(f"{seed}-{batch}-{prompt_len}")
+    return [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def prompts_for(configs: list[Config], vocab_size: int, seed: int) -> dict[tuple[int, int], list[list[int]]]:
+    """One prompt set per (batch, prompt length), shared by every dtype and engine."""
+    keys = {(c.batch, c.prompt_len) for c in configs}
+    return {k: make_prompts(k[0], k[1], vocab_size, seed) for k in sorted(keys)}
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark of this process (Linux 4.0+); False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float:
+    """The RSS high-water mark (VmHWM) in MiB, or ``ru_maxrss`` where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
+        if match:
+            return int(match.group(1)) / 1024
+    except OSError:
+        pass
+    return ru_maxrss_mib()
+
+
+def ru_maxrss_mib() -> float:
+    """``getrusage`` peak RSS of this process in MiB (the field is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mib() -> float | None:
+    """Current RSS in MiB via psutil, or None without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil.Process().memory_info().rss / 2**20
+
+
+# --------------------------------------------------------------------------- tapllm
+
+
+def kv_cache_gb(folder: Path, dtype: str, configs: list[Config]) -> float:
+    """KV cache size (GB) that holds the largest batch at full length, with some margin."""
+    cfg = json.loads((folder / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    elem = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * elem
+    tokens = max(c.batch * (c.prompt_len + c.new_tokens + 16) for c in configs)
+    return max(2.0, 1.25 * tokens * per_token / 1e9)
+
+
+def build_tapllm(folder: Path, dtype: str, configs: list[Config]) -> Any:
+    from tapllm import LLM
+
+    return LLM(
+        model=str(folder),
+        dtype=DTYPE_NAMES[dtype],
+        max_num_seqs=max(c.batch for c in configs),
+        max_num_batched_tokens=2048,
+        kv_cache_memory_gb=kv_cache_gb(folder, dtype, configs),
+        enable_prefix_caching=False,
+    )
+
+
+def run_tapllm(llm: Any, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+    """One timed greedy ``generate``; returns (output tokens produced, seconds)."""
+    from tapllm import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outs), seconds
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def build_hf(folder: Path, dtype: str) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype]).eval()
+
+
+def run_hf(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+    """One timed greedy ``model.generate`` of exactly ``new_tokens`` per prompt."""
+    input_ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(input_ids)
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    seconds = time.perf_counter() - start
+    return out[:, input_ids.shape[1]:].numel(), seconds
+
+
+# --------------------------------------------------------------------------- in-process phases
+
+
+def warm_prompts(prompts: dict[tuple[int, int], list[list[int]]]) -> list[list[int]]:
+    """Two short prompts for the warm-up run."""
+    first = next(iter(prompts.values()))[0]
+    return [first[:16], first[16:32] or first[:16]]
+
+
+def run_phase(
+    engine: str,
+    dtype: str,
+    configs: list[Config],
+    folder: Path,
+    prompts: dict[tuple[int, int], list[list[int]]],
+    report: Report,
+) -> None:
+    """Load one engine at one dtype, warm it up, time every config, record tok/s and memory."""
+    reset_ok = reset_peak_rss()
+    if engine == "tapllm":
+        handle, runner = build_tapllm(folder, dtype, configs), run_tapllm
+    else:
+        handle, runner = build_hf(folder, dtype), run_hf
+    runner(handle, warm_prompts(prompts), 4)
+    for cfg in configs:
+        tokens, seconds = runner(handle, prompts[(cfg.batch, cfg.prompt_len)], cfg.new_tokens)
+        expected = cfg.batch * cfg.new_tokens
+        if tokens != expected:
+            report.notes.append(f"{engine} {cfg.name}: produced {tokens} tokens, expected {expected}")
+        report.tok_s[(cfg, engine)] = tokens / seconds
+        print(f"  {engine:6s} {cfg.name:26s} {tokens:6d} tokens in {seconds:8.2f} s = "
+              f"{tokens / seconds:9.1f} tok/s", flush=True)
+    what = "peak RSS" if reset_ok else "peak RSS of the process so far"
+    report.memory.append(f"{engine} {dtype}: {what} {peak_rss_mib():.0f} MiB")
+    del handle
+    gc.collect()
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+def vllm_interpreter(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The interpreter to run vLLM with, or None and the reason it is unavailable."""
+    if args.vllm_python:
+        if not Path(args.vllm_python).exists():
+            return None, f"--vllm-python {args.vllm_python} does not exist"
+        return args.vllm_python, ""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable, ""
+    return None, "vllm is not importable here and no --vllm-python was given"
+
+
+def vllm_env(folder: Path, dtype: str, configs: list[Config]) -> dict[str, str]:
+    """Environment of the vLLM subprocess: CPU target and a KV cache that fits the grid."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    gib = max(1, int(-(-kv_cache_gb(folder, dtype, configs) * 1e9 // 2**30)))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gib))
+    return env
+
+
+def run_vllm_phase(
+    python: str,
+    dtype: str,
+    configs: list[Config],
+    folder: Path,
+    prompts: dict[tuple[int, int], list[list[int]]],
+    timeout: float,
+    report: Report,
+) -> str | None:
+    """Time every config of one dtype in a vLLM subprocess; returns an error text or None."""
+    job = {
+        "model": str(folder),
+        "dtype": DTYPE_NAMES[dtype],
+        "max_num_seqs": max(c.batch for c in configs),
+        "max_model_len": max(c.prompt_len + c.new_tokens for c in configs) + 16,
+        "runs": [
+            {"name": c.name, "prompts": prompts[(c.batch, c.prompt_len)], "new_tokens": c.new_tokens}
+            for c in configs
+        ],
+    }
+    worker = Path(__file__).resolve().parent / "_vllm_worker.py"
+    with tempfile.TemporaryDirectory(prefix="tapllm-bench-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        cmd = [python, str(worker), str(job_path), str(result_path)]
+        try:
+            proc = subprocess.run(cmd, env=vllm_env(folder, dtype, configs), capture_output=True,
+                                  text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout:.0f} s"
+        if proc.returncode != 0 or not result_path.exists():
+            return f"exit {proc.returncode}: {last_error_line(proc.stderr + proc.stdout)}"
+        result = json.loads(result_path.read_text())
+    for cfg in configs:
+        run = result["runs"][cfg.name]
+        report.tok_s[(cfg, "vllm")] = run["tokens"] / run["seconds"]
+        print(f"  vllm   {cfg.name:26s} {run['tokens']:6d} tokens in {run['seconds']:8.2f} s = "
+              f"{run['tokens'] / run['seconds']:9.1f} tok/s", flush=True)
+    report.memory.append(f"vllm {dtype}: peak RSS of its subprocess {result['peak_rss_mib']:.0f} MiB")
+    return None
+
+
+def last_error_line(text: str) -> str:
+    """The most telling line of a failed subprocess's output (its last non-empty line)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:400] if lines else "no output"
+
+
+# --------------------------------------------------------------------------- startup probe
+
+
+def startup_probe() -> None:
+    """Child mode: build tapllm, generate one token, print seconds since process start as JSON."""
+    from tapllm import LLM, SamplingParams
+
+    llm = LLM(dtype="bfloat16")
+    llm.generate([[1, 9690, 28, 905]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    now = time.time()
+    result = {"since_script_start_s": now - _SCRIPT_START, "peak_rss_mib": ru_maxrss_mib()}
+    try:
+        import psutil
+
+        result["since_process_start_s"] = now - psutil.Process().create_time()
+    except ImportError:
+        pass
+    print(json.dumps(result))
+
+
+def measure_startup() -> str:
+    """Run the startup probe in a fresh interpreter and describe its result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--startup-probe"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    if proc.returncode != 0:
+        return f"tapllm time to first token: probe failed ({last_error_line(proc.stderr)})"
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    since = res.get("since_process_start_s", res["since_script_start_s"])
+    origin = "process creation" if "since_process_start_s" in res else "script start"
+    return (f"tapllm time to first token (fresh process, LLM(dtype='bfloat16'), 1 token): "
+            f"{since:.2f} s from {origin} ({res['since_script_start_s']:.2f} s from script start), "
+            f"peak RSS {res['peak_rss_mib']:.0f} MiB")
+
+
+# --------------------------------------------------------------------------- output
+
+
+def fmt_rate(value: float | None) -> str:
+    return f"{value:.1f}" if value is not None else "-"
+
+
+def fmt_ratio(num: float | None, den: float | None) -> str:
+    return f"{num / den:.2f}x" if num is not None and den else "-"
+
+
+def print_table(configs: list[Config], engines: list[str], report: Report) -> None:
+    """config | tapllm tok/s | HF tok/s | tapllm/HF [| vllm tok/s | tapllm/vllm]"""
+    header = ["config", "tapllm tok/s", "HF tok/s", "tapllm/HF"]
+    if "vllm" in engines:
+        header += ["vllm tok/s", "tapllm/vllm"]
+    rows = []
+    for cfg in configs:
+        tap, hf = report.tok_s.get((cfg, "tapllm")), report.tok_s.get((cfg, "hf"))
+        row = [cfg.name, fmt_rate(tap), fmt_rate(hf), fmt_ratio(tap, hf)]
+        if "vllm" in engines:
+            vl = report.tok_s.get((cfg, "vllm"))
+            row += [fmt_rate(vl), fmt_ratio(tap, vl)]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    print(line(header))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print(line(row))
+
+
+def print_environment() -> None:
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"torch threads {torch.get_num_threads()}, CPUs {os.cpu_count()}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.startup_probe:
+        startup_probe()
+        return
+    from tapllm.loader import resolve_model
+
+    folder = resolve_model(None)  # converts and caches the default model on the first run
+    configs = grid(args)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    prompts = prompts_for(configs, vocab, args.seed)
+    report = Report()
+    print_environment()
+    print(f"model folder: {folder}")
+    startup = None if args.skip_startup else measure_startup()
+    vllm_python, vllm_reason = vllm_interpreter(args) if "vllm" in args.engines else (None, "")
+    for dtype in args.dtypes:
+        dcfgs = [c for c in configs if c.dtype == dtype]
+        for engine in args.engines:
+            if engine != "vllm":
+                run_phase(engine, dtype, dcfgs, folder, prompts, report)
+            elif vllm_python and not vllm_reason:
+                vllm_reason = run_vllm_phase(vllm_python, dtype, dcfgs, folder, prompts,
+                                             args.vllm_timeout, report) or ""
+    print()
+    print_table(configs, args.engines, report)
+    print()
+    if "vllm" in args.engines and vllm_reason:
+        print(f"vllm: not available ({vllm_reason})")
+    if startup:
+        print(startup)
+    for line in report.memory:
+        print(line)
+    rss = current_rss_mib()
+    print(f"process ru_maxrss {ru_maxrss_mib():.0f} MiB"
+          + (f", current RSS (psutil) {rss:.0f} MiB" if rss is not None else ""))
+    for note in report.notes:
+        print(f"note: {note}")
+
+
+if __name__ == "__main__":
+    main()

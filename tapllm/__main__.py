@@ -1,0 +1,7 @@
+"""``python -m tapllm`` runs the command line."""
+
+import sys
+
+from tapllm.cli import main
+
+sys.exit(main())

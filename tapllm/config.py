@@ -1,0 +1,143 @@
+"""Model and engine configuration."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("tapllm")
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """What the engine needs to know about a checkpoint (read from its config.json)."""
+
+    path: Path
+    architecture: str
+    hf_config: Any
+    dtype: torch.dtype
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_folder(cls, path: Path, dtype: str | torch.dtype = "auto") -> ModelConfig:
+        """Read ``path/config.json`` (and generation_config.json for EOS ids)."""
+        from transformers import AutoConfig
+
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"corrupt config file {path / 'config.json'}: {exc}") from exc
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"architectures {archs!r} in {path / 'config.json'} are not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hf = AutoConfig.from_pretrained(str(path))
+        max_len = int(hf.max_position_embeddings)
+        window = getattr(hf, "sliding_window", None)
+        if window and getattr(hf, "use_sliding_window", True) and window < max_len:
+            # Full attention is exact inside the window, so cap the context there.
+            logger.warning("sliding window %d is not implemented: max_model_len capped to it", window)
+            max_len = int(window)
+        heads = int(hf.num_attention_heads)
+        return cls(
+            path=path,
+            architecture=arch,
+            hf_config=hf,
+            dtype=resolve_dtype(dtype, raw),
+            num_layers=int(hf.num_hidden_layers),
+            hidden_size=int(hf.hidden_size),
+            num_heads=heads,
+            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // heads),
+            vocab_size=int(hf.vocab_size),
+            max_model_len=max_len,
+            eos_token_ids=_eos_ids(path, hf),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V cache per token across all layers."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def resolve_dtype(dtype: str | torch.dtype, raw_config: dict[str, Any]) -> torch.dtype:
+    """``"auto"`` takes the checkpoint's declared dtype, else float32."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        declared = raw_config.get("torch_dtype") or raw_config.get("dtype")
+        return _DTYPES.get(str(declared), torch.float32)
+    if dtype in ("half", "fp16"):
+        dtype = "float16"
+    if dtype in ("bf16",):
+        dtype = "bfloat16"
+    if dtype in ("float", "fp32"):
+        dtype = "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _eos_ids(path: Path, hf: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    sources: list[Any] = [getattr(hf, "eos_token_id", None)]
+    if gen.is_file():
+        try:
+            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError:
+            logger.warning("ignoring unreadable %s", gen)
+    for src in sources:
+        for i in src if isinstance(src, list) else [src]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Scheduling and cache limits of one engine instance."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming any out-of-range setting."""
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
+            raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")

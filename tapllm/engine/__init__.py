@@ -1,0 +1,1 @@
+"""The engine: requests, scheduling, KV blocks, model execution and sampling."""

@@ -1,0 +1,112 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, reference counts, prefix hashing, LRU eviction."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from tapllm.engine.request import Request
+
+
+class BlockManager:
+    """Hands out KV cache blocks to requests and shares full blocks with equal prefixes.
+
+    A full block is identified by a hash chained over all tokens up to its end (plus the
+    request's ``cache_salt``), so two requests share a block only when everything before it
+    is equal too. Blocks nobody references stay cached in LRU order until they are needed.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.hits = 0
+        self.queries = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request references (some may still hold reusable cached prefixes)."""
+        return len(self.free)
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests."""
+        return 1.0 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        bs = self.block_size
+        while len(req.block_hashes) < num_blocks:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else req.cache_salt
+            tokens = np.asarray(req.token_ids[i * bs : (i + 1) * bs], dtype=np.int64)
+            req.block_hashes.append(hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest())
+        return req.block_hashes[:num_blocks]
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks matching the start of ``req``; the last token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.queries += req.num_tokens
+        self.hits += len(hits) * self.block_size
+        return hits
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+        """Give ``req`` blocks for ``num_new_tokens`` more tokens (after taking ``cached`` ones).
+
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+        cached = cached or []
+        have = len(req.block_table) + len(cached)
+        need = self.blocks_needed(req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
+        reused_free = sum(1 for b in cached if self.ref_counts[b] == 0)
+        if need - have > len(self.free) - reused_free:
+            return False
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self.free[b]
+            self.ref_counts[b] += 1
+            req.block_table.append(b)
+        for _ in range(need - have):
+            b, _ = self.free.popitem(last=False)  # least recently used first
+            h = self.block_hash[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.block_hash[b] = None
+            self.ref_counts[b] = 1
+            req.block_table.append(b)
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Publish the blocks of ``req`` that are now completely computed."""
+        if not self.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        for i, h in enumerate(self._hashes(req, full)):
+            b = req.block_table[i]
+            if self.block_hash[b] is None and h not in self.cached:
+                self.block_hash[b] = h
+                self.cached[h] = b
+
+    def free_request(self, req: Request) -> None:
+        """Drop the request's references; its blocks go to the back of the LRU list, tail first."""
+        for b in reversed(req.block_table):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+        req.block_table = []

@@ -1,0 +1,185 @@
+"""The step loop: admit requests, schedule, execute, sample, detokenize, finish."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from tapllm.config import EngineConfig, ModelConfig
+from tapllm.engine.block_manager import BlockManager
+from tapllm.engine.model_runner import ModelRunner
+from tapllm.engine.request import Request, RequestStatus
+from tapllm.engine.scheduler import Scheduler
+from tapllm.outputs import CompletionOutput, RequestOutput
+from tapllm.sampling_params import SamplingParams
+from tapllm.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger("tapllm")
+
+
+class LLMEngine:
+    """Runs requests to completion with continuous batching over a paged KV cache."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device) -> None:
+        engine_config.validate()
+        self.model_config = model_config
+        self.config = engine_config
+        self.tokenizer = load_tokenizer(model_config.path)
+        self.runner = ModelRunner(model_config, engine_config, device)
+        self.blocks = BlockManager(
+            self.runner.num_blocks, engine_config.block_size, engine_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(engine_config, self.blocks)
+        self._ids = itertools.count()
+        self._seeds = torch.Generator().manual_seed(engine_config.seed)
+        self.requests: dict[str, Request] = {}
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # ---- admission -------------------------------------------------------------------
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """Return ``(text, token ids)`` for a string or a list of token ids."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        return None, list(prompt)
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the problem if this prompt cannot be served."""
+        params.validate()
+        if not token_ids:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        limit = self.model_config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {limit} "
+                "and must leave room for at least one generated token"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        cache_tokens = self.runner.num_blocks * self.config.block_size
+        if len(token_ids) + 1 > cache_tokens:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens but the KV cache holds only {cache_tokens}; "
+                "raise kv_cache_blocks or kv_cache_memory_gb"
+            )
+
+    def add_request(
+        self, prompt: str | None, token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Queue a validated request."""
+        n = next(self._ids)
+        rid = request_id if request_id is not None else str(n)
+        gen = None
+        if not params.greedy:
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+            gen = torch.Generator().manual_seed(seed)
+        req = Request(rid, n, prompt, token_ids, params, gen)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+            self.scheduler.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is queued or running."""
+        return self.scheduler.has_unfinished()
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        finished: list[Request] = []
+        for req in sched.dropped:
+            logger.warning("request %s no longer fits the KV cache; finishing it", req.request_id)
+            self._finish(req, "length", None)
+            finished.append(req)
+        if not sched.items:
+            return finished
+        sampled = self.runner.execute(sched)
+        for it in sched.items:
+            req = it.request
+            req.num_computed_tokens += it.num_tokens
+            self.blocks.cache_full_blocks(req)
+            if req.num_preemptions == 0 and it.start < req.num_prompt_tokens:
+                self.num_prompt_tokens += min(it.num_tokens, req.num_prompt_tokens - it.start)
+        for req, token in sampled.items():
+            if self._append_token(req, token):
+                finished.append(req)
+        return finished
+
+    def _append_token(self, req: Request, token: int) -> bool:
+        req.token_ids.append(token)
+        self.num_generated_tokens += 1
+        p = req.params
+        delta = req.detokenizer.step(token)
+        if delta:
+            prev = len(req.text)
+            req.text += delta
+            if p.stop_strings and self._check_stop_strings(req, prev):
+                return True
+        if (not p.ignore_eos and token in self.model_config.eos_token_ids) or token in p.stop_token_ids:
+            self._finish(req, "stop", token)
+            return True
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.model_config.max_model_len:
+            self._finish(req, "length", None)
+            return True
+        return False
+
+    def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
+        longest = max(len(s) for s in req.params.stop_strings)
+        begin = max(0, prev_len - longest + 1)
+        hits = [(req.text.find(s, begin), s) for s in req.params.stop_strings]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        idx, s = min(hits)
+        req.text = req.text[:idx]
+        self._finish(req, "stop", s)
+        return True
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+
+    def make_output(self, req: Request) -> RequestOutput:
+        """The user-facing result of a request."""
+        for entry in req.logprobs or ():
+            for tid, lp in entry.items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.decode([tid])
+        completion = CompletionOutput(
+            index=0,
+            text=req.text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            logprobs=req.logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[completion],
+            finished=req.finished,
+            metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
+        )

@@ -1,0 +1,116 @@
+"""Owns the model and its KV cache; turns a scheduled step into batch tensors, runs it, samples."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tapllm.config import EngineConfig, ModelConfig
+from tapllm.engine.request import Request
+from tapllm.engine.sampler import sample
+from tapllm.engine.scheduler import ScheduledItem, SchedulerOutput
+from tapllm.layers.attention import AttentionMetadata, PrefillChunk
+from tapllm.loader.weights import iter_weights
+from tapllm.models import build_model
+
+logger = logging.getLogger("tapllm")
+
+
+class ModelRunner:
+    """Loads weights, allocates the paged KV cache and executes steps."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device) -> None:
+        self.mcfg = model_config
+        self.ecfg = engine_config
+        self.device = device
+        t0 = time.perf_counter()
+        with torch.device(device):
+            self.model = build_model(model_config)
+        self.model.load_weights(iter_weights(model_config.path))
+        self.model.eval()
+        logger.info(
+            "loaded %s (%s, %s) in %.1fs",
+            model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
+        )
+        self.num_blocks = self._num_blocks()
+        shape = (self.num_blocks, engine_config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=model_config.dtype, device=device),
+                torch.zeros(shape, dtype=model_config.dtype, device=device),
+            )
+            for _ in range(model_config.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GB)",
+            self.num_blocks, engine_config.block_size,
+            self.num_blocks * engine_config.block_size * model_config.kv_bytes_per_token / 1e9,
+        )
+
+    def _num_blocks(self) -> int:
+        bs = self.ecfg.block_size
+        if self.ecfg.kv_cache_blocks is not None:
+            return self.ecfg.kv_cache_blocks
+        by_memory = int(self.ecfg.kv_cache_memory_gb * 1e9 // (self.mcfg.kv_bytes_per_token * bs))
+        # No point in more than every sequence at full length could use.
+        by_need = self.ecfg.max_num_seqs * -(-self.mcfg.max_model_len // bs)
+        return max(1, min(by_memory, by_need))
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> dict[Request, int]:
+        """Run one step; returns the sampled token of each request that reached its last token."""
+        items = sorted(sched.items, key=lambda it: it.num_tokens != 1)  # decodes first
+        input_ids, positions, meta, sample_rows = self._prepare(items)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_rows:
+            return {}
+        rows, reqs = zip(*sample_rows)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens = sample(logits.cpu(), list(reqs))
+        return dict(zip(reqs, tokens))
+
+    def _prepare(
+        self, items: list[ScheduledItem]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, Request]]]:
+        bs = self.ecfg.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[tuple[int, Request]] = []
+        prefills: list[PrefillChunk] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for it in items:
+            req, start, n = it.request, it.start, it.num_tokens
+            row = len(ids)
+            ids.extend(req.token_ids[start : start + n])
+            table = req.block_table
+            for p in range(start, start + n):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                decode_tables.append(table[: (start // bs) + 1])
+                decode_lens.append(start + 1)
+            else:
+                # With cached context, attention reads context and chunk back from the blocks.
+                used = torch.tensor(table[: -(-(start + n) // bs)], device=self.device) if start else None
+                prefills.append(PrefillChunk(row, n, start, used))
+            if it.samples:
+                sample_rows.append((row + n - 1, req))
+        dev = self.device
+        decode_bt = decode_mask = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev),
+            num_decodes=len(decode_tables),
+            decode_block_tables=decode_bt,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows

@@ -1,0 +1,56 @@
+"""Token sampling with per-request parameters and per-request random generators."""
+
+from __future__ import annotations
+
+import torch
+
+from tapllm.engine.request import Request
+from tapllm.outputs import Logprob
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """Pick one token per row of ``logits`` [N, vocab] (float32) for ``requests``.
+
+    Greedy rows take the argmax. Sampled rows draw from their own generator, so a seeded
+    request gets the same tokens whatever else is in the batch. Logprobs, when asked, are
+    recorded on the request (from the unmodified distribution, as vLLM reports them).
+    """
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, req in enumerate(requests):
+        p = req.params
+        if not p.greedy:
+            tokens[row] = _draw(logits[row], req)
+        if p.logprobs is not None:
+            _record_logprobs(logits[row], tokens[row], req)
+    return tokens
+
+
+def _draw(row: torch.Tensor, req: Request) -> int:
+    p = req.params
+    x = row / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = sorted_x.softmax(-1)
+        # Drop a token once the mass before it already reaches top_p (the first always stays).
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        x = x.scatter(0, order[drop], float("-inf"))
+    probs = x.softmax(-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return int(torch.multinomial(probs, 1, generator=req.generator).item())
+
+
+def _record_logprobs(row: torch.Tensor, token: int, req: Request) -> None:
+    lp = row.log_softmax(-1)
+    chosen = float(lp[token])
+    entry = {token: Logprob(chosen, int((lp > lp[token]).sum()) + 1)}
+    k = req.params.logprobs or 0
+    if k:
+        vals, ids = torch.topk(lp, k)
+        for rank, (v, i) in enumerate(zip(vals.tolist(), ids.tolist()), start=1):
+            entry.setdefault(i, Logprob(v, rank))
+    req.logprobs.append(entry)
+    req.cumulative_logprob += chosen

@@ -1,0 +1,129 @@
+"""Per-step scheduling under one token budget (decodes and prefill chunks share a batch)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from tapllm.config import EngineConfig
+from tapllm.engine.block_manager import BlockManager
+from tapllm.engine.request import Request, RequestStatus
+
+logger = logging.getLogger("tapllm")
+
+
+@dataclass(slots=True)
+class ScheduledItem:
+    """``num_tokens`` tokens of ``request`` starting at ``start`` run this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so a new token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs, and what the scheduler had to give up to run it."""
+
+    items: list[ScheduledItem] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    dropped: list[Request] = field(default_factory=list)  # can never fit the cache
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens in the batch."""
+        return sum(i.num_tokens for i in self.items)
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, prefix-cache hits and preemption.
+
+    Running requests are served first (in arrival order), each taking as many tokens as
+    it needs from the step's budget: one for a decode, up to the rest of the budget for a
+    prompt. When the KV cache runs out, the most recently admitted running request is
+    preempted: its blocks are freed and it is recomputed later from its tokens.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        """Queue a new request."""
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's batch."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.blocks.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            out.items.append(ScheduledItem(req, req.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            start = req.num_computed_tokens + len(cached) * self.blocks.block_size
+            n = min(req.num_tokens - start, budget)
+            if not self.blocks.allocate(req, n, cached):
+                if not self.running and self.blocks.num_free_blocks == self.blocks.num_blocks:
+                    # Even an empty cache cannot hold it: it has grown past the cache size.
+                    self.waiting.popleft()
+                    out.dropped.append(req)
+                    continue
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = start
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = start
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.items.append(ScheduledItem(req, start, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free_request(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted request %s (%d tokens)", req.request_id, req.num_tokens)
+
+    def finish(self, req: Request) -> None:
+        """Release a finished request's blocks and forget it."""
+        self.blocks.free_request(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)

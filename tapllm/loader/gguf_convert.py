@@ -1,0 +1,147 @@
+"""Turn a GGUF checkpoint into a cached Hugging Face style folder (config, safetensors, tokenizer).
+
+Dequantizing a GGUF file takes seconds; doing it once and keeping the result as safetensors
+makes every later start a plain memory-mapped load. The config and tokenizer come from
+transformers' GGUF readers (the same ones a transformers user gets); the tensors are
+dequantized here with the ``gguf`` package so that we control the layout fix-ups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+logger = logging.getLogger("tapllm")
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face parameter name (after "model.layers.N.").
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: ``$TAPLLM_CACHE`` or ``~/.cache/tapllm``."""
+    env = os.environ.get("TAPLLM_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tapllm"
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def gguf_to_folder(path: Path) -> Path:
+    """Return the cached folder for ``path``, converting the GGUF file on first use."""
+    target = cache_root() / "gguf" / f"{path.stem}-{_cache_key(path)}"
+    if (target / "config.json").is_file():
+        logger.info("loading cached dequantized weights from %s", target)
+        return target
+    logger.info("dequantizing %s once; caching the weights as safetensors in %s", path.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        _convert(path, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion winning
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary permutation of a q/k projection (rows grouped per head)."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _convert(path: Path, out: Path) -> None:
+    import gguf
+    from gguf.quants import dequantize
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError/struct errors on a damaged file
+        raise ValueError(f"corrupt or unreadable GGUF file {path}: {exc}") from exc
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else None
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(
+            f"GGUF architecture {arch!r} in {path} is not supported; supported: {SUPPORTED_GGUF_ARCHS}"
+        )
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(f"{path}: GGUF rope frequency factors (llama3 rope scaling) are not supported")
+
+    meta = load_gguf_checkpoint(str(path), return_tensors=False)
+    cfg_dict = dict(meta["config"])
+    model_type = cfg_dict.pop("model_type")
+    cfg_dict.pop("_model_name_or_path", None)
+    names = {t.name for t in reader.tensors}
+    cfg_dict["tie_word_embeddings"] = "output.weight" not in names
+    config = AutoConfig.for_model(model_type, **cfg_dict)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False):
+        data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        data = data.reshape([int(d) for d in reversed(t.shape)]) if data.ndim != len(t.shape) else data
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            data = _unpermute(data, n_head)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            data = _unpermute(data, n_kv)
+        tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    config.save_pretrained(out)
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(out)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _BLOCK_NAMES:
+            return f"model.layers.{idx}.{_BLOCK_NAMES[rest]}"
+    return None

@@ -1,0 +1,29 @@
+"""Qwen3: the Llama family plus per-head RMSNorm on q and k before rotary."""
+
+from __future__ import annotations
+
+import torch
+
+from tapllm.config import ModelConfig
+from tapllm.layers.norm import RMSNorm
+from tapllm.layers.rotary import RotaryEmbedding
+from tapllm.models.llama import Attention, LlamaForCausalLM
+
+
+class Qwen3Attention(Attention):
+    """Attention with q_norm/k_norm over each head's dimension."""
+
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, rotary: RotaryEmbedding) -> None:
+        super().__init__(cfg, qkv_bias, o_bias, rotary)
+        eps = float(cfg.hf_config.rms_norm_eps)
+        self.q_norm = RMSNorm(cfg.head_dim, eps, cfg.dtype)
+        self.k_norm = RMSNorm(cfg.head_dim, eps, cfg.dtype)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 dense decoder."""
+
+    attention_cls = Qwen3Attention

@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny random checkpoints in every supported family, and HF references."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Keep test runs hermetic: converted checkpoints go to a per-run cache unless one is given.
+os.environ.setdefault("TAPLLM_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "tapllm"))
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # peaked logits: no near-ties for greedy decoding to trip on
+    rms_norm_eps=1e-6,
+)
+
+
+def _tiny_configs() -> dict:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    vocab = 49152
+    return {
+        "llama": LlamaConfig(vocab_size=vocab, tie_word_embeddings=False, **TINY),
+        "llama3-rope-tied": LlamaConfig(
+            vocab_size=vocab,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            **TINY,
+        ),
+        "qwen2": Qwen2Config(vocab_size=vocab, tie_word_embeddings=False, **TINY),
+        "qwen3": Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, head_dim=32, **TINY),
+    }
+
+
+@pytest.fixture(scope="session")
+def default_model_folder() -> Path:
+    """The default model, converted from its GGUF file to the cached folder form."""
+    from tapllm.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model_folder) -> dict[str, Path]:
+    """Tiny random models saved with ``save_pretrained``, with the default model's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_folder))
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for name, cfg in _tiny_configs().items():
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        if name == "qwen2":  # random biases, so the qkv bias path is really exercised
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    torch.nn.init.normal_(proj.bias, std=0.2)
+        folder = root / name
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        out[name] = folder
+    return out
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding with transformers and its KV cache: tokens and their logprobs."""
+    ids = torch.tensor([prompt_ids])
+    tokens: list[int] = []
+    lps: list[float] = []
+    cache = None
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            out = model(input_ids=ids, cache=cache, use_cache=True)
+            cache = out.cache
+            logp = out.logits[0, -1].float().log_softmax(-1)
+            nxt = int(logp.argmax())
+            tokens.append(nxt)
+            lps.append(float(logp[nxt]))
+            ids = torch.tensor([[nxt]])
+    return tokens, lps
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 49152) -> list[list[int]]:
+    """Token-id prompts of the given lengths (ids away from the special tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab, (n,), generator=g).tolist() for n in lengths]

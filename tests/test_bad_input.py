@@ -1,0 +1,134 @@
+"""Bad input gets a clear error naming the field or file, before anything is scheduled."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import random_prompts
+from tapllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["llama"], dtype="float32")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(logprobs=-1), "logprobs"),
+    ],
+)
+def test_sampling_params_out_of_range(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_before_anything_runs(llm):
+    good = random_prompts([5])[0]
+    before = llm.engine.num_generated_tokens
+    cases = [
+        ("", "empty"),
+        ([], "empty"),
+        ([1, 2, 49152], r"49152.*vocabulary \[0, 49152\)"),
+        ([-3], "vocabulary"),
+        (list(range(100, 100 + 512)), r"512 tokens.*max_model_len\) is 512"),
+    ]
+    for bad, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            llm.generate([good, bad], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts\\[1\\]"):
+        llm.generate([good, []], use_tqdm=False)
+    assert llm.engine.num_generated_tokens == before
+    assert not llm.engine.has_unfinished_requests()
+    # The engine still serves afterwards.
+    assert len(llm.generate([good], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_params_list_length_mismatch(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+def test_prompt_larger_than_kv_cache(tiny_models):
+    small = LLM(tiny_models["llama"], dtype="float32", block_size=4, kv_cache_blocks=3)
+    with pytest.raises(ValueError, match="kv_cache_blocks"):
+        small.generate([list(range(100, 120))], use_tqdm=False)
+
+
+def test_request_outgrowing_the_cache_ends_with_length(tiny_models):
+    small = LLM(tiny_models["llama"], dtype="float32", block_size=4, kv_cache_blocks=3)
+    outs = small.generate([list(range(100, 108))], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "length"
+    assert len(outs[0].outputs[0].token_ids) == 12 - 8 + 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (dict(block_size=0), "block_size"),
+        (dict(kv_cache_blocks=0), "kv_cache_blocks"),
+        (dict(dtype="int8"), "dtype"),
+    ],
+)
+def test_engine_settings(tiny_models, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(tiny_models["llama"], **kwargs)
+
+
+def test_missing_model(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        LLM(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(tmp_path)
+
+
+def test_unknown_architecture(tiny_models, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["llama"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*not supported"):
+        LLM(folder)
+
+
+def test_corrupt_checkpoint_files(tiny_models, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["llama"], folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="corrupt checkpoint file .*model.safetensors"):
+        LLM(folder)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupt config file"):
+        LLM(folder)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="bad.gguf"):
+        LLM(bad)
+    with pytest.raises(ValueError, match=".gguf"):
+        LLM(weights)
+
+
+def test_missing_tensor(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["llama"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing tensors.*gate_up_proj"):
+        LLM(folder)

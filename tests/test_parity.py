@@ -1,0 +1,77 @@
+"""Greedy tokens and logprobs equal Hugging Face transformers in every batching situation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, random_prompts
+from tapllm import LLM, SamplingParams
+
+LENGTHS = [1, 3, 9, 16, 17, 34, 61, 97]
+NEW = 12
+ARCHS = ["llama", "llama3-rope-tied", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts(LENGTHS)
+    shared = random_prompts([40], seed=7)[0]  # a long shared prefix for prefix caching
+    prefixed = [shared + p for p in random_prompts([5, 11, 20, 2], seed=8)]
+    refs = {}
+    for arch in ARCHS:
+        model = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
+        refs[arch] = {
+            "prompts": [hf_greedy(model, p, NEW) for p in prompts],
+            "prefixed": [hf_greedy(model, p, NEW) for p in prefixed],
+        }
+    return prompts, prefixed, refs
+
+
+def _check(outs, refs):
+    for out, (tokens, lps) in zip(outs, refs):
+        c = out.outputs[0]
+        assert c.token_ids == tokens
+        got = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parity_every_situation(arch, tiny_models, references):
+    prompts, prefixed, refs = references
+    ref = refs[arch]["prompts"]
+    path = tiny_models[arch]
+
+    llm = LLM(path, dtype="float32")
+    # (a) one at a time
+    _check([llm.generate([p], _params(), use_tqdm=False)[0] for p in prompts], ref)
+    # (b) all together
+    _check(llm.generate(prompts, _params(), use_tqdm=False), ref)
+
+    # (c) a token budget that forces chunked prefill (and mixes chunks with decodes)
+    chunked = LLM(path, dtype="float32", max_num_batched_tokens=8, enable_prefix_caching=False)
+    _check(chunked.generate(prompts, _params(), use_tqdm=False), ref)
+
+    # (d) prefix-cache hits: a shared 40-token prefix, run twice
+    cached = LLM(path, dtype="float32", block_size=8)
+    first = cached.generate(prefixed, _params(), use_tqdm=False)
+    second = cached.generate(prefixed, _params(), use_tqdm=False)
+    _check(first, refs[arch]["prefixed"])
+    _check(second, refs[arch]["prefixed"])
+    assert all(o.metrics["num_cached_tokens"] >= 40 for o in second)
+
+    # (e) a KV cache small enough to force preemption
+    small = LLM(path, dtype="float32", block_size=8, kv_cache_blocks=20, enable_prefix_caching=False)
+    _check(small.generate(prompts, _params(), use_tqdm=False), ref)
+    assert small.engine.scheduler.num_preemptions > 0
+
+    # (e') preemption together with prefix caching and chunking
+    mixed = LLM(path, dtype="float32", block_size=8, kv_cache_blocks=20, max_num_batched_tokens=24)
+    _check(mixed.generate(prompts + prompts[:3], _params(), use_tqdm=False), ref + ref[:3])
+    assert mixed.engine.scheduler.num_preemptions > 0
