@@ -14,6 +14,8 @@ What it measures
     * the peak RSS of each engine/dtype phase (the kernel's high-water mark, reset before
       each phase where ``/proc/self/clear_refs`` allows), the process's ``ru_maxrss`` and,
       with psutil, the current RSS;
+    * for vLLM, the peak RSS of its front-end process and the RSS of its process tree (the
+      model runs in child processes);
     * tapllm's time from process start to first token: a fresh interpreter constructs
       ``LLM(dtype="bfloat16")`` and generates one token for a short prompt (warm disk cache:
       the dequantized default weights are converted once and cached).
@@ -21,6 +23,11 @@ What it measures
     vLLM runs in its own interpreter (it is kept in a separate venv): pass
     ``--vllm-python /tmp/vllm-venv/bin/python`` and add ``vllm`` to ``--engines``; its part is
     run by ``benchmarks/_vllm_worker.py`` over the same prompts, one subprocess per dtype.
+    The subprocess inherits the environment; ``VLLM_TARGET_DEVICE=cpu`` and a
+    ``VLLM_CPU_KVCACHE_SPACE`` that fits the grid are set unless already set. By default vLLM
+    binds its compute threads itself (``VLLM_CPU_OMP_THREADS_BIND=auto``, which keeps one core
+    for its front end: on a 2-core machine it computes on 1 core); set e.g.
+    ``VLLM_CPU_OMP_THREADS_BIND=0-1`` to give it all cores.
 
 How to run (from the repository root)
     python benchmarks/throughput.py                  # full grid: batch 1,16,64 x prompt 128,512
@@ -312,6 +319,8 @@ def vllm_env(folder: Path, dtype: str, configs: list[Config]) -> dict[str, str]:
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     gib = max(1, int(-(-kv_cache_gb(folder, dtype, configs) * 1e9 // 2**30)))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gib))
+    print(f"  vllm   env VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} "
+          f"VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND', 'auto (default)')}", flush=True)
     return env
 
 
@@ -353,7 +362,11 @@ def run_vllm_phase(
         report.tok_s[(cfg, "vllm")] = run["tokens"] / run["seconds"]
         print(f"  vllm   {cfg.name:26s} {run['tokens']:6d} tokens in {run['seconds']:8.2f} s = "
               f"{run['tokens'] / run['seconds']:9.1f} tok/s", flush=True)
-    report.memory.append(f"vllm {dtype}: peak RSS of its subprocess {result['peak_rss_mib']:.0f} MiB")
+    tree = result.get("tree_rss_mib")
+    report.memory.append(
+        f"vllm {dtype}: peak RSS of its front-end process {result['peak_rss_mib']:.0f} MiB"
+        + (f", RSS of its process tree after the runs {tree:.0f} MiB" if tree is not None else "")
+    )
     return None
 
 
@@ -473,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in report.memory:
         print(line)
     rss = current_rss_mib()
-    print(f"process ru_maxrss {ru_maxrss_mib():.0f} MiB"
+    print(f"ru_maxrss now {ru_maxrss_mib():.0f} MiB (follows the per-phase reset)"
           + (f", current RSS (psutil) {rss:.0f} MiB" if rss is not None else ""))
     for note in report.notes:
         print(f"note: {note}")

@@ -17,7 +17,7 @@ from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata, paged_attention
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNorm
-from tapllm.layers.rotary import RotaryEmbedding
+from tapllm.layers.rotary import RotaryEmbedding, apply_rotary
 
 # recorder(point, layer, tensor [T, hidden]); layer is -1 for the "embed"/"final" pseudo-layers.
 Recorder = Callable[[str, int, torch.Tensor], None]
@@ -27,14 +27,13 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class Attention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projection and rotary embedding."""
 
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, cfg.dtype)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, cfg.dtype)
-        self.rotary = rotary
         self.scale = self.head_dim**-0.5
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +41,7 @@ class Attention(nn.Module):
         return q, k
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -50,7 +49,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv, self.head_dim)
         v = v.view(t, self.num_kv, self.head_dim)
         q, k = self.qk_norm(q, k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -96,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
         mlp_bias = bool(getattr(hf, "mlp_bias", False))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.attention_cls(cfg, qkv_bias, o_bias, self.rotary), MLP(cfg, mlp_bias))
+            DecoderLayer(cfg, self.attention_cls(cfg, qkv_bias, o_bias), MLP(cfg, mlp_bias))
             for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, float(hf.rms_norm_eps), cfg.dtype)
@@ -120,10 +119,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the ragged batch; returns the final-norm hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
         if recorder is not None:
             recorder("embed", -1, x)
         for i, layer in enumerate(self.layers):
-            attn_out = layer.self_attn(layer.input_layernorm(x), positions, kv_caches[i], meta)
+            attn_out = layer.self_attn(layer.input_layernorm(x), cos_sin, kv_caches[i], meta)
             mid = x + attn_out
             mlp_out = layer.mlp(layer.post_attention_layernorm(mid))
             out = mid + mlp_out
