@@ -12,8 +12,9 @@ What it measures
 
     It also reports
     * the peak RSS of each engine/dtype phase (the kernel's high-water mark, reset before
-      each phase where ``/proc/self/clear_refs`` allows), the process's ``ru_maxrss`` and,
-      with psutil, the current RSS;
+      each phase where ``/proc/self/clear_refs`` allows), with ``ru_maxrss`` and, with
+      psutil, the RSS at the phase's start (memory an earlier phase left behind counts in a
+      later phase's peak);
     * for vLLM, the peak RSS of its front-end process and the RSS of its process tree (the
       model runs in child processes);
     * tapllm's time from process start to first token: a fresh interpreter constructs
@@ -24,10 +25,10 @@ What it measures
     ``--vllm-python /tmp/vllm-venv/bin/python`` and add ``vllm`` to ``--engines``; its part is
     run by ``benchmarks/_vllm_worker.py`` over the same prompts, one subprocess per dtype.
     The subprocess inherits the environment; ``VLLM_TARGET_DEVICE=cpu`` and a
-    ``VLLM_CPU_KVCACHE_SPACE`` that fits the grid are set unless already set. By default vLLM
-    binds its compute threads itself (``VLLM_CPU_OMP_THREADS_BIND=auto``, which keeps one core
-    for its front end: on a 2-core machine it computes on 1 core); set e.g.
-    ``VLLM_CPU_OMP_THREADS_BIND=0-1`` to give it all cores.
+    ``VLLM_CPU_KVCACHE_SPACE`` that fits the grid are set unless already set.
+    ``--vllm-omp-bind`` sets ``VLLM_CPU_OMP_THREADS_BIND``: by default every CPU, as tapllm and
+    transformers use a torch thread per core; ``auto`` is vLLM's own choice, which keeps one
+    core for its front end (on a 2-core machine it then computes on 1 core).
 
 How to run (from the repository root)
     python benchmarks/throughput.py                  # full grid: batch 1,16,64 x prompt 128,512
@@ -39,10 +40,6 @@ How to run (from the repository root)
 
 from __future__ import annotations
 
-import time
-
-_SCRIPT_START = time.time()  # first thing: the startup probe measures from here too
-
 import argparse
 import gc
 import json
@@ -53,11 +50,15 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+_SCRIPT_START = time.time()  # before torch: the startup probe also measures from here
+
+import torch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -67,6 +68,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
 ENGINES = ("tapllm", "hf", "vllm")
 FIRST_TOKEN_ID = 32  # random prompts avoid the low ids, where SmolLM2 keeps its special tokens
+Prompts = list[list[int]]
+Runner = Callable[[Any, Prompts, int], tuple[int, float]]  # (engine, prompts, new tokens) -> (tokens, s)
 
 
 @dataclass(frozen=True)
@@ -96,23 +99,36 @@ class Report:
 
 
 def int_list(text: str) -> list[int]:
+    """Parse "1,16,64"."""
     return [int(x) for x in text.split(",") if x.strip()]
 
 
 def str_list(text: str) -> list[str]:
+    """Parse "tapllm,hf"."""
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line; ``--quick`` replaces the grid flags (not ``--engines``)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch-sizes", type=int_list, default=[1, 16, 64])
     p.add_argument("--prompt-lens", type=int_list, default=[128, 512])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtypes", type=str_list, default=["bf16", "fp32"], help="bf16,fp32")
     p.add_argument("--engines", type=str_list, default=["tapllm", "hf"], help="tapllm,hf[,vllm]")
-    p.add_argument("--quick", action="store_true", help="batch 16, prompt 128, 32 new tokens, bf16")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="batch 16, prompt 128, 32 new tokens, bf16 (overrides the grid flags)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--vllm-python", default=None, help="interpreter of the venv that has vllm")
+    p.add_argument(
+        "--vllm-omp-bind",
+        default="all",
+        help="VLLM_CPU_OMP_THREADS_BIND: 'all' (every CPU, like the torch threads of the other "
+        "engines), 'auto' (vLLM's own: keeps a core for its front end) or a core list like 0-3",
+    )
     p.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds per vLLM subprocess")
     p.add_argument("--skip-startup", action="store_true", help="skip the time-to-first-token probe")
     p.add_argument("--startup-probe", action="store_true", help=argparse.SUPPRESS)
@@ -129,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def grid(args: argparse.Namespace) -> list[Config]:
+    """Every (dtype, batch, prompt length) cell, dtype outermost."""
     return [
         Config(d, b, p, args.new_tokens)
         for d in args.dtypes
@@ -140,13 +157,13 @@ def grid(args: argparse.Namespace) -> list[Config]:
 # --------------------------------------------------------------------------- prompts
 
 
-def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, seed: int) -> Prompts:
     """Random token ids; the same (batch, length, seed) always gives the same prompts."""
     rng = random.Random(f"{seed}-{batch}-{prompt_len}")
     return [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def prompts_for(configs: list[Config], vocab_size: int, seed: int) -> dict[tuple[int, int], list[list[int]]]:
+def prompts_for(configs: list[Config], vocab_size: int, seed: int) -> dict[tuple[int, int], Prompts]:
     """One prompt set per (batch, prompt length), shared by every dtype and engine."""
     keys = {(c.batch, c.prompt_len) for c in configs}
     return {k: make_prompts(k[0], k[1], vocab_size, seed) for k in sorted(keys)}
@@ -166,7 +183,11 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_mib() -> float:
-    """The RSS high-water mark (VmHWM) in MiB, or ``ru_maxrss`` where /proc is missing."""
+    """The RSS high-water mark (VmHWM) in MiB, or ``ru_maxrss`` where /proc is missing.
+
+    VmHWM rather than ``ru_maxrss`` because it can be reset per phase and because the
+    ``ru_maxrss`` of a process started by fork and exec also counts its parent's RSS.
+    """
     try:
         with open("/proc/self/status") as f:
             match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
@@ -218,7 +239,7 @@ def build_tapllm(folder: Path, dtype: str, configs: list[Config]) -> Any:
     )
 
 
-def run_tapllm(llm: Any, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+def run_tapllm(llm: Any, prompts: Prompts, new_tokens: int) -> tuple[int, float]:
     """One timed greedy ``generate``; returns (output tokens produced, seconds)."""
     from tapllm import SamplingParams
 
@@ -240,7 +261,7 @@ def build_hf(folder: Path, dtype: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(folder), dtype=DTYPES[dtype]).eval()
 
 
-def run_hf(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+def run_hf(model: Any, prompts: Prompts, new_tokens: int) -> tuple[int, float]:
     """One timed greedy ``model.generate`` of exactly ``new_tokens`` per prompt."""
     input_ids = torch.tensor(prompts, dtype=torch.long)
     mask = torch.ones_like(input_ids)
@@ -256,13 +277,13 @@ def run_hf(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[int, 
             pad_token_id=pad,
         )
     seconds = time.perf_counter() - start
-    return out[:, input_ids.shape[1]:].numel(), seconds
+    return out[:, input_ids.shape[1] :].numel(), seconds
 
 
 # --------------------------------------------------------------------------- in-process phases
 
 
-def warm_prompts(prompts: dict[tuple[int, int], list[list[int]]]) -> list[list[int]]:
+def warm_prompts(prompts: dict[tuple[int, int], Prompts]) -> Prompts:
     """Two short prompts for the warm-up run."""
     first = next(iter(prompts.values()))[0]
     return [first[:16], first[16:32] or first[:16]]
@@ -273,11 +294,13 @@ def run_phase(
     dtype: str,
     configs: list[Config],
     folder: Path,
-    prompts: dict[tuple[int, int], list[list[int]]],
+    prompts: dict[tuple[int, int], Prompts],
     report: Report,
 ) -> None:
     """Load one engine at one dtype, warm it up, time every config, record tok/s and memory."""
+    start_rss = current_rss_mib()
     reset_ok = reset_peak_rss()
+    runner: Runner
     if engine == "tapllm":
         handle, runner = build_tapllm(folder, dtype, configs), run_tapllm
     else:
@@ -289,10 +312,16 @@ def run_phase(
         if tokens != expected:
             report.notes.append(f"{engine} {cfg.name}: produced {tokens} tokens, expected {expected}")
         report.tok_s[(cfg, engine)] = tokens / seconds
-        print(f"  {engine:6s} {cfg.name:26s} {tokens:6d} tokens in {seconds:8.2f} s = "
-              f"{tokens / seconds:9.1f} tok/s", flush=True)
+        print(
+            f"  {engine:6s} {cfg.name:26s} {tokens:6d} tokens in {seconds:8.2f} s = "
+            f"{tokens / seconds:9.1f} tok/s",
+            flush=True,
+        )
     what = "peak RSS" if reset_ok else "peak RSS of the process so far"
-    report.memory.append(f"{engine} {dtype}: {what} {peak_rss_mib():.0f} MiB")
+    at_start = f", RSS at phase start {start_rss:.0f} MiB" if start_rss is not None else ""
+    report.memory.append(
+        f"{engine} {dtype}: {what} {peak_rss_mib():.0f} MiB (ru_maxrss {ru_maxrss_mib():.0f} MiB{at_start})"
+    )
     del handle
     gc.collect()
 
@@ -313,24 +342,38 @@ def vllm_interpreter(args: argparse.Namespace) -> tuple[str | None, str]:
     return None, "vllm is not importable here and no --vllm-python was given"
 
 
-def vllm_env(folder: Path, dtype: str, configs: list[Config]) -> dict[str, str]:
-    """Environment of the vLLM subprocess: CPU target and a KV cache that fits the grid."""
+def all_cpus() -> str:
+    """The CPUs this process may run on, as vLLM's core list ("0-1" or "0,2,5")."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cpus:
+        return f"0-{(os.cpu_count() or 1) - 1}"
+    if cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
+
+
+def vllm_env(folder: Path, dtype: str, configs: list[Config], omp_bind: str) -> dict[str, str]:
+    """Environment of the vLLM subprocess: CPU target, thread binding, a KV cache that fits."""
     env = dict(os.environ)
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env["VLLM_CPU_OMP_THREADS_BIND"] = all_cpus() if omp_bind == "all" else omp_bind
     gib = max(1, int(-(-kv_cache_gb(folder, dtype, configs) * 1e9 // 2**30)))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gib))
-    print(f"  vllm   env VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} "
-          f"VLLM_CPU_OMP_THREADS_BIND={env.get('VLLM_CPU_OMP_THREADS_BIND', 'auto (default)')}", flush=True)
+    print(
+        f"  vllm   env VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']} "
+        f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}",
+        flush=True,
+    )
     return env
 
 
 def run_vllm_phase(
+    args: argparse.Namespace,
     python: str,
     dtype: str,
     configs: list[Config],
     folder: Path,
-    prompts: dict[tuple[int, int], list[list[int]]],
-    timeout: float,
+    prompts: dict[tuple[int, int], Prompts],
     report: Report,
 ) -> str | None:
     """Time every config of one dtype in a vLLM subprocess; returns an error text or None."""
@@ -350,18 +393,26 @@ def run_vllm_phase(
         job_path.write_text(json.dumps(job))
         cmd = [python, str(worker), str(job_path), str(result_path)]
         try:
-            proc = subprocess.run(cmd, env=vllm_env(folder, dtype, configs), capture_output=True,
-                                  text=True, timeout=timeout)
+            proc = subprocess.run(
+                cmd,
+                env=vllm_env(folder, dtype, configs, args.vllm_omp_bind),
+                capture_output=True,
+                text=True,
+                timeout=args.vllm_timeout,
+            )
         except subprocess.TimeoutExpired:
-            return f"timed out after {timeout:.0f} s"
+            return f"timed out after {args.vllm_timeout:.0f} s"
         if proc.returncode != 0 or not result_path.exists():
             return f"exit {proc.returncode}: {last_error_line(proc.stderr + proc.stdout)}"
         result = json.loads(result_path.read_text())
     for cfg in configs:
         run = result["runs"][cfg.name]
         report.tok_s[(cfg, "vllm")] = run["tokens"] / run["seconds"]
-        print(f"  vllm   {cfg.name:26s} {run['tokens']:6d} tokens in {run['seconds']:8.2f} s = "
-              f"{run['tokens'] / run['seconds']:9.1f} tok/s", flush=True)
+        print(
+            f"  vllm   {cfg.name:26s} {run['tokens']:6d} tokens in {run['seconds']:8.2f} s = "
+            f"{run['tokens'] / run['seconds']:9.1f} tok/s",
+            flush=True,
+        )
     tree = result.get("tree_rss_mib")
     report.memory.append(
         f"vllm {dtype}: peak RSS of its front-end process {result['peak_rss_mib']:.0f} MiB"
@@ -386,7 +437,7 @@ def startup_probe() -> None:
     llm = LLM(dtype="bfloat16")
     llm.generate([[1, 9690, 28, 905]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     now = time.time()
-    result = {"since_script_start_s": now - _SCRIPT_START, "peak_rss_mib": ru_maxrss_mib()}
+    result = {"since_script_start_s": now - _SCRIPT_START, "peak_rss_mib": peak_rss_mib()}
     try:
         import psutil
 
@@ -405,9 +456,11 @@ def measure_startup() -> str:
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     since = res.get("since_process_start_s", res["since_script_start_s"])
     origin = "process creation" if "since_process_start_s" in res else "script start"
-    return (f"tapllm time to first token (fresh process, LLM(dtype='bfloat16'), 1 token): "
-            f"{since:.2f} s from {origin} ({res['since_script_start_s']:.2f} s from script start), "
-            f"peak RSS {res['peak_rss_mib']:.0f} MiB")
+    return (
+        f"tapllm time to first token (fresh process, LLM(dtype='bfloat16'), 1 token): "
+        f"{since:.2f} s from {origin} ({res['since_script_start_s']:.2f} s from script start), "
+        f"peak RSS {res['peak_rss_mib']:.0f} MiB"
+    )
 
 
 # --------------------------------------------------------------------------- output
@@ -435,7 +488,13 @@ def print_table(configs: list[Config], engines: list[str], report: Report) -> No
             row += [fmt_rate(vl), fmt_ratio(tap, vl)]
         rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    def line(cells: list[str]) -> str:
+        padded = [
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(padded)
+
     print(line(header))
     print("  ".join("-" * w for w in widths))
     for row in rows:
@@ -445,28 +504,21 @@ def print_table(configs: list[Config], engines: list[str], report: Report) -> No
 def print_environment() -> None:
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"torch threads {torch.get_num_threads()}, CPUs {os.cpu_count()}")
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"torch threads {torch.get_num_threads()}, CPUs {os.cpu_count()}"
+    )
 
 
 # --------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.startup_probe:
-        startup_probe()
-        return
-    from tapllm.loader import resolve_model
-
-    folder = resolve_model(None)  # converts and caches the default model on the first run
-    configs = grid(args)
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    prompts = prompts_for(configs, vocab, args.seed)
+def run_all(
+    args: argparse.Namespace, folder: Path, configs: list[Config], prompts: dict[tuple[int, int], Prompts]
+) -> tuple[Report, str]:
+    """Every engine over every config, dtype by dtype; returns the report and, if vLLM was
+    asked for but did not run, the reason."""
     report = Report()
-    print_environment()
-    print(f"model folder: {folder}")
-    startup = None if args.skip_startup else measure_startup()
     vllm_python, vllm_reason = vllm_interpreter(args) if "vllm" in args.engines else (None, "")
     for dtype in args.dtypes:
         dcfgs = [c for c in configs if c.dtype == dtype]
@@ -474,8 +526,15 @@ def main(argv: list[str] | None = None) -> None:
             if engine != "vllm":
                 run_phase(engine, dtype, dcfgs, folder, prompts, report)
             elif vllm_python and not vllm_reason:
-                vllm_reason = run_vllm_phase(vllm_python, dtype, dcfgs, folder, prompts,
-                                             args.vllm_timeout, report) or ""
+                error = run_vllm_phase(args, vllm_python, dtype, dcfgs, folder, prompts, report)
+                vllm_reason = error or ""
+    return report, vllm_reason
+
+
+def print_summary(
+    configs: list[Config], args: argparse.Namespace, report: Report, vllm_reason: str, startup: str | None
+) -> None:
+    """The table, then vLLM's status, startup time, memory and notes."""
     print()
     print_table(configs, args.engines, report)
     print()
@@ -486,10 +545,31 @@ def main(argv: list[str] | None = None) -> None:
     for line in report.memory:
         print(line)
     rss = current_rss_mib()
-    print(f"ru_maxrss now {ru_maxrss_mib():.0f} MiB (follows the per-phase reset)"
-          + (f", current RSS (psutil) {rss:.0f} MiB" if rss is not None else ""))
+    print(
+        f"ru_maxrss now {ru_maxrss_mib():.0f} MiB (follows the per-phase reset)"
+        + (f", current RSS (psutil) {rss:.0f} MiB" if rss is not None else "")
+    )
     for note in report.notes:
         print(f"note: {note}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags, run the startup probe and the grid, print the results."""
+    args = parse_args(argv)
+    if args.startup_probe:
+        startup_probe()
+        return
+    from tapllm.loader import resolve_model
+
+    folder = resolve_model(None)  # converts and caches the default model on the first run
+    configs = grid(args)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    prompts = prompts_for(configs, vocab, args.seed)
+    print_environment()
+    print(f"model folder: {folder}")
+    startup = None if args.skip_startup else measure_startup()
+    report, vllm_reason = run_all(args, folder, configs, prompts)
+    print_summary(configs, args, report, vllm_reason, startup)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ class ModelRunner:
         with torch.device(device):
             self.model = build_model(model_config)
         self.model.load_weights(iter_weights(model_config.path))
+        self.model.prepare_for_inference(device)
         self.model.eval()
         logger.info(
             "loaded %s (%s, %s) in %.1fs",
@@ -100,17 +101,18 @@ class ModelRunner:
             if it.samples:
                 sample_rows.append((row + n - 1, req))
         dev = self.device
-        decode_bt = decode_mask = None
+        decode_bt = decode_bias = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev)
-            decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            pad = torch.arange(width * bs, device=dev)[None, :] >= lens[:, None]
+            decode_bias = torch.zeros(pad.shape, device=dev).masked_fill_(pad, float("-inf"))[:, None, None, :]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
             num_decodes=len(decode_tables),
             decode_block_tables=decode_bt,
-            decode_mask=decode_mask,
+            decode_bias=decode_bias,
             prefills=prefills,
         )
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows

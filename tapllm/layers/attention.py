@@ -30,7 +30,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk]
 
 
@@ -53,13 +53,7 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        kd = _gather(k_cache, meta.decode_block_tables)  # [B, Hkv, S, D]
-        vd = _gather(v_cache, meta.decode_block_tables)
-        qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:nd] = od.squeeze(2)
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -79,8 +73,28 @@ def paged_attention(
     return out
 
 
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One query token per sequence, against its whole cached context; returns [B, H, D].
+
+    Two batched matmuls with the query heads of each KV group folded together: on CPU this
+    is several times faster than SDPA's flash kernel for a single query row (bfloat16 most).
+    """
+    b, h, d = q.shape
+    kv_heads = k_cache.shape[2]
+    kd = _gather(k_cache, meta.decode_block_tables)  # [B, Hkv, S, D]
+    vd = _gather(v_cache, meta.decode_block_tables)
+    qg = q.view(b, kv_heads, h // kv_heads, d)
+    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale + meta.decode_bias
+    probs = scores.softmax(-1).to(q.dtype)
+    return torch.matmul(probs, vd).view(b, h, d)
+
+
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """Gather blocks ``[B, nb]`` of ``cache`` into ``[B, Hkv, nb * block_size, D]``."""
     b, nb = block_tables.shape
-    _, bs, h, d = cache.shape
-    return cache[block_tables].view(b, nb * bs, h, d).transpose(1, 2)
+    num_blocks, bs, h, d = cache.shape
+    # index_select on a 2-D view is several times faster than advanced indexing here.
+    flat = cache.view(num_blocks, bs * h * d).index_select(0, block_tables.reshape(-1))
+    return flat.view(b, nb * bs, h, d).transpose(1, 2)

@@ -1,10 +1,30 @@
-"""A linear layer whose parameters are allocated, not initialised (weights come from a checkpoint)."""
+"""A linear layer whose weights come from a checkpoint, optionally prepacked for oneDNN on CPU."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# On CPU, ``F.linear`` reorders the weight into oneDNN's blocked layout on every call; for the
+# small row counts of decoding that dominates. Reordering once at load time (what
+# torch.compile's CPU freezing does) makes bf16 and fp32 linears 1.4-2x faster here.
+_PACKABLE = (torch.float32, torch.bfloat16)
+
+
+def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """True when weights of ``dtype`` on ``device`` can be prepacked for oneDNN."""
+    if os.environ.get("TAPLLM_PACKED_LINEAR", "1") == "0":
+        return False
+    return (
+        device.type == "cpu"
+        and dtype in _PACKABLE
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 class Linear(nn.Module):
@@ -16,6 +36,24 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Replace the weight by a oneDNN-packed copy (call after loading, when available)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 16)
+        self.weight = None  # the packed copy is the only one kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Prepack every :class:`Linear` of ``model`` when the platform allows; returns whether it did."""
+    if not packing_available(device, dtype):
+        return False
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.pack()
+    return True

@@ -15,7 +15,7 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata, paged_attention
-from tapllm.layers.linear import Linear
+from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -141,8 +141,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the given final hidden rows."""
-        weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def prepare_for_inference(self, device: torch.device) -> None:
+        """After loading: prepack linear weights where the platform benefits (see layers/linear.py)."""
+        if self.tied and packing_available(device, self.cfg.dtype):
+            self.lm_head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.cfg.dtype)
+            self.lm_head.weight.data = self.embed_tokens.weight.data
+        pack_linears(self, device, self.cfg.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the fused parameters."""
