@@ -36,7 +36,7 @@ class ModelRunner:
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
         )
         self.num_blocks = self._num_blocks()
-        shape = (self.num_blocks, engine_config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        shape = (model_config.num_kv_heads, self.num_blocks, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=model_config.dtype, device=device),
@@ -68,7 +68,9 @@ class ModelRunner:
         if not sample_rows:
             return {}
         rows, reqs = zip(*sample_rows)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) != hidden.shape[0]:  # all rows sample in a pure decode step: no gather
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         tokens = sample(logits.cpu(), list(reqs))
         return dict(zip(reqs, tokens))
 
@@ -107,7 +109,7 @@ class ModelRunner:
             decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev)
             pad = torch.arange(width * bs, device=dev)[None, :] >= lens[:, None]
-            decode_bias = torch.zeros(pad.shape, device=dev).masked_fill_(pad, float("-inf"))[:, None, None, :]
+            decode_bias = torch.zeros(pad.shape, device=dev).masked_fill_(pad, float("-inf"))[:, None, :]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
             num_decodes=len(decode_tables),

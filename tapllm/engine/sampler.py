@@ -9,19 +9,23 @@ from tapllm.outputs import Logprob
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """Pick one token per row of ``logits`` [N, vocab] (float32) for ``requests``.
+    """Pick one token per row of ``logits`` [N, vocab] (model dtype) for ``requests``.
 
     Greedy rows take the argmax. Sampled rows draw from their own generator, so a seeded
     request gets the same tokens whatever else is in the batch. Logprobs, when asked, are
     recorded on the request (from the unmodified distribution, as vLLM reports them).
     """
+    # argmax is exact in any float dtype; only rows that need probabilities go to float32.
     tokens = logits.argmax(dim=-1).tolist()
     for row, req in enumerate(requests):
         p = req.params
+        if p.greedy and p.logprobs is None:
+            continue
+        values = logits[row].float()
         if not p.greedy:
-            tokens[row] = _draw(logits[row], req)
+            tokens[row] = _draw(values, req)
         if p.logprobs is not None:
-            _record_logprobs(logits[row], tokens[row], req)
+            _record_logprobs(values, tokens[row], req)
     return tokens
 
 

@@ -30,7 +30,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 or -inf
+    decode_bias: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillChunk]
 
 
@@ -45,13 +45,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store the new ``k``/``v`` [T, Hkv, D] in the cache and attend ``q`` [T, H, D]; returns [T, H, D].
 
-    ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]``.
+    ``k_cache``/``v_cache`` are head-major, ``[Hkv, num_blocks, block_size, D]``, so that
+    gathering a sequence's blocks yields a contiguous ``[S, D]`` matrix per head.
     """
     num_kv, dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv, dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv, dim).index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    k_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     nd = meta.num_decodes
+    if nd == q.shape[0]:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
@@ -64,8 +67,8 @@ def paged_attention(
         else:
             total = chunk.context_len + chunk.length
             table = chunk.block_table.unsqueeze(0)
-            kc = _gather(k_cache, table)[:, :, :total]
-            vc = _gather(v_cache, table)[:, :, :total]
+            kc = _gather(k_cache, table)[:, :, :total].transpose(0, 1)  # [1, Hkv, total, D]
+            vc = _gather(v_cache, table)[:, :, :total].transpose(0, 1)
             qpos = torch.arange(chunk.context_len, total, device=q.device)
             mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]
             oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -82,19 +85,23 @@ def _decode_attention(
     is several times faster than SDPA's flash kernel for a single query row (bfloat16 most).
     """
     b, h, d = q.shape
-    kv_heads = k_cache.shape[2]
-    kd = _gather(k_cache, meta.decode_block_tables)  # [B, Hkv, S, D]
+    kv_heads = k_cache.shape[0]
+    kd = _gather(k_cache, meta.decode_block_tables)  # [Hkv, B, S, D], contiguous
     vd = _gather(v_cache, meta.decode_block_tables)
-    qg = q.view(b, kv_heads, h // kv_heads, d)
+    qg = q.view(b, kv_heads, h // kv_heads, d).transpose(0, 1)  # [Hkv, B, G, D]
     scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale + meta.decode_bias
     probs = scores.softmax(-1).to(q.dtype)
-    return torch.matmul(probs, vd).view(b, h, d)
+    return torch.matmul(probs, vd).transpose(0, 1).reshape(b, h, d)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """Gather blocks ``[B, nb]`` of ``cache`` into ``[B, Hkv, nb * block_size, D]``."""
+    """Gather blocks ``[B, nb]`` of a head-major cache into ``[Hkv, B, nb * block_size, D]``."""
     b, nb = block_tables.shape
-    num_blocks, bs, h, d = cache.shape
-    # index_select on a 2-D view is several times faster than advanced indexing here.
-    flat = cache.view(num_blocks, bs * h * d).index_select(0, block_tables.reshape(-1))
-    return flat.view(b, nb * bs, h, d).transpose(1, 2)
+    h, num_blocks, bs, d = cache.shape
+    idx = block_tables.reshape(-1)
+    out = cache.new_empty(h, b * nb, bs * d)
+    # index_select along dim 0 of each head's 2-D view is several times faster than advanced
+    # indexing, or than selecting along dim 1 of the whole cache.
+    for head in range(h):
+        torch.index_select(cache[head].view(num_blocks, bs * d), 0, idx, out=out[head])
+    return out.view(h, b, nb * bs, d)

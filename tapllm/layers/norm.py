@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        # Normalise in float32, cast back, then scale: the reference implementation's order.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)

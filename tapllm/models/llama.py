@@ -44,10 +44,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv, self.head_dim)
-        v = v.view(t, self.num_kv, self.head_dim)
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv, self.num_kv], dim=1)
         q, k = self.qk_norm(q, k)
         q, k = apply_rotary(q, k, cos_sin)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
@@ -140,10 +138,10 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the given final hidden rows."""
+        """Logits [N, vocab] (model dtype) for the given final hidden rows."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def prepare_for_inference(self, device: torch.device) -> None:
         """After loading: prepack linear weights where the platform benefits (see layers/linear.py)."""
