@@ -88,14 +88,19 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(prompt_list))
         staged = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            text, ids = self.engine.tokenize(prompt)
             try:
+                text, ids = self.engine.tokenize(prompt)
                 self.engine.validate_prompt(ids, params)
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
             staged.append((text, ids, params))
         reqs = [self.engine.add_request(text, ids, params) for text, ids, params in staged]
-        self._run(len(reqs), use_tqdm)
+        try:
+            self._run(len(reqs), use_tqdm)
+        except BaseException:
+            for r in reqs:  # e.g. Ctrl-C: leave the engine clean for the next call
+                self.engine.abort_request(r.request_id)
+            raise
         return [self.engine.make_output(r) for r in reqs]
 
     def chat(

@@ -41,6 +41,7 @@ def test_bad_prompts_raise_before_anything_runs(llm):
         ([], "empty"),
         ([1, 2, 49152], r"49152.*vocabulary \[0, 49152\)"),
         ([-3], "vocabulary"),
+        ([1, 2.5], "must be integers"),
         (list(range(100, 100 + 512)), r"512 tokens.*max_model_len\) is 512"),
     ]
     for bad, msg in cases:

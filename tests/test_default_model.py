@@ -63,6 +63,17 @@ def test_default_model_parity(reference):
     assert small.engine.scheduler.num_preemptions > 0
 
 
+def test_gguf_conversion_is_cached_and_logged(caplog):
+    import logging
+
+    from tapllm.loader import resolve_model
+
+    with caplog.at_level(logging.INFO, logger="tapllm"):
+        folder = resolve_model(None)
+    assert "loading cached dequantized weights" in caplog.text
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+
+
 def test_default_model_chat_and_bf16():
     llm = LLM(dtype="bfloat16")
     out = llm.chat(

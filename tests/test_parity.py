@@ -75,3 +75,18 @@ def test_parity_every_situation(arch, tiny_models, references):
     mixed = LLM(path, dtype="float32", block_size=8, kv_cache_blocks=20, max_num_batched_tokens=24)
     _check(mixed.generate(prompts + prompts[:3], _params(), use_tqdm=False), ref + ref[:3])
     assert mixed.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_matches_transformers_first_tokens(dtype, tiny_models):
+    """Half-precision runs agree with transformers in the same dtype on the first greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts([5, 23, 40], seed=12)
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=getattr(torch, dtype)).eval()
+    llm = LLM(tiny_models["qwen3"], dtype=dtype)
+    assert llm.engine.model_config.dtype == getattr(torch, dtype)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids[0] == hf_greedy(model, prompt, 1)[0][0]
+        assert len(out.outputs[0].token_ids) == 3

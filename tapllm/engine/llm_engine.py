@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -46,7 +47,10 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
-        return None, list(prompt)
+        try:
+            return None, [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError("prompt token ids must be integers") from None
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the problem if this prompt cannot be served."""
@@ -60,7 +64,7 @@ class LLMEngine:
                 "and must leave room for at least one generated token"
             )
         vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         cache_tokens = self.runner.num_blocks * self.config.block_size

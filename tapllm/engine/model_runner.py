@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
+
+import numpy as np
 
 import torch
 
@@ -16,6 +19,20 @@ from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 
 logger = logging.getLogger("tapllm")
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor; on CPU its pages become resident only when first written.
+
+    The cache must start as zeros (masked slots are multiplied by zero probabilities, and
+    garbage could be NaN). ``calloc`` (what numpy's zeros uses) gives untouched zero pages,
+    so a large cache costs memory only as far as requests fill it; ``torch.zeros`` would
+    write, and so commit, the whole size up front.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -38,10 +55,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         shape = (model_config.num_kv_heads, self.num_blocks, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=model_config.dtype, device=device),
-                torch.zeros(shape, dtype=model_config.dtype, device=device),
-            )
+            (_zeros(shape, model_config.dtype, device), _zeros(shape, model_config.dtype, device))
             for _ in range(model_config.num_layers)
         ]
         logger.info(
