@@ -25,7 +25,7 @@ TINY = dict(
 
 
 def _tiny_configs() -> dict:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     vocab = 49152
     return {
@@ -40,6 +40,7 @@ def _tiny_configs() -> dict:
             },
             **TINY,
         ),
+        "mistral": MistralConfig(vocab_size=vocab, tie_word_embeddings=False, sliding_window=None, **TINY),
         "qwen2": Qwen2Config(vocab_size=vocab, tie_word_embeddings=False, **TINY),
         "qwen3": Qwen3Config(vocab_size=vocab, tie_word_embeddings=True, head_dim=32, **TINY),
     }
@@ -69,7 +70,8 @@ def tiny_models(tmp_path_factory, default_model_folder) -> dict[str, Path]:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     torch.nn.init.normal_(proj.bias, std=0.2)
         folder = root / name
-        model.save_pretrained(folder)
+        # The Mistral checkpoint is sharded, so the shard index path is exercised too.
+        model.save_pretrained(folder, max_shard_size="2MB" if name == "mistral" else "10GB")
         tok.save_pretrained(folder)
         out[name] = folder
     return out

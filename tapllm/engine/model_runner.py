@@ -7,7 +7,6 @@ import math
 import time
 
 import numpy as np
-
 import torch
 
 from tapllm.config import EngineConfig, ModelConfig
@@ -17,6 +16,7 @@ from tapllm.engine.scheduler import ScheduledItem, SchedulerOutput
 from tapllm.layers.attention import AttentionMetadata, PrefillChunk
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
+from tapllm.platform import tune_cpu_allocator
 
 logger = logging.getLogger("tapllm")
 
@@ -42,6 +42,8 @@ class ModelRunner:
         self.mcfg = model_config
         self.ecfg = engine_config
         self.device = device
+        if device.type == "cpu":
+            tune_cpu_allocator()
         t0 = time.perf_counter()
         with torch.device(device):
             self.model = build_model(model_config)

@@ -1,8 +1,9 @@
-"""Causal attention over a paged KV cache, in plain PyTorch (SDPA).
+"""Causal attention over a paged KV cache, in plain PyTorch.
 
-The batch is ragged: rows ``[0, num_decodes)`` are single-token decodes, answered by one
-padded SDPA call; each prefill chunk after them is answered by its own SDPA call against its
-cached context plus the chunk itself. The same code runs on CPU and CUDA.
+The batch is ragged: rows ``[0, num_decodes)`` are single-token decodes, answered together
+by two batched matmuls over their gathered (padded, masked) contexts; each prefill chunk
+after them gets its own SDPA call, against its cached context plus the chunk itself. The same
+code runs on CPU and CUDA (where SDPA picks its flash or memory-efficient kernels).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class PrefillChunk:
     start: int
     length: int
     context_len: int  # tokens already in the cache before this chunk
-    block_table: torch.Tensor | None  # blocks holding the context, None when context_len == 0
+    block_table: torch.Tensor | None  # blocks holding context and chunk; None when context_len == 0
 
 
 @dataclass(slots=True)
