@@ -16,24 +16,11 @@ Nothing from tapllm is imported here.
 from __future__ import annotations
 
 import json
-import re
-import resource
 import sys
 import time
 from typing import Any
 
-
-def peak_rss_mib() -> float:
-    """Peak RSS of this process in MiB: VmHWM, since ``ru_maxrss`` of a process started by
-    fork and exec also counts the parent's RSS at fork time; ``ru_maxrss`` without /proc."""
-    try:
-        with open("/proc/self/status") as f:
-            match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
-        if match:
-            return int(match.group(1)) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+from _rss import peak_rss_mib
 
 
 def tree_rss_mib() -> float | None:

@@ -45,8 +45,6 @@ import gc
 import json
 import os
 import random
-import re
-import resource
 import subprocess
 import sys
 import tempfile
@@ -59,6 +57,8 @@ from typing import Any
 _SCRIPT_START = time.time()  # before torch: the startup probe also measures from here
 
 import torch  # noqa: E402
+
+from _rss import peak_rss_mib, ru_maxrss_mib  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -180,27 +180,6 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-def peak_rss_mib() -> float:
-    """The RSS high-water mark (VmHWM) in MiB, or ``ru_maxrss`` where /proc is missing.
-
-    VmHWM rather than ``ru_maxrss`` because it can be reset per phase and because the
-    ``ru_maxrss`` of a process started by fork and exec also counts its parent's RSS.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
-        if match:
-            return int(match.group(1)) / 1024
-    except OSError:
-        pass
-    return ru_maxrss_mib()
-
-
-def ru_maxrss_mib() -> float:
-    """``getrusage`` peak RSS of this process in MiB (the field is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def current_rss_mib() -> float | None:

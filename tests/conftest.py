@@ -99,3 +99,12 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 49152) -> lis
     """Token-id prompts of the given lengths (ids away from the special tokens)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(100, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_matches_reference(outs, refs, atol: float = 1e-4) -> None:
+    """Each output's greedy tokens equal the reference's, and chosen-token logprobs within ``atol``."""
+    for out, (tokens, lps) in zip(outs, refs, strict=True):
+        c = out.outputs[0]
+        assert c.token_ids == tokens
+        got = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, lps)) < atol

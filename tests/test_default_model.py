@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import assert_matches_reference, hf_greedy
 from tapllm import LLM, SamplingParams
 from tapllm.loader import default_model_path
 
@@ -38,14 +38,6 @@ def reference():
     return ids, [hf_greedy(model, p, NEW) for p in ids]
 
 
-def _check(outs, refs):
-    for out, (tokens, lps) in zip(outs, refs):
-        c = out.outputs[0]
-        assert c.token_ids == tokens
-        got = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
-        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
-
-
 def test_default_model_parity(reference):
     ids, refs = reference
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
@@ -53,13 +45,13 @@ def test_default_model_parity(reference):
     assert llm.engine.model_config.num_layers == 30
     # The same prompts as strings tokenize like transformers' GGUF tokenizer does.
     assert [o.prompt_token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == ids
-    _check([llm.generate([p], params, use_tqdm=False)[0] for p in ids], refs)  # (a)
-    _check(llm.generate(ids, params, use_tqdm=False), refs)  # (b)
-    _check(llm.generate(ids, params, use_tqdm=False), refs)  # (d) every prompt now a cache hit
+    assert_matches_reference([llm.generate([p], params, use_tqdm=False)[0] for p in ids], refs)  # (a)
+    assert_matches_reference(llm.generate(ids, params, use_tqdm=False), refs)  # (b)
+    assert_matches_reference(llm.generate(ids, params, use_tqdm=False), refs)  # (d) every prompt now a cache hit
     chunked = LLM(dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
-    _check(chunked.generate(ids, params, use_tqdm=False), refs)  # (c)
+    assert_matches_reference(chunked.generate(ids, params, use_tqdm=False), refs)  # (c)
     small = LLM(dtype="float32", block_size=4, kv_cache_blocks=14, enable_prefix_caching=False)
-    _check(small.generate(ids, params, use_tqdm=False), refs)  # (e)
+    assert_matches_reference(small.generate(ids, params, use_tqdm=False), refs)  # (e)
     assert small.engine.scheduler.num_preemptions > 0
 
 

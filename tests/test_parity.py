@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
+from conftest import assert_matches_reference, hf_greedy, random_prompts
 from tapllm import LLM, SamplingParams
 
 LENGTHS = [1, 3, 9, 16, 17, 34, 61, 97]
@@ -30,14 +30,6 @@ def references(tiny_models):
     return prompts, prefixed, refs
 
 
-def _check(outs, refs):
-    for out, (tokens, lps) in zip(outs, refs):
-        c = out.outputs[0]
-        assert c.token_ids == tokens
-        got = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
-        assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-4
-
-
 def _params() -> SamplingParams:
     return SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
 
@@ -52,30 +44,30 @@ def test_parity_every_situation(arch, tiny_models, references):
 
     llm = LLM(path, dtype="float32")
     # (a) one at a time
-    _check([llm.generate([p], _params(), use_tqdm=False)[0] for p in prompts], ref)
+    assert_matches_reference([llm.generate([p], _params(), use_tqdm=False)[0] for p in prompts], ref)
     # (b) all together
-    _check(llm.generate(prompts, _params(), use_tqdm=False), ref)
+    assert_matches_reference(llm.generate(prompts, _params(), use_tqdm=False), ref)
 
     # (c) a token budget that forces chunked prefill (and mixes chunks with decodes)
     chunked = LLM(path, dtype="float32", max_num_batched_tokens=8, enable_prefix_caching=False)
-    _check(chunked.generate(prompts, _params(), use_tqdm=False), ref)
+    assert_matches_reference(chunked.generate(prompts, _params(), use_tqdm=False), ref)
 
     # (d) prefix-cache hits: a shared 40-token prefix, run twice
     cached = LLM(path, dtype="float32", block_size=8)
     first = cached.generate(prefixed, _params(), use_tqdm=False)
     second = cached.generate(prefixed, _params(), use_tqdm=False)
-    _check(first, refs[arch]["prefixed"])
-    _check(second, refs[arch]["prefixed"])
+    assert_matches_reference(first, refs[arch]["prefixed"])
+    assert_matches_reference(second, refs[arch]["prefixed"])
     assert all(o.metrics["num_cached_tokens"] >= 40 for o in second)
 
     # (e) a KV cache small enough to force preemption
     small = LLM(path, dtype="float32", block_size=8, kv_cache_blocks=20, enable_prefix_caching=False)
-    _check(small.generate(prompts, _params(), use_tqdm=False), ref)
+    assert_matches_reference(small.generate(prompts, _params(), use_tqdm=False), ref)
     assert small.engine.scheduler.num_preemptions > 0
 
     # (e') preemption together with prefix caching and chunking
     mixed = LLM(path, dtype="float32", block_size=8, kv_cache_blocks=20, max_num_batched_tokens=24)
-    _check(mixed.generate(prompts + prompts[:3], _params(), use_tqdm=False), ref + ref[:3])
+    assert_matches_reference(mixed.generate(prompts + prompts[:3], _params(), use_tqdm=False), ref + ref[:3])
     assert mixed.engine.scheduler.num_preemptions > 0
 
 
