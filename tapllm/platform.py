@@ -12,6 +12,7 @@ logger = logging.getLogger("tapllm")
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_INT_MAX = (1 << 31) - 1  # mallopt takes a C int
 _tuned = False
 
 
@@ -33,7 +34,7 @@ def tune_cpu_allocator() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
         return False
-    ok = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 and mallopt(_M_TRIM_THRESHOLD, 1 << 31) == 1
+    ok = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 and mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1
     _tuned = ok
     if ok:
         logger.debug("glibc malloc tuned: large buffers stay on the heap")

@@ -45,10 +45,7 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` [T, H, D] and ``k`` [T, Hkv, D] with rows from :meth:`RotaryEmbedding.cos_sin`."""
     cos, sin = cos_sin
-    heads = q.shape[1]
-    qk = torch.cat((q, k), dim=1)  # one pass over both: fewer small ops per layer
-    qk = qk * cos + _rotate_half(qk) * sin
-    return qk[:, :heads], qk[:, heads:]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
