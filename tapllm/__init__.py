@@ -1,8 +1,12 @@
 """tapllm: generated text and hidden states from one call, at serving speed."""
 
+from tapllm.hidden_states import HiddenStates, HiddenStatesSpec, register_reducer
 from tapllm.llm import LLM
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tapllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM", "SamplingParams", "HiddenStatesSpec", "HiddenStates", "RequestOutput", "CompletionOutput", "Logprob",
+    "register_reducer",
+]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Command line: ``tapllm generate``."""
+"""Command line: ``tapllm generate`` and ``tapllm encode``."""
 
 from __future__ import annotations
 
@@ -31,18 +31,38 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+_SPEC_HELP = (
+    'what to capture, e.g. "layers=0,-1 points=resid_post positions=prompt reduce=mean"; keys: '
+    "layers (all | i,j,..), points (embed,resid_pre,attn_out,resid_mid,mlp_out,resid_post,final), "
+    "positions (prompt | generated | all | last_prompt | last | start:stop), reduce (mean | sum | max | "
+    "min | first | last | plugin), dtype (float32 | float16 | bfloat16)"
+)
+
+
+def _add_io_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="prompt text (omit with --input)")
+    p.add_argument("--input", type=Path, help="JSONL file: one object per line with 'prompt', "
+                   "'text', 'messages' (chat) or 'prompt_token_ids'")
+    p.add_argument("--output", type=Path, help="write JSONL results here instead of stdout")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``tapllm`` argument parser."""
     parser = argparse.ArgumentParser(prog="tapllm", description="tapllm: text and hidden states in one call")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a prompt, or a JSONL file of prompts")
-    gen.add_argument("prompt", nargs="?", help="prompt text (omit with --input)")
-    gen.add_argument("--input", type=Path, help="JSONL file: one object per line with 'prompt', "
-                     "'text', 'messages' (chat) or 'prompt_token_ids'")
-    gen.add_argument("--output", type=Path, help="write JSONL results here instead of stdout")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_io_args(gen)
+    gen.add_argument("--hidden-states", metavar="SPEC", help=_SPEC_HELP)
+    gen.add_argument("--save", type=Path, help="safetensors file for the states (a directory with --input)")
     _add_engine_args(gen)
     _add_sampling_args(gen)
+    enc = sub.add_parser("encode", help="hidden states of a prompt (or a JSONL file of prompts), no generation")
+    _add_io_args(enc)
+    enc.add_argument("--hidden-states", metavar="SPEC", default="", help=_SPEC_HELP + " (default: all blocks' "
+                     "resid_post at every position)")
+    enc.add_argument("--save", type=Path, help="safetensors file for the states (a directory with --input)")
+    _add_engine_args(enc)
     return parser
 
 
@@ -55,44 +75,74 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return _generate(args)
+        return _run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from tapllm import LLM, SamplingParams
+def _run(args: argparse.Namespace) -> int:
+    from tapllm import LLM, HiddenStatesSpec, SamplingParams
+    from tapllm.hidden_states.summary import summarize
 
+    encode = args.command == "encode"
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input FILE")
+    spec = HiddenStatesSpec.parse(args.hidden_states) if args.hidden_states is not None else None
+    if args.save is not None and spec is None:
+        raise ValueError("--save needs --hidden-states")
+    if args.input is not None and spec is not None and args.save is None:
+        raise ValueError("--hidden-states with --input needs --save DIR (one safetensors file per prompt)")
+    if args.save is not None:
+        _check_save_target(args.save, many=args.input is not None)
     items = [_single_item(args)] if args.input is None else _read_jsonl(args.input, args.chat)
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed if args.temperature else None,
-    )
     llm = LLM(
         args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
         seed=args.seed,
     )
     prompts = [llm.apply_chat_template(it["messages"]) if "messages" in it else it["prompt"] for it in items]
-    outs = llm.generate(prompts, params, use_tqdm=args.input is not None and not args.quiet)
+    bar = args.input is not None and not args.quiet
+    if encode:
+        outs = llm.encode(prompts, spec, use_tqdm=bar)
+    else:
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed if args.temperature else None,
+            hidden_states=spec,
+        )
+        outs = llm.generate(prompts, params, use_tqdm=bar)
     if args.input is None:
-        print(outs[0].outputs[0].text)
+        out = outs[0]
+        if not encode:
+            print(out.outputs[0].text)
+        if out.hidden_states is not None:
+            print(summarize(out.hidden_states))
+            if args.save is not None:
+                out.hidden_states.save(args.save, metadata={"prompt_token_ids": json.dumps(out.prompt_token_ids)})
+                print(f"saved hidden states to {args.save}", file=sys.stderr)
         return 0
-    rows = [
-        {
-            "index": i,
-            "prompt": o.prompt,
-            "text": o.outputs[0].text,
-            "token_ids": o.outputs[0].token_ids,
-            "finish_reason": o.outputs[0].finish_reason,
-        }
-        for i, o in enumerate(outs)
-    ]
+    rows = []
+    for i, o in enumerate(outs):
+        row: dict[str, Any] = {"index": i, "prompt": o.prompt}
+        if not encode:
+            c = o.outputs[0]
+            row.update(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
+        if o.hidden_states is not None:
+            name = f"{i:06d}.safetensors"
+            o.hidden_states.save(args.save / name, metadata={"prompt_token_ids": json.dumps(o.prompt_token_ids)})
+            row["hidden_states_file"] = name
+        rows.append(row)
     _write_jsonl(rows, args.output)
     return 0
+
+
+def _check_save_target(path: Path, many: bool) -> None:
+    """Fail before loading the model if the states could not be written."""
+    if many:
+        path.mkdir(parents=True, exist_ok=True)
+    elif not (path.parent if str(path.parent) else Path(".")).is_dir():
+        raise FileNotFoundError(f"--save: no such directory: {path.parent}")
 
 
 def _single_item(args: argparse.Namespace) -> dict[str, Any]:

@@ -131,6 +131,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0
     enable_prefix_caching: bool = True
     seed: int = 0
+    enable_hidden_states: bool = True
+    hidden_states_max_bytes_per_request: int | None = 8 << 30
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming any out-of-range setting."""
@@ -141,3 +143,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        limit = self.hidden_states_max_bytes_per_request
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"hidden_states_max_bytes_per_request must be an integer >= 1 or None, got {limit!r}")

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.llm_engine import LLMEngine
+from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.loader import resolve_model
 from tapllm.outputs import RequestOutput
 from tapllm.sampling_params import SamplingParams
@@ -38,6 +39,9 @@ class LLM:
         enable_prefix_caching: share KV blocks between requests with equal prefixes.
         seed: seeds the generators of requests that set no seed of their own.
         device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when available).
+        enable_hidden_states: serve ``hidden_states`` requests at all (a service may turn it off).
+        hidden_states_max_bytes_per_request: refuse a request whose captured states could
+            exceed this many bytes (``None``: no limit). Generous by default for offline use.
     """
 
     def __init__(
@@ -52,6 +56,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         device: str | None = None,
+        enable_hidden_states: bool = True,
+        hidden_states_max_bytes_per_request: int | None = 8 << 30,
     ) -> None:
         engine_config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -61,6 +67,8 @@ class LLM:
             kv_cache_memory_gb=kv_cache_memory_gb,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
+            enable_hidden_states=enable_hidden_states,
+            hidden_states_max_bytes_per_request=hidden_states_max_bytes_per_request,
         )
         engine_config.validate()
         folder = resolve_model(model)
@@ -82,21 +90,57 @@ class LLM:
         """Complete each prompt (a string or a list of token ids); outputs come in input order.
 
         Every prompt and parameter set is validated before anything is scheduled, so a bad
-        one raises ``ValueError`` without running the others.
+        one raises ``ValueError`` without running the others. A request whose params carry
+        ``hidden_states`` returns them in ``RequestOutput.hidden_states``.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        return self._submit(prompt_list, params_list, use_tqdm, encode=False)
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        hidden_states: HiddenStatesSpec | dict | Sequence[HiddenStatesSpec | dict] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Hidden states of prompts only, without generating (one forward per prompt).
+
+        Runs through the same scheduler as ``generate`` (batching, chunked prefill, prefix
+        caching), so states equal those ``generate`` returns for the prompt positions.
+        ``hidden_states`` is one spec for all prompts, or a list; by default ``resid_post``
+        of every block at every position. Outputs have ``outputs == []``.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if hidden_states is None or isinstance(hidden_states, (HiddenStatesSpec, dict)):
+            specs = [hidden_states if hidden_states is not None else HiddenStatesSpec()] * len(prompt_list)
+        else:
+            specs = list(hidden_states)
+            if len(specs) != len(prompt_list):
+                raise ValueError(f"hidden_states has {len(specs)} entries for {len(prompt_list)} prompts")
+        params_list = []
+        for i, spec in enumerate(specs):
+            try:
+                params_list.append(SamplingParams(max_tokens=1, temperature=0, hidden_states=spec))
+            except ValueError as exc:
+                raise ValueError(f"prompts[{i}]: {exc}") from None
+        return self._submit(prompt_list, params_list, use_tqdm, encode=True)
+
+    def _submit(
+        self, prompt_list: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool, encode: bool
+    ) -> list[RequestOutput]:
         staged = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             try:
                 text, ids = self.engine.tokenize(prompt)
-                self.engine.validate_prompt(ids, params)
+                self.engine.validate_prompt(ids, params, encode)
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
             staged.append((text, ids, params))
-        reqs = [self.engine.add_request(text, ids, params) for text, ids, params in staged]
+        reqs = []
         try:
-            self._run(len(reqs), use_tqdm)
+            for text, ids, params in staged:
+                reqs.append(self.engine.add_request(text, ids, params, encode=encode))
+            self._run(len(reqs), use_tqdm, "encoding" if encode else "generating")
         except BaseException:
             for r in reqs:  # e.g. Ctrl-C: leave the engine clean for the next call
                 self.engine.abort_request(r.request_id)
@@ -129,8 +173,8 @@ class LLM:
             list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def _run(self, total: int, use_tqdm: bool) -> None:
-        bar = tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+    def _run(self, total: int, use_tqdm: bool, desc: str) -> None:
+        bar = tqdm(total=total, desc=desc, unit="req", disable=not use_tqdm, dynamic_ncols=True)
         engine = self.engine
         t0, tok0 = time.perf_counter(), engine.num_generated_tokens
         with bar:

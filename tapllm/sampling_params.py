@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from tapllm.hidden_states.spec import HiddenStatesSpec
 
 
 @dataclass(slots=True)
@@ -14,6 +17,8 @@ class SamplingParams:
     and are not included in the text; ``stop_token_ids`` (and EOS unless ``ignore_eos``)
     end it too. ``logprobs=N`` returns, per generated token, the chosen token's logprob
     plus the top ``N`` alternatives (``0`` returns only the chosen token's).
+    ``hidden_states`` (a ``HiddenStatesSpec`` or a dict of its fields) asks for activations
+    with the text; they arrive in ``RequestOutput.hidden_states``.
     """
 
     max_tokens: int = 16
@@ -27,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    hidden_states: HiddenStatesSpec | dict[str, Any] | None = None
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -34,6 +40,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self._stop = tuple(self.stop or ())
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.hidden_states is not None:
+            self.hidden_states = HiddenStatesSpec.from_any(self.hidden_states)
         self.validate()
 
     def validate(self) -> None:

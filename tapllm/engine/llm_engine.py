@@ -14,6 +14,7 @@ from tapllm.engine.block_manager import BlockManager
 from tapllm.engine.model_runner import ModelRunner
 from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.scheduler import Scheduler
+from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.sampling_params import SamplingParams
 from tapllm.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -52,13 +53,18 @@ class LLMEngine:
         except TypeError:
             raise ValueError("prompt token ids must be integers") from None
 
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ``ValueError`` naming the problem if this prompt cannot be served."""
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams, encode: bool = False) -> None:
+        """Raise ``ValueError`` naming the problem if this prompt cannot be served.
+
+        ``encode`` requests only run the prompt, so it may fill the whole context.
+        """
         params.validate()
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         limit = self.model_config.max_model_len
-        if len(token_ids) >= limit:
+        if encode and len(token_ids) > limit:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {limit}")
+        if not encode and len(token_ids) >= limit:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {limit} "
                 "and must leave room for at least one generated token"
@@ -73,11 +79,38 @@ class LLMEngine:
                 f"prompt is {len(token_ids)} tokens but the KV cache holds only {cache_tokens}; "
                 "raise kv_cache_blocks or kv_cache_memory_gb"
             )
+        if params.hidden_states is not None:
+            self._selection(token_ids, params, encode)
+
+    def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool) -> Selection:
+        """Resolve the request's hidden-state spec and apply the instance policy."""
+        if not self.config.enable_hidden_states:
+            raise ValueError("hidden_states: this instance was started with enable_hidden_states=False")
+        mc, p = self.model_config, len(token_ids)
+        end = p if encode else min(p + params.max_tokens, mc.max_model_len) - 1
+        sel = resolve(
+            params.hidden_states, num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
+            num_prompt=p, max_positions=end, encode=encode,
+        )
+        limit = self.config.hidden_states_max_bytes_per_request
+        if limit is not None and sel.max_bytes > limit:
+            raise ValueError(
+                f"hidden_states: this request could capture up to {sel.max_bytes:,} bytes "
+                f"({sel.max_positions} positions x {sum(len(sel.layer_keys(q)) for q in sel.points)} point-layers "
+                f"x width {sel.width} x {sel.dtype}), over hidden_states_max_bytes_per_request={limit:,}; "
+                "select fewer layers or positions, reduce, project, or use a smaller dtype"
+            )
+        return sel
 
     def add_request(
-        self, prompt: str | None, token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        encode: bool = False,
     ) -> Request:
-        """Queue a validated request."""
+        """Queue a validated request; ``encode`` runs the prompt for its hidden states only."""
         n = next(self._ids)
         rid = request_id if request_id is not None else str(n)
         gen = None
@@ -86,7 +119,10 @@ class LLMEngine:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             gen = torch.Generator().manual_seed(seed)
-        req = Request(rid, n, prompt, token_ids, params, gen)
+        req = Request(rid, n, prompt, token_ids, params, gen, encode_only=encode)
+        if params.hidden_states is not None:
+            sel = self._selection(token_ids, params, encode)
+            req.capture = RequestCapture(sel, params.hidden_states, len(token_ids), self.runner.device)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -122,6 +158,9 @@ class LLMEngine:
             self.blocks.cache_full_blocks(req)
             if req.num_preemptions == 0 and it.start < req.num_prompt_tokens:
                 self.num_prompt_tokens += min(it.num_tokens, req.num_prompt_tokens - it.start)
+            if req.encode_only and it.samples:
+                self._finish(req, "length", None)
+                finished.append(req)
         for req, token in sampled.items():
             if self._append_token(req, token):
                 finished.append(req)
@@ -170,6 +209,13 @@ class LLMEngine:
             for tid, lp in entry.items():
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tid])
+        hidden_states = req.capture.result() if req.capture is not None else None
+        if req.encode_only:
+            return RequestOutput(
+                request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+                outputs=[], finished=req.finished, hidden_states=hidden_states,
+                metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
+            )
         completion = CompletionOutput(
             index=0,
             text=req.text,
@@ -185,5 +231,6 @@ class LLMEngine:
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=[completion],
             finished=req.finished,
+            hidden_states=hidden_states,
             metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
         )

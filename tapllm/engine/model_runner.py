@@ -13,6 +13,8 @@ from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.request import Request
 from tapllm.engine.sampler import sample
 from tapllm.engine.scheduler import ScheduledItem, SchedulerOutput
+from tapllm.hidden_states.capture import CopySink
+from tapllm.hidden_states.plan import CaptureEntry, CapturePlan
 from tapllm.layers.attention import AttentionMetadata, PrefillChunk
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
@@ -54,6 +56,8 @@ class ModelRunner:
             "loaded %s (%s, %s) in %.1fs",
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
         )
+        # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
+        self.capture_sink = CopySink(staged=device.type != "cpu")
         self.num_blocks = self._num_blocks()
         shape = (model_config.num_kv_heads, self.num_blocks, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
@@ -79,8 +83,11 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> dict[Request, int]:
         """Run one step; returns the sampled token of each request that reached its last token."""
         items = sorted(sched.items, key=lambda it: it.num_tokens != 1)  # decodes first
-        input_ids, positions, meta, sample_rows = self._prepare(items)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        input_ids, positions, meta, sample_rows, captures = self._prepare(items)
+        plan = CapturePlan(captures, self.device, self.capture_sink) if captures else None
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, plan.record if plan else None)
+        if plan is not None:
+            plan.finish()
         if not sample_rows:
             return {}
         rows, reqs = zip(*sample_rows)
@@ -92,7 +99,7 @@ class ModelRunner:
 
     def _prepare(
         self, items: list[ScheduledItem]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, Request]]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, Request]], list[CaptureEntry]]:
         bs = self.ecfg.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -101,6 +108,7 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        captures: list[CaptureEntry] = []
         for it in items:
             req, start, n = it.request, it.start, it.num_tokens
             row = len(ids)
@@ -116,8 +124,12 @@ class ModelRunner:
                 # With cached context, attention reads context and chunk back from the blocks.
                 used = torch.tensor(table[: -(-(start + n) // bs)], device=self.device) if start else None
                 prefills.append(PrefillChunk(row, n, start, used))
-            if it.samples:
+            if it.samples and not req.encode_only:
                 sample_rows.append((row + n - 1, req))
+            if req.capture is not None:
+                window = req.capture.window(start, n)
+                if window is not None:
+                    captures.append(CaptureEntry(req.capture, row + window[0] - start, *window))
         dev = self.device
         decode_bt = decode_bias = None
         if decode_tables:
@@ -133,4 +145,4 @@ class ModelRunner:
             decode_bias=decode_bias,
             prefills=prefills,
         )
-        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows
+        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, captures

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tapllm.hidden_states.capture import RequestCapture
 from tapllm.outputs import Logprob
 from tapllm.sampling_params import SamplingParams
 
@@ -47,6 +48,8 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     detokenizer: object | None = None
+    capture: RequestCapture | None = None
+    encode_only: bool = False  # run the prompt for its hidden states; sample nothing
 
     def __post_init__(self) -> None:
         if not self.token_ids:

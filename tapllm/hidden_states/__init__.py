@@ -1,0 +1,7 @@
+"""Hidden-state capture: spec (per request) -> plan (per step) -> recorded rows -> result."""
+
+from tapllm.hidden_states.reducers import Reducer, available_reducers, register_reducer
+from tapllm.hidden_states.result import HiddenStates
+from tapllm.hidden_states.spec import POINTS, HiddenStatesSpec
+
+__all__ = ["HiddenStatesSpec", "HiddenStates", "Reducer", "register_reducer", "available_reducers", "POINTS"]

@@ -1,0 +1,258 @@
+"""A spec resolved against the model and one request, and that request's capture buffers.
+
+Rows are written by absolute position and a high-water mark (``next_pos``) records how far
+capture has got, so a request that is preempted and recomputed, or whose prefix came from
+the cache, ends with exactly one row per position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tapllm.hidden_states.reducers import Reducer, get_reducer
+from tapllm.hidden_states.result import HiddenStates
+from tapllm.hidden_states.spec import DTYPES, PSEUDO_POINTS, HiddenStatesSpec
+
+PSEUDO_LAYER = -1  # the layer key the model uses for "embed" and "final"
+
+
+@dataclass(slots=True)
+class Selection:
+    """What one request captures, resolved: points, block indices, positions, width, dtype."""
+
+    points: tuple[str, ...]
+    layers: tuple[int, ...]
+    lo: int  # first position captured
+    hi: int  # one past the last position the request can reach (an upper bound)
+    last_only: bool  # positions="last": only the latest computed position is kept
+    width: int
+    dtype: torch.dtype
+    reduce: str | None
+
+    def layer_keys(self, point: str) -> tuple[int, ...]:
+        """The model's layer keys of ``point``: block indices, or the pseudo-layer."""
+        return (PSEUDO_LAYER,) if point in PSEUDO_POINTS else self.layers
+
+    @property
+    def max_positions(self) -> int:
+        """Most positions this request can capture."""
+        return 1 if self.last_only else self.hi - self.lo
+
+    @property
+    def max_bytes(self) -> int:
+        """Upper bound on the bytes of the result."""
+        rows = 1 if self.reduce else self.max_positions
+        per_row = sum(len(self.layer_keys(p)) for p in self.points) * self.width
+        return rows * per_row * torch.tensor([], dtype=self.dtype).element_size()
+
+
+def resolve(
+    spec: HiddenStatesSpec,
+    *,
+    num_layers: int,
+    hidden_size: int,
+    model_dtype: torch.dtype,
+    num_prompt: int,
+    max_positions: int,
+    encode: bool,
+) -> Selection:
+    """Check ``spec`` against the model and request; ``ValueError`` names the field.
+
+    ``max_positions`` is how many positions the request can run through the model: the
+    prompt for encode; the prompt plus up to ``max_tokens - 1`` generated tokens otherwise
+    (the last sampled token is never run).
+    """
+    layers = _resolve_layers(spec.layers, num_layers)
+    if all(p in PSEUDO_POINTS for p in spec.points):
+        layers = ()  # only embed/final: no block index applies
+    if spec.project is not None and spec.project.shape[1] != hidden_size:
+        raise ValueError(
+            f"hidden_states.project has width {spec.project.shape[1]}, "
+            f"but the model's hidden size is {hidden_size}: it must be [k, {hidden_size}]"
+        )
+    p, end = num_prompt, max_positions
+    what = "encode runs only the prompt" if encode else f"positions 0..{end - 1} can be computed"
+    last_only = False
+    if spec.positions == "prompt":
+        lo, hi = 0, p
+    elif spec.positions == "generated":
+        lo, hi = p, end
+        if lo >= hi:
+            why = "encode generates no tokens" if encode else "with max_tokens=1 no generated token is run"
+            raise ValueError(f"hidden_states.positions='generated' selects nothing: {why}")
+    elif spec.positions == "all":
+        lo, hi = 0, end
+    elif spec.positions == "last_prompt":
+        lo, hi = p - 1, p
+    elif spec.positions == "last":
+        lo, hi, last_only = p - 1, end, True
+    else:
+        lo, hi = spec.positions
+        if hi > end:
+            raise ValueError(
+                f"hidden_states.positions: window [{lo}, {hi}) lies outside the sequence: {what} "
+                f"(prompt of {p} tokens), so the window must end at or before {end}"
+            )
+    width = spec.project.shape[0] if spec.project is not None else hidden_size
+    dtype = DTYPES[spec.dtype] if spec.dtype else model_dtype
+    return Selection(tuple(spec.points), layers, lo, hi, last_only, width, dtype, spec.reduce)
+
+
+def _resolve_layers(layers: list[int] | str, n: int) -> tuple[int, ...]:
+    if layers == "all":
+        return tuple(range(n))
+    out = []
+    for i in layers:
+        if not -n <= i < n:
+            raise ValueError(
+                f"hidden_states.layers: layer {i} is out of range for a {n}-block model (valid: {-n}..{n - 1})"
+            )
+        out.append(i % n)
+    if len(set(out)) != len(out):
+        raise ValueError(f"hidden_states.layers names a block twice: {list(layers)} -> {out}")
+    return tuple(out)
+
+
+class RequestCapture:
+    """One request's capture state: CPU buffers by absolute position, or on-device reducers."""
+
+    def __init__(self, sel: Selection, spec: HiddenStatesSpec, num_prompt: int, device: torch.device) -> None:
+        self.sel = sel
+        self.spec_dict = spec.to_dict()
+        self.device = device
+        self.next_pos = 0  # every position below this has been captured (or is not selected)
+        self.last_pos = -1  # positions="last": the position held in the one-row buffer
+        self.proj = spec.project.to(device) if spec.project is not None else None
+        self.reducers: dict[str, Reducer] | None = None
+        if sel.reduce and not sel.last_only:
+            self.reducers = {p: self._new_reducer(p) for p in sel.points}
+        self.buffers: dict[str, torch.Tensor] = {}
+        if self.reducers is None:
+            if sel.last_only:
+                cap = 1
+            elif sel.lo < num_prompt:
+                cap = min(sel.hi, num_prompt) - sel.lo  # prompt rows are known up front
+            else:
+                cap = min(sel.hi - sel.lo, 16)  # generated rows grow by doubling
+            self.buffers = {p: self._empty(p, cap) for p in sel.points}
+
+    def _new_reducer(self, point: str) -> Reducer:
+        r = get_reducer(self.sel.reduce)()
+        r.start(len(self.sel.layer_keys(point)), self.sel.width, self.device)
+        return r
+
+    def _empty(self, point: str, rows: int) -> torch.Tensor:
+        return torch.empty((rows, len(self.sel.layer_keys(point)), self.sel.width), dtype=self.sel.dtype)
+
+    def first_needed(self, num_tokens: int) -> int:
+        """The first position this request still has to run to capture what it asked for."""
+        if self.sel.last_only:
+            return num_tokens - 1
+        pos = max(self.sel.lo, self.next_pos)
+        return pos if pos < self.sel.hi else num_tokens
+
+    def window(self, start: int, num_tokens: int) -> tuple[int, int] | None:
+        """Positions ``[a, b)`` to capture from a chunk running ``[start, start + num_tokens)``."""
+        end = start + num_tokens
+        if self.sel.last_only:
+            return (end - 1, end) if end - 1 >= max(self.sel.lo, self.next_pos) else None
+        a, b = max(start, self.sel.lo, self.next_pos), min(end, self.sel.hi)
+        return (a, b) if a < b else None
+
+    def consume(self, point: str, rows: torch.Tensor, a: int, b: int, sink: CopySink) -> None:
+        """Take the rows ``[b - a, layers, hidden]`` (device, model dtype) of positions ``[a, b)``."""
+        if self.proj is not None:
+            rows = rows.float() @ self.proj.T
+        if self.reducers is not None:
+            positions = torch.arange(a, b, device=rows.device)
+            self.reducers[point].update(rows.float(), positions)
+            return
+        if self.sel.last_only:
+            sink.write(self.buffers[point], rows[-1:])
+            return
+        buf = self.buffers[point]
+        need = b - self.sel.lo
+        if need > buf.shape[0]:
+            grown = self._empty(point, min(max(need, 2 * buf.shape[0]), self.sel.hi - self.sel.lo))
+            grown[: buf.shape[0]].copy_(buf)
+            self.buffers[point] = buf = grown
+        sink.write(buf[a - self.sel.lo : need], rows)
+
+    def advance(self, a: int, b: int) -> None:
+        """Record that positions ``[a, b)`` were captured this step."""
+        self.next_pos = max(self.next_pos, b)
+        if self.sel.last_only:
+            self.last_pos = b - 1
+
+    def result(self) -> HiddenStates:
+        """The request's ``HiddenStates`` (call once it has finished)."""
+        sel = self.sel
+        if sel.last_only:
+            positions = torch.tensor([self.last_pos] if self.last_pos >= 0 else [], dtype=torch.long)
+            n = len(positions)
+        else:
+            n = max(0, self.next_pos - sel.lo)
+            positions = torch.arange(sel.lo, sel.lo + n, dtype=torch.long)
+        tensors: dict[str, torch.Tensor] = {}
+        for point in sel.points:
+            if self.reducers is not None:
+                out = self.reducers[point].finish()
+            elif sel.reduce:  # positions="last" with a reduction: reduce the one kept row
+                r = self._new_reducer(point)
+                if n:
+                    r.update(self.buffers[point][:n].float(), positions)
+                out = r.finish()
+            else:
+                buf = self.buffers[point]
+                out = buf[:n].clone() if n < buf.shape[0] else buf
+            tensors[point] = out.to("cpu", sel.dtype).contiguous()
+        return HiddenStates(tensors, positions, list(sel.layers), sel.reduce, self.spec_dict)
+
+
+class CopySink:
+    """Moves captured rows into CPU buffers.
+
+    On CPU each write is one copy straight into the request's buffer. With ``staged`` (used
+    on CUDA), writes are queued and ``flush`` sends all of a step's rows to the host in one
+    asynchronous copy per dtype into pinned memory, then scatters them into the buffers.
+    """
+
+    def __init__(self, staged: bool) -> None:
+        self.staged = staged
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._host: dict[torch.dtype, torch.Tensor] = {}  # reused: pinned allocation is slow
+
+    def write(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into the CPU tensor ``dest`` (now, or at ``flush``)."""
+        if not self.staged:
+            dest.copy_(src)
+        else:
+            self.pending.append((dest, src.to(dest.dtype)))
+
+    def flush(self) -> None:
+        """Finish the queued copies (a no-op unless staged)."""
+        if not self.pending:
+            return
+        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for dest, src in self.pending:
+            by_dtype.setdefault(dest.dtype, []).append((dest, src))
+        self.pending = []
+        for dtype, pairs in by_dtype.items():
+            flat = torch.cat([src.reshape(-1) for _, src in pairs])
+            pin = flat.device.type == "cuda"
+            host = self._host.get(dtype)
+            if host is None or host.numel() < flat.numel():
+                host = torch.empty(max(flat.numel(), 2 * (host.numel() if host is not None else 0)),
+                                   dtype=dtype, pin_memory=pin)
+                self._host[dtype] = host
+            host = host[: flat.numel()]
+            host.copy_(flat, non_blocking=pin)
+            if pin:
+                torch.cuda.current_stream(flat.device).synchronize()
+            offset = 0
+            for dest, _ in pairs:
+                n = dest.numel()
+                dest.copy_(host[offset : offset + n].view(dest.shape))
+                offset += n

@@ -1,0 +1,100 @@
+"""The per-step capture plan: which batch rows to record at which (point, layer).
+
+Built by the model runner from the step's scheduled chunks of capturing requests. Its
+``record`` is the recorder the model calls at each named point; per point it gathers the
+rows of every request that wants that point into one step tensor (on the model's device),
+one layer slot per call. After the forward, ``finish`` hands each request its slice
+(projection, reduction and the copy to CPU happen there) and advances its high-water mark.
+A step without capturing requests builds no plan, and the model gets no recorder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tapllm.hidden_states.capture import CopySink, RequestCapture
+
+
+@dataclass(slots=True)
+class CaptureEntry:
+    """Capture positions ``[a, b)`` of ``capture``'s request, found at batch rows ``row..row + b - a``."""
+
+    capture: RequestCapture
+    row: int
+    a: int
+    b: int
+
+
+@dataclass(slots=True)
+class _PointPlan:
+    point: str
+    keys: list[int]  # union of the layer keys wanted, in recording order
+    entries: list[tuple[CaptureEntry, int, torch.Tensor | None]]  # (entry, stage offset, layer subset)
+    rows: slice | torch.Tensor  # batch rows gathered into the stage
+    num_rows: int
+    stage: torch.Tensor | None = field(default=None)
+
+
+class CapturePlan:
+    """Rows and points to record in one step; ``record`` is the model's recorder."""
+
+    def __init__(self, entries: list[CaptureEntry], device: torch.device, sink: CopySink) -> None:
+        self.entries = entries
+        self.sink = sink
+        by_point: dict[str, list[CaptureEntry]] = {}
+        for e in entries:
+            for point in e.capture.sel.points:
+                by_point.setdefault(point, []).append(e)
+        self.targets: dict[tuple[str, int], tuple[_PointPlan, int]] = {}
+        self.points: list[_PointPlan] = []
+        for point, es in by_point.items():
+            keys = sorted({k for e in es for k in e.capture.sel.layer_keys(point)})
+            slot = {k: i for i, k in enumerate(keys)}
+            placed = []
+            offset = 0
+            for e in es:
+                own = e.capture.sel.layer_keys(point)
+                subset = None if list(own) == keys else torch.tensor([slot[k] for k in own], device=device)
+                placed.append((e, offset, subset))
+                offset += e.b - e.a
+            pp = _PointPlan(point, keys, placed, _rows(es, device), offset)
+            self.points.append(pp)
+            for k, i in slot.items():
+                self.targets[(point, k)] = (pp, i)
+
+    def record(self, point: str, layer: int, t: torch.Tensor) -> None:
+        """Recorder for the model: keep the planned rows of ``t`` ``[tokens, hidden]``."""
+        target = self.targets.get((point, layer))
+        if target is None:
+            return
+        pp, slot = target
+        if pp.stage is None:
+            pp.stage = t.new_empty((pp.num_rows, len(pp.keys), t.shape[-1]))
+        src = t[pp.rows] if isinstance(pp.rows, slice) else t.index_select(0, pp.rows)
+        pp.stage[:, slot].copy_(src)
+
+    def finish(self) -> None:
+        """Deliver each request's rows, then mark their positions captured."""
+        for pp in self.points:
+            if pp.stage is None:
+                raise RuntimeError(f"the model never recorded point {pp.point!r}")
+            for e, offset, subset in pp.entries:
+                rows = pp.stage[offset : offset + e.b - e.a]
+                if subset is not None:
+                    rows = rows.index_select(1, subset)
+                e.capture.consume(pp.point, rows, e.a, e.b, self.sink)
+        self.sink.flush()
+        for e in self.entries:
+            e.capture.advance(e.a, e.b)
+
+
+def _rows(entries: list[CaptureEntry], device: torch.device) -> slice | torch.Tensor:
+    """The batch rows of ``entries``: a slice when they are contiguous, else an index."""
+    contiguous = all(x.row + x.b - x.a == y.row for x, y in zip(entries, entries[1:]))
+    if contiguous:
+        first, last = entries[0], entries[-1]
+        return slice(first.row, last.row + last.b - last.a)
+    idx = [r for e in entries for r in range(e.row, e.row + e.b - e.a)]
+    return torch.tensor(idx, device=device)

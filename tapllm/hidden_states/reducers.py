@@ -1,0 +1,172 @@
+"""Streaming reductions over positions: the protocol, the built-ins, and plugin discovery.
+
+A reducer sees a request's selected rows chunk by chunk, in increasing position order, on
+the device the model runs on, and keeps only its running state there::
+
+    r = factory()                       # a fresh reducer per request and point
+    r.start(num_layers, width, device)
+    r.update(rows, positions)           # rows: float32 [n, num_layers, width]; positions: int64 [n]
+    ...                                 # once per chunk; a chunk never repeats a position
+    result = r.finish()                 # a tensor whose first dimension is num_layers
+
+``finish`` may come without any ``update`` when the selection turned out empty (a request
+that stopped at its first generated token has no generated positions); the built-ins then
+return NaN.
+
+How the prompt was chunked must not change the result (up to float rounding): a reducer
+may not assume a chunk holds the whole prompt, or that chunks have any particular size.
+
+Plugins are found through the entry-point group ``tapllm.reducers``; the entry point's name
+is the reducer's name and its object is the factory (usually the class). In code, use
+``register_reducer(name, factory)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Protocol, runtime_checkable
+
+import torch
+
+logger = logging.getLogger("tapllm")
+
+ENTRY_POINT_GROUP = "tapllm.reducers"
+
+
+@runtime_checkable
+class Reducer(Protocol):
+    """The streaming reducer protocol (see the module docstring)."""
+
+    def start(self, num_layers: int, width: int, device: torch.device) -> None:
+        """Prepare state for ``[num_layers, width]`` rows on ``device``."""
+
+    def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Fold in a chunk: ``rows`` float32 ``[n, num_layers, width]``, ``positions`` int64 ``[n]``."""
+
+    def finish(self) -> torch.Tensor:
+        """The result, first dimension ``num_layers``."""
+
+
+ReducerFactory = Callable[[], Reducer]
+
+
+class _Fold:
+    """Shared state handling of the built-ins: a running ``[layers, width]`` float32 tensor."""
+
+    def start(self, num_layers: int, width: int, device: torch.device) -> None:
+        self.acc: torch.Tensor | None = None
+        self.empty = (num_layers, width, device)
+
+    def finish(self) -> torch.Tensor:
+        if self.acc is None:  # nothing was selected (e.g. EOS came first): NaN, as numpy's mean of nothing
+            layers, width, device = self.empty
+            return torch.full((layers, width), float("nan"), device=device)
+        return self.acc
+
+
+class SumReducer(_Fold):
+    """Sum over positions (float32 accumulation)."""
+
+    def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        s = rows.sum(0)
+        self.acc = s if self.acc is None else self.acc.add_(s)
+
+
+class MeanReducer(SumReducer):
+    """Mean over positions: a float32 sum and a count, divided at the end."""
+
+    def start(self, num_layers: int, width: int, device: torch.device) -> None:
+        super().start(num_layers, width, device)
+        self.count = 0
+
+    def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        super().update(rows, positions)
+        self.count += rows.shape[0]
+
+    def finish(self) -> torch.Tensor:
+        return super().finish() / self.count
+
+
+class MaxReducer(_Fold):
+    """Element-wise maximum over positions."""
+
+    def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        m = rows.amax(0)
+        self.acc = m if self.acc is None else torch.maximum(self.acc, m)
+
+
+class MinReducer(_Fold):
+    """Element-wise minimum over positions."""
+
+    def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        m = rows.amin(0)
+        self.acc = m if self.acc is None else torch.minimum(self.acc, m)
+
+
+class FirstReducer(_Fold):
+    """The row of the first selected position."""
+
+    def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.acc is None:
+            self.acc = rows[0].clone()
+
+
+class LastReducer(_Fold):
+    """The row of the last selected position."""
+
+    def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        self.acc = rows[-1].clone()
+
+
+BUILTIN_REDUCERS: dict[str, ReducerFactory] = {
+    "mean": MeanReducer,
+    "sum": SumReducer,
+    "max": MaxReducer,
+    "min": MinReducer,
+    "first": FirstReducer,
+    "last": LastReducer,
+}
+_registered: dict[str, ReducerFactory] = {}
+
+
+def register_reducer(name: str, factory: ReducerFactory) -> None:
+    """Make ``factory`` available as ``HiddenStatesSpec(reduce=name)`` in this process."""
+    if not name or not isinstance(name, str):
+        raise ValueError(f"reducer name must be a non-empty string, got {name!r}")
+    if name in BUILTIN_REDUCERS:
+        raise ValueError(f"reducer name {name!r} is taken by a built-in reducer")
+    if not callable(factory):
+        raise ValueError(f"reducer {name!r}: the factory must be callable")
+    _registered[name] = factory
+
+
+def _plugins() -> dict[str, object]:
+    # Scanned on each lookup (cheap: only at request admission) so packages installed
+    # after import are found too.
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available_reducers() -> list[str]:
+    """Names of built-in, registered and installed plugin reducers."""
+    return sorted({*BUILTIN_REDUCERS, *_registered, *_plugins()})
+
+
+def get_reducer(name: str) -> ReducerFactory:
+    """The factory for ``name``; raises ``ValueError`` naming the known reducers."""
+    if name in BUILTIN_REDUCERS:
+        return BUILTIN_REDUCERS[name]
+    if name in _registered:
+        return _registered[name]
+    ep = _plugins().get(name)
+    if ep is None:
+        raise ValueError(f"hidden_states.reduce: unknown reducer {name!r}; available: {available_reducers()}")
+    try:
+        factory = ep.load()
+    except Exception as exc:  # a broken plugin must not take the engine down
+        raise ValueError(f"hidden_states.reduce: plugin {name!r} ({ep.value}) failed to load: {exc}") from exc
+    if not callable(factory):
+        raise ValueError(f"hidden_states.reduce: plugin {name!r} ({ep.value}) is not callable")
+    _registered[name] = factory
+    return factory
