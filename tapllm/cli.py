@@ -1,4 +1,4 @@
-"""Command line: ``tapllm generate`` and ``tapllm encode``."""
+"""Command line: ``tapllm generate``, ``tapllm encode`` and ``tapllm serve``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
                      "resid_post at every position)")
     enc.add_argument("--save", type=Path, help="safetensors file for the states (a directory with --input)")
     _add_engine_args(enc)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                     help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=os.environ.get("TAPLLM_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' (default: $TAPLLM_API_KEY; none: open)")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: the folder name or GGUF file stem)")
+    srv.add_argument("--enable-hidden-states", action="store_true",
+                     help="serve the hidden_states extension (off by default for a shared service)")
+    srv.add_argument("--hidden-states-max-bytes", type=int, default=64 << 20,
+                     help="refuse requests whose states could exceed this many bytes (default 64 MiB)")
+    _add_engine_args(srv)
     return parser
 
 
@@ -75,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        if args.command == "serve":
+            return _serve(args)
         return _run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -135,6 +150,39 @@ def _run(args: argparse.Namespace) -> int:
         rows.append(row)
     _write_jsonl(rows, args.output)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tapllm import LLM
+    from tapllm.server import create_app
+
+    if args.model is not None and args.model_path is not None:
+        raise ValueError("give the model either as MODEL or as --model, not both")
+    model = args.model_path or args.model
+    llm = LLM(
+        model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        seed=args.seed, enable_hidden_states=args.enable_hidden_states,
+        hidden_states_max_bytes_per_request=args.hidden_states_max_bytes,
+    )
+    name = args.served_model_name or _model_name(model)
+    app = create_app(llm, name, api_key=args.api_key)
+    logging.getLogger("tapllm").info(
+        "serving %s on http://%s:%d (hidden states %s, API key %s)", name, args.host, args.port,
+        "on" if args.enable_hidden_states else "off", "required" if args.api_key else "not required",
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
+    return 0
+
+
+def _model_name(model: str | None) -> str:
+    """The id the server reports: the GGUF file's stem, the folder's name, or the default's."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.is_file() else path.name
 
 
 def _check_save_target(path: Path, many: bool) -> None:

@@ -1,0 +1,199 @@
+"""Serving throughput of ``tapllm serve`` with and without hidden states, over real HTTP.
+
+What it measures
+    A real server (``tapllm serve``, uvicorn, default model) in a subprocess, and N client
+    threads using the official ``openai`` client. Each client sends its requests one after
+    another, streaming (``stream=true``), random-token prompts of equal length, greedy, EOS
+    ignored so each request yields exactly ``--new-tokens`` tokens. Two workloads over the same
+    prompts:
+
+      plain   no hidden states
+      states  ``hidden_states={"layers": [1, L/2, L-1], "points": ["resid_pre"], "positions":
+              "prompt"}`` (3 blocks, every prompt position), base64-encoded, in the final chunk
+
+    Workloads alternate (plain, states, plain, states, ...) for ``--rounds`` rounds so drift of
+    the machine does not favour one; each workload's best round counts. Every run gets
+    prompts of its own, so no run is served from the prefix cache of another (a request
+    capturing prompt positions recomputes them, a plain one would reuse them: that would
+    measure caching, not capture). Reported per
+    workload: requests/s, output tokens/s, time to first token (first text chunk) p50/p99,
+    and the response bytes received. Then one request's response size with base64 against
+    nested float lists (``encoding="list"``), non-streaming, same states.
+
+How to run (from the repository root; needs ``pip install openai``)
+    python benchmarks/serve.py                        # 16 clients x 4 requests, prompt 256, 64 new
+    python benchmarks/serve.py --quick                # 4 clients x 2 requests, prompt 64, 16 new
+    python benchmarks/serve.py --clients 32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+KEY = "bench-key"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=4, help="requests per client")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quick", action="store_true", help="4 clients x 2 requests, prompt 64, 16 new, 1 round")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.clients, args.requests, args.prompt_len, args.new_tokens, args.rounds = 4, 2, 64, 16, 1
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    """``tapllm serve`` on the default model; returns once /health answers."""
+    cmd = [sys.executable, "-m", "tapllm", "serve", "--port", str(port), "--dtype", args.dtype, "--quiet",
+           "--enable-hidden-states", "--hidden-states-max-bytes", str(1 << 30), "--api-key", KEY,
+           "--max-num-seqs", str(max(16, args.clients)), "--served-model-name", "default"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the server exited during start-up")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not become healthy")
+
+
+def one_request(client: Any, prompt: list[int], new: int, states: dict | None) -> tuple[float, int, int]:
+    """Stream one completion; returns (time to first token, tokens, bytes of the chunks as JSON).
+
+    The byte count re-serializes each parsed chunk, so it approximates what came over the wire.
+    """
+    extra: dict[str, Any] = {"ignore_eos": True}
+    if states is not None:
+        extra["hidden_states"] = states
+    t0 = time.perf_counter()
+    ttft = None
+    received = 0
+    stream = client.completions.create(model="default", prompt=prompt, max_tokens=new, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    tokens = 0
+    for chunk in stream:
+        received += len(chunk.model_dump_json())
+        if chunk.choices and chunk.choices[0].text and ttft is None:
+            ttft = time.perf_counter() - t0
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return (ttft if ttft is not None else time.perf_counter() - t0), tokens, received
+
+
+def run_workload(url: str, prompts: list[list[int]], args: argparse.Namespace, states: dict | None) -> dict:
+    """All clients at once; each sends its share of ``prompts`` in turn."""
+    import openai
+
+    clients = [openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
+               for _ in range(args.clients)]
+
+    def client_loop(c: int) -> list[tuple[float, int, int]]:
+        mine = prompts[c * args.requests:(c + 1) * args.requests]
+        return [one_request(clients[c], p, args.new_tokens, states) for p in mine]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        results = [r for rs in pool.map(client_loop, range(args.clients)) for r in rs]
+    seconds = time.perf_counter() - t0
+    ttfts = sorted(r[0] for r in results)
+    return {
+        "seconds": seconds,
+        "req_s": len(results) / seconds,
+        "tok_s": sum(r[1] for r in results) / seconds,
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p99": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+        "bytes": sum(r[2] for r in results),
+        "tokens": sum(r[1] for r in results),
+    }
+
+
+def response_bytes(url: str, prompt: list[int], states: dict) -> int:
+    """Size of one non-streaming response body."""
+    body = json.dumps({"model": "default", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                       "hidden_states": states}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return len(r.read())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Start the server, run the workloads, print the table."""
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO_ROOT))
+    from tapllm.loader import resolve_model
+
+    layers = json.loads((resolve_model(None) / "config.json").read_text())["num_hidden_layers"]
+    states = {"layers": [1, layers // 2, layers - 1], "points": ["resid_pre"], "positions": "prompt"}
+    rng = random.Random(0)
+
+    def fresh_prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(32, 49152) for _ in range(args.prompt_len)] for _ in range(n)]
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    print(f"tapllm serve, default model {args.dtype}: {args.clients} clients x {args.requests} streaming requests, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.rounds} round(s)", flush=True)
+    proc = start_server(args, port)
+    try:
+        run_workload(url, fresh_prompts(args.clients), argparse.Namespace(**{**vars(args), "requests": 1,
+                                                                             "new_tokens": 2}), states)  # warm-up
+        best: dict[str, dict] = {}
+        for r in range(args.rounds):
+            for name, spec in (("plain", None), ("states", states)) if r % 2 == 0 else (("states", states),
+                                                                                          ("plain", None)):
+                res = run_workload(url, fresh_prompts(args.clients * args.requests), args, spec)
+                print(f"  round {r + 1} {name:6s} {res['req_s']:6.2f} req/s {res['tok_s']:7.1f} tok/s "
+                      f"TTFT p50 {res['ttft_p50']:.2f} s p99 {res['ttft_p99']:.2f} s, {res['bytes'] / 1e6:.1f} MB",
+                      flush=True)
+                if name not in best or res["seconds"] < best[name]["seconds"]:
+                    best[name] = res
+        one = fresh_prompts(1)[0]
+        b64 = response_bytes(url, one, {**states, "encoding": "base64"})
+        lst = response_bytes(url, one, {**states, "encoding": "list"})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+    print(f"\n{'workload':8s} {'req/s':>7s} {'tok/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'received':>10s}")
+    for name, res in best.items():
+        print(f"{name:8s} {res['req_s']:7.2f} {res['tok_s']:8.1f} {res['ttft_p50']:8.2f}s {res['ttft_p99']:8.2f}s "
+              f"{res['bytes'] / 1e6:8.1f} MB")
+    ratio = best["states"]["tok_s"] / best["plain"]["tok_s"]
+    print(f"hidden states (3 blocks x every prompt position, base64): {ratio:.3f}x the plain throughput "
+          f"({100 * (1 - ratio):.1f}% cost)")
+    print(f"one response: base64 {b64 / 1e6:.2f} MB, float lists {lst / 1e6:.2f} MB: lists are {lst / b64:.2f}x larger")
+
+
+if __name__ == "__main__":
+    main()

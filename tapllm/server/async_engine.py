@@ -1,0 +1,182 @@
+"""The engine loop of the server: one background thread steps the engine; asyncio handlers await updates.
+
+Handlers validate and tokenize on the event loop, then hand a request to the engine thread
+through a queue. The thread admits it, steps the engine while anything is in flight, and
+after each step pushes every request's new tokens and text to that request's asyncio queue
+(``call_soon_threadsafe``). Aborts (a client gone) travel the same queue. An exception in a
+step fails the requests in flight with an error instead of killing the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tapllm.engine.request import Request
+from tapllm.llm import LLM
+from tapllm.outputs import Logprob, RequestOutput
+from tapllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("tapllm")
+
+
+@dataclass(slots=True)
+class Update:
+    """What a request produced since its previous update."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finished: bool = False
+    output: RequestOutput | None = None  # the complete result, with the final update
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    request: Request | None = None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters the metrics endpoint reads (written by the engine thread only)."""
+
+    requests_aborted: int = 0
+    step_errors: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class AsyncEngine:
+    """Runs an ``LLM``'s engine on a background thread for concurrent asyncio clients."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tapllm-engine", daemon=True)
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (requests in flight are abandoned)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    async def generate(
+        self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, encode: bool = False
+    ) -> AsyncIterator[Update]:
+        """Submit a validated request and yield its updates until it finishes.
+
+        Leaving the iteration early (client gone, task cancelled) aborts the request, which
+        frees its KV blocks and capture buffers.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._inbox.put(("add", (request_id, prompt, token_ids, params, encode, stream)))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                update = await stream.queue.get()
+                finished = update.finished
+                yield update
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(("abort", request_id))
+                self._wake.set()
+
+    # ---- engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._drain_inbox()
+            if not engine.has_unfinished_requests():
+                self._refresh_stats()
+                self._wake.wait(timeout=0.5)
+                continue
+            try:
+                engine.step()
+            except Exception as exc:  # keep serving: fail what was in flight, free its memory
+                logger.exception("engine step failed")
+                self.stats.step_errors += 1
+                for rid in list(self._streams):
+                    engine.abort_request(rid)
+                    self._push(self._streams.pop(rid), Update("", [], None, True, error=f"engine error: {exc}"))
+                continue
+            self._publish()
+            self._refresh_stats()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, prompt, ids, params, encode, stream = payload
+                try:
+                    stream.request = self.engine.add_request(prompt, ids, params, rid, encode=encode)
+                except Exception as exc:  # validated before, so this is unexpected
+                    logger.exception("could not add request %s", rid)
+                    self._push(stream, Update("", [], None, True, error=str(exc)))
+                    continue
+                self._streams[rid] = stream
+            elif kind == "abort":
+                if self._streams.pop(payload, None) is not None:
+                    self.engine.abort_request(payload)
+                    self.stats.requests_aborted += 1
+                    logger.info("aborted request %s (client gone)", payload)
+
+    def _publish(self) -> None:
+        for rid, stream in list(self._streams.items()):
+            req = stream.request
+            if req is None:
+                continue
+            done = req.finished
+            tokens = req.output_token_ids[stream.sent_tokens :]
+            end = len(req.text)
+            if not done and req.params.stop_strings:
+                # Hold back what could still turn out to be the start of a stop string.
+                end = max(stream.sent_chars, end - (max(len(s) for s in req.params.stop_strings) - 1))
+            if not tokens and end == stream.sent_chars and not done:
+                continue
+            text = req.text[stream.sent_chars : end]
+            logprobs = req.logprobs[stream.sent_tokens :] if req.logprobs is not None else None
+            stream.sent_tokens += len(tokens)
+            stream.sent_chars = end
+            update = Update(text, tokens, logprobs)
+            if done:
+                update.finished = True
+                update.output = self.engine.make_output(req)
+                del self._streams[rid]
+            self._push(stream, update)
+
+    def _push(self, stream: _Stream, update: Update) -> None:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, update)
+
+    def _refresh_stats(self) -> None:
+        sched = self.engine.scheduler
+        self.stats.running = len(sched.running)
+        self.stats.waiting = len(sched.waiting)
+        self.stats.kv_usage = self.engine.blocks.usage()

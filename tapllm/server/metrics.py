@@ -1,0 +1,47 @@
+"""Prometheus metrics of one server (prometheus_client, in a registry of its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tapllm.server.async_engine import AsyncEngine, EngineStats
+
+
+class _EngineCollector(Collector):
+    """Reads the engine thread's live numbers at scrape time."""
+
+    def __init__(self, stats: EngineStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        yield CounterMetricFamily("tapllm_requests_aborted", "requests aborted because the client went away",
+                                  value=s.requests_aborted)
+        yield CounterMetricFamily("tapllm_engine_step_errors", "engine steps that raised", value=s.step_errors)
+        yield GaugeMetricFamily("tapllm_requests_running", "requests being computed", value=s.running)
+        yield GaugeMetricFamily("tapllm_requests_waiting", "requests queued (queue depth)", value=s.waiting)
+        yield GaugeMetricFamily("tapllm_kv_cache_usage_ratio", "fraction of KV cache blocks in use",
+                                value=s.kv_usage)
+
+
+class ServerMetrics:
+    """Request, token and hidden-state counters, plus live gauges read from the engine."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tapllm_requests", "HTTP API requests", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("tapllm_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("tapllm_generation_tokens", "generated tokens of finished requests",
+                                         registry=r)
+        self.hidden_states_bytes = Counter("tapllm_hidden_states_bytes", "bytes of hidden states served "
+                                           "(tensor bytes, before encoding)", registry=r)
+        r.register(_EngineCollector(engine.stats))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

@@ -1,0 +1,161 @@
+"""Request bodies of the OpenAI-compatible API, with the ``hidden_states`` extension (pydantic)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tapllm.hidden_states.spec import HiddenStatesSpec
+from tapllm.hidden_states.wire import tensor_from_wire
+from tapllm.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | list[str | list[int]]
+
+
+class WireTensor(BaseModel):
+    """A tensor sent as ``{"shape", "dtype", "data"}`` (base64 or nested list)."""
+
+    model_config = ConfigDict(extra="forbid")
+    shape: list[int]
+    dtype: str
+    data: str | list[Any]
+
+
+class HiddenStatesRequest(BaseModel):
+    """The ``hidden_states`` extension: ``HiddenStatesSpec`` fields plus the wire ``encoding``."""
+
+    model_config = ConfigDict(extra="forbid")
+    layers: list[int] | Literal["all"] = "all"
+    points: list[str] | str = Field(default_factory=lambda: ["resid_post"])
+    positions: str | list[int] = "all"
+    reduce: str | None = None
+    project: list[list[float]] | WireTensor | None = None
+    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    encoding: Literal["base64", "list"] = "base64"
+
+    def to_spec(self) -> HiddenStatesSpec:
+        """The engine-side spec; ``ValueError`` names the field."""
+        project: Any = self.project
+        if isinstance(project, WireTensor):
+            project = tensor_from_wire(project.model_dump(), "hidden_states.project")
+        positions: Any = self.positions
+        if isinstance(positions, list):
+            if len(positions) != 2:
+                raise ValueError(f"hidden_states.positions as a window must be [start, stop], got {positions}")
+            positions = tuple(positions)
+        return HiddenStatesSpec(
+            layers=self.layers, points=self.points, positions=positions, reduce=self.reduce, project=project,
+            dtype=self.dtype,
+        )
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat; unknown OpenAI fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    hidden_states: HiddenStatesRequest | None = None
+
+    def unsupported(self) -> str | None:
+        """The first requested feature tapllm does not implement, as a message, or None."""
+        if self.n != 1:
+            return "n: only n=1 is supported"
+        if self.presence_penalty or self.frequency_penalty:
+            return "presence_penalty / frequency_penalty are not supported"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        return None
+
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Engine parameters; ``ValueError`` names the field."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            hidden_states=self.hidden_states.to_spec() if self.hidden_states is not None else None,
+        )
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of: only 1 is supported"
+        if self.suffix:
+            return "suffix is not supported"
+        return super().unsupported()
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``content`` may be a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The message text (text parts joined)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("messages: only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools are not supported"
+        return super().unsupported()
+
+
+class HiddenStatesOnlyRequest(BaseModel):
+    """``POST /v1/hidden_states``: prompt-only states, like ``LLM.encode``."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: PromptInput
+    hidden_states: HiddenStatesRequest = Field(default_factory=HiddenStatesRequest)

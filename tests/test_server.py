@@ -1,0 +1,298 @@
+"""The real server (uvicorn in a subprocess) driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from tapllm import LLM, HiddenStatesSpec, SamplingParams
+from tapllm.client import decode_hidden_states
+
+openai = pytest.importorskip("openai")
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``tapllm serve`` in a subprocess, on a free loopback port."""
+
+    def __init__(self, model: Path, *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "tapllm", "serve", str(model), "--port", str(self.port), "--dtype", "float32",
+               "--served-model-name", "tiny_llama", "--quiet", *args]
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tapllm-server-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"server exited: {self.log.read()[-3000:]}")
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become healthy")
+
+    def request(self, method: str, path: str, body: bytes | None = None, key: str | None = KEY
+                ) -> tuple[int, dict | str]:
+        req = urllib.request.Request(self.url + path, data=body, method=method)
+        req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status, text = r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+    def get(self, path: str, key: str | None = KEY) -> tuple[int, dict | str]:
+        return self.request("GET", path, None, key)
+
+    def post(self, path: str, obj: dict | bytes, key: str | None = KEY) -> tuple[int, dict | str]:
+        return self.request("POST", path, obj if isinstance(obj, bytes) else json.dumps(obj).encode(), key)
+
+    def metric(self, name: str) -> float:
+        _, text = self.get("/metrics")
+        for line in text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    s = Server(tiny_models["llama"], "--enable-hidden-states", "--api-key", KEY, "--hidden-states-max-bytes",
+               "400000", "--max-num-seqs", "32")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_models):
+    s = Server(tiny_models["llama"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    return LLM(tiny_models["llama"], dtype="float32")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
+
+
+def _same_states(got, ref) -> None:
+    assert got is not None and ref is not None
+    assert got.positions.tolist() == ref.positions.tolist() and got.layers == ref.layers
+    assert got.points == ref.points
+    for p in ref.points:
+        _close(got[p], ref[p])
+
+
+SPEC = {"layers": [0, -1], "points": ["resid_post", "attn_out"], "positions": "all"}
+
+
+def test_completions_and_chat_equal_llm(server, reference):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny_llama"]
+    prompt = "The capital of France is"
+    ref = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                      hidden_states=HiddenStatesSpec(**SPEC)), use_tqdm=False)[0]
+    common = dict(model="tiny_llama", prompt=prompt, max_tokens=8, temperature=0)
+    # without states: plain OpenAI response, no extension field
+    plain = client.completions.create(**common, extra_body={"ignore_eos": True})
+    assert plain.choices[0].text == ref.outputs[0].text
+    assert decode_hidden_states(plain.choices[0]) is None
+    # with states, base64 and list encodings
+    for encoding in ("base64", "list"):
+        r = client.completions.create(**common, extra_body={"ignore_eos": True,
+                                                            "hidden_states": {**SPEC, "encoding": encoding}})
+        assert r.choices[0].text == ref.outputs[0].text and r.usage.completion_tokens == 8
+        _same_states(decode_hidden_states(r.choices[0]), ref.hidden_states)
+    # streaming: text deltas, then the states with the final chunk of the choice
+    chunks = list(client.completions.create(**common, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True, "hidden_states": SPEC}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == ref.outputs[0].text
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    _same_states(decode_hidden_states(final.choices[0]), ref.hidden_states)
+    assert chunks[-1].usage.completion_tokens == 8
+
+    # chat, through the chat template
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_ref = reference.chat(messages, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                       hidden_states=HiddenStatesSpec(**SPEC)), use_tqdm=False)[0]
+    r = client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True, "hidden_states": SPEC})
+    assert r.choices[0].message.content == chat_ref.outputs[0].text
+    _same_states(decode_hidden_states(r.choices[0]), chat_ref.hidden_states)
+    stream = list(client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True, "hidden_states": SPEC}))
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat_ref.outputs[0].text
+    _same_states(decode_hidden_states(stream[-1].choices[0]), chat_ref.hidden_states)
+
+    # logprobs come back OpenAI-style
+    r = client.completions.create(**common, logprobs=2, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 8 and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_prompt_only_states_endpoint(server, reference):
+    prompts = ["Embed this sentence.", [5, 6, 7, 8, 9]]
+    spec = {"layers": [1], "points": ["final", "resid_mid"], "positions": "prompt"}
+    status, body = server.post("/v1/hidden_states", {"input": prompts, "hidden_states": spec})
+    assert status == 200, body
+    refs = reference.encode(prompts, spec, use_tqdm=False)
+    for item, ref in zip(body["data"], refs):
+        _same_states(decode_hidden_states(item), ref.hidden_states)
+    assert body["usage"]["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in refs)
+    # a projection sent as a list of lists, reduced on the server
+    dirs = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    status, body = server.post("/v1/hidden_states", {"input": prompts[0], "hidden_states": {
+        **spec, "project": dirs.tolist(), "reduce": "mean"}})
+    got = decode_hidden_states(body["data"][0])
+    _close(got["final"], (refs[0].hidden_states["final"] @ dirs.T).mean(0))
+
+
+def test_32_concurrent_mixed_requests(server, reference):
+    prompts = random_prompts([3 + 5 * i for i in range(32)], seed=12)
+    specs = [None, {"layers": [0], "positions": "prompt"}, {"layers": [-1], "points": ["final"], "positions": "all"},
+             {"layers": "all", "positions": "generated", "reduce": "mean"}]
+    ref_params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                 hidden_states=HiddenStatesSpec(**specs[i % 4]) if specs[i % 4] else None)
+                  for i in range(32)]
+    refs = reference.generate(prompts, ref_params, use_tqdm=False)
+    client = server.client()
+
+    def one(i: int):
+        extra = {"ignore_eos": True}
+        if specs[i % 4]:
+            extra["hidden_states"] = specs[i % 4]
+        if i % 3 == 0:
+            chunks = list(client.completions.create(model="tiny_llama", prompt=prompts[i], max_tokens=6,
+                                                    temperature=0, stream=True, extra_body=extra))
+            text = "".join(c.choices[0].text for c in chunks)
+            return text, decode_hidden_states(chunks[-1].choices[0])
+        r = client.completions.create(model="tiny_llama", prompt=prompts[i], max_tokens=6, temperature=0,
+                                      extra_body=extra)
+        return r.choices[0].text, decode_hidden_states(r.choices[0])
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    for i, ((text, hs), ref) in enumerate(zip(results, refs)):
+        assert text == ref.outputs[0].text, i
+        if specs[i % 4] is None:
+            assert hs is None
+        else:
+            _same_states(hs, ref.hidden_states)
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, plain_server):
+    ok = {"prompt": "Hello", "max_tokens": 2}
+    cases = [
+        (server, {**ok, "hidden_states": {"layers": [0], "colour": "red"}}, 400, "hidden_states.colour"),
+        (server, {**ok, "hidden_states": {"points": ["resid_pots"]}}, 400, "unknown point 'resid_pots'"),
+        (server, {**ok, "hidden_states": {"layers": [7]}}, 400, "layer 7 is out of range"),
+        (server, {**ok, "hidden_states": {"layers": "all", "points": ["resid_pre", "resid_mid", "resid_post"],
+                                          "positions": "all"}, "max_tokens": 200}, 400,
+         "hidden_states_max_bytes_per_request=400,000"),
+        (server, {**ok, "hidden_states": {"encoding": "hex"}}, 400, "hidden_states.encoding"),
+        (server, {**ok, "max_tokens": "many"}, 400, "max_tokens"),
+        (server, {**ok, "temperature": -1}, 400, "temperature must be >= 0"),
+        (server, {**ok, "prompt": [[5] * 600]}, 400, "max_model_len"),
+        (server, {**ok, "max_tokens": 600}, 400, "max_tokens: the prompt has 1 tokens and max_tokens is 600"),
+        (server, {**ok, "model": "gpt-9"}, 404, "model 'gpt-9' does not exist"),
+        (server, {**ok, "n": 2}, 400, "only n=1"),
+        (server, {"max_tokens": 2}, 400, "prompt: Field required"),
+        (plain_server, {**ok, "hidden_states": {"layers": [0]}}, 400, "does not serve hidden states"),
+    ]
+    for srv, body, status, message in cases:
+        code, resp = srv.post("/v1/completions", body)
+        assert code == status, (body, resp)
+        assert message in resp["error"]["message"], (body, resp)
+    code, resp = server.post("/v1/completions", b'{"prompt": "Hello", ')
+    assert code == 400 and "malformed JSON" in resp["error"]["message"]
+    code, resp = plain_server.post("/v1/hidden_states", {"input": "x"})
+    assert code == 400 and "does not serve hidden states" in resp["error"]["message"]
+    code, resp = server.post("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 2})
+    assert code == 200  # content may be omitted (None): an empty message
+    code, resp = server.post("/v1/chat/completions", {"messages": [], "max_tokens": 2})
+    assert code == 400 and "messages" in resp["error"]["message"]
+
+    # authentication: health stays open, everything else needs the key
+    assert server.get("/health", key=None)[0] == 200
+    assert server.post("/v1/completions", ok, key=None)[0] == 401
+    assert server.post("/v1/completions", ok, key="wrong")[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+    # still serving, and nothing stuck in the engine
+    for srv in (server, plain_server):
+        code, resp = srv.post("/v1/completions", ok)
+        assert code == 200 and resp["choices"][0]["finish_reason"] in ("length", "stop")
+    assert server.metric("tapllm_engine_step_errors_total") == 0
+
+
+def test_client_disconnect_mid_stream_frees_the_request(server):
+    aborted = server.metric("tapllm_requests_aborted_total")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = json.dumps({"prompt": "Tell me a long story", "max_tokens": 500, "ignore_eos": True, "stream": True,
+                       "hidden_states": {"layers": "all", "points": ["resid_post"], "positions": "generated",
+                                         "reduce": "mean"}})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                   "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")  # the first token has arrived
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if (server.metric("tapllm_requests_aborted_total") > aborted and server.metric("tapllm_requests_running") == 0
+                and server.metric("tapllm_kv_cache_usage_ratio") == 0):
+            break
+        time.sleep(0.1)
+    assert server.metric("tapllm_requests_aborted_total") == aborted + 1
+    assert server.metric("tapllm_requests_running") == 0 and server.metric("tapllm_kv_cache_usage_ratio") == 0
+    assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
+    _, text = server.get("/metrics")
+    assert "tapllm_hidden_states_bytes_total" in text and "tapllm_requests_waiting" in text
