@@ -1,4 +1,4 @@
-"""Command line: ``tapllm generate``, ``tapllm encode`` and ``tapllm serve``."""
+"""Command line: ``tapllm generate``, ``encode``, ``serve`` and ``collect``."""
 
 from __future__ import annotations
 
@@ -76,6 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--hidden-states-max-bytes", type=int, default=64 << 20,
                      help="refuse requests whose states could exceed this many bytes (default 64 MiB)")
     _add_engine_args(srv)
+    col = sub.add_parser("collect", help="hidden states of a dataset into sharded files (resumable, Ray)")
+    col.add_argument("--input", type=Path, required=True, help="JSONL (text | messages | prompt_token_ids), "
+                     "Parquet, or a datasets save_to_disk folder")
+    col.add_argument("--out", type=Path, required=True, help="output folder")
+    col.add_argument("--layers", default="all", help="block indices, e.g. 0,12,-1, or 'all'")
+    col.add_argument("--points", default="resid_post", help="comma-separated points")
+    col.add_argument("--positions", default="prompt", choices=["prompt", "all"])
+    col.add_argument("--max-tokens", type=int, default=0,
+                     help="0 = prompts only; > 0 generates (greedy) and also captures generated positions "
+                     "with --positions all")
+    col.add_argument("--format", dest="fmt", default="safetensors", choices=["safetensors", "arrow"])
+    col.add_argument("--shard-tokens", type=int, default=65536, help="rows per shard (cut at request ends)")
+    col.add_argument("--overwrite", action="store_true", help="replace a different run's dataset in --out")
+    col.add_argument("--ray-address", default=None,
+                     help="run on Ray: 'local' (start one here), 'auto' (the cluster this node belongs to) or an address")
+    col.add_argument("--workers", type=int, default=1, help="Ray actors, one engine each (with --ray-address)")
+    _add_engine_args(col)
+    col.set_defaults(max_num_seqs=64)
     return parser
 
 
@@ -90,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command == "collect":
+            return _collect(args)
         return _run(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -174,6 +194,30 @@ def _serve(args: argparse.Namespace) -> int:
         "on" if args.enable_hidden_states else "off", "required" if args.api_key else "not required",
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
+    return 0
+
+
+def _collect(args: argparse.Namespace) -> int:
+    from tapllm.collect.run import CollectConfig, collect
+
+    layers: list[int] | str = args.layers
+    if args.layers != "all":
+        try:
+            layers = [int(x) for x in args.layers.split(",")]
+        except ValueError:
+            raise ValueError(f"--layers must be 'all' or comma-separated integers, got {args.layers!r}") from None
+    cfg = CollectConfig(
+        input=args.input, out=args.out, model=args.model, layers=layers, points=args.points.split(","),
+        positions=args.positions, max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens,
+        dtype=args.dtype, workers=args.workers, overwrite=args.overwrite, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
+    )
+    meta = collect(cfg, ray_address=args.ray_address, show_progress=not args.quiet)
+    secs = meta.get("seconds") or 0
+    rate = f", {meta['num_rows'] / secs:.0f} tok/s" if secs else ""
+    print(f"collected {meta['num_rows']:,} token rows from {meta['num_requests']:,} records into "
+          f"{meta['num_shards']} {meta['storage']} shards ({meta['bytes'] / 1e6:.1f} MB) in {args.out}"
+          f" [{secs:.1f} s{rate}]")
     return 0
 
 

@@ -1,0 +1,119 @@
+"""Shard files: safetensors or Arrow IPC stream (what Hugging Face ``datasets`` memory-maps).
+
+A shard holds ``rows`` token rows: per point a ``[rows, layers, hidden]`` array, and the
+columns ``token_id``, ``request_index`` and ``position``. Files are written beside their
+final name and renamed into place after an fsync, so a shard is either whole or absent.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+from pathlib import Path
+
+import torch
+
+INDEX_COLUMNS = ("token_id", "request_index", "position")
+SUFFIX = {"safetensors": ".safetensors", "arrow": ".arrow"}
+_ARROW_TYPES = {torch.float32: "float32", torch.float16: "float16"}
+
+
+class DiskFullError(OSError):
+    """The output device ran out of space (or a file size limit was hit) while writing."""
+
+
+def write_shard(path: Path, columns: dict[str, torch.Tensor], fmt: str) -> tuple[int, str]:
+    """Write one shard atomically; returns (bytes, sha256 hex)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        if fmt == "safetensors":
+            _write_safetensors(tmp, columns)
+        else:
+            _write_arrow(tmp, columns)
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        digest = sha256_file(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise DiskFullError(exc.errno, f"no space left writing shard {path.name} ({exc.strerror})") from None
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return size, digest
+
+
+def _write_safetensors(path: Path, columns: dict[str, torch.Tensor]) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file({k: v.contiguous() for k, v in columns.items()}, str(path), metadata={"format": "tapllm.shard"})
+    except SafetensorError as exc:  # its I/O failures are not OSError: recover the errno from the message
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from exc
+
+
+def _write_arrow(path: Path, columns: dict[str, torch.Tensor]) -> None:
+    import pyarrow as pa
+
+    arrays, names = [], []
+    for name, t in columns.items():
+        if name in INDEX_COLUMNS:
+            arrays.append(pa.array(t.numpy()))
+        else:
+            rows, layers, hidden = t.shape
+            flat = pa.array(t.reshape(-1).numpy())
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(flat, hidden), layers))
+        names.append(name)
+    table = pa.Table.from_arrays(arrays, names=names)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=max(1, 64 << 20 // max(1, _row_bytes(columns))))
+
+
+def _row_bytes(columns: dict[str, torch.Tensor]) -> int:
+    return sum(t[0].numel() * t.element_size() for t in columns.values() if t.shape[0])
+
+
+def arrow_dtype_ok(dtype: torch.dtype) -> bool:
+    """Arrow has no bfloat16."""
+    return dtype in _ARROW_TYPES
+
+
+def read_shard(path: Path, fmt: str) -> dict[str, torch.Tensor]:
+    """Load a whole shard as tensors (``[rows, layers, hidden]`` per point)."""
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        table = pa.ipc.open_stream(source).read_all()
+    out = {}
+    for name in table.column_names:
+        col = table.column(name).combine_chunks()
+        if name in INDEX_COLUMNS:
+            out[name] = torch.from_numpy(col.to_numpy().copy())
+        else:
+            layers = col.type.list_size
+            hidden = col.type.value_type.list_size
+            flat = col.flatten().flatten().to_numpy(zero_copy_only=False)
+            out[name] = torch.from_numpy(flat.copy()).view(len(col), layers, hidden)
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
