@@ -11,13 +11,15 @@ What it measures
       (c) the mean over the prompt of ``resid_pre`` at 3 blocks
       (d) ``resid_pre`` at 3 blocks, every position (prompt and generated)
       (e) ``resid_post`` of every block, every position
+      (f) no capture; half the requests steered (a vector added at ``resid_post`` of 3 blocks)
 
     Scenarios run in rounds, the order rotated each round (a..e, b..a, ...) so slow drift of
     the machine does not favour one scenario; each scenario's best time is kept, because the
     machine is noisy (about +-10% run to run), and the ratios are to (a) of the same run.
     Because that noise is larger than the effect, it also times the capture work itself (the
     plan's construction, its recorder calls in the forward, and the hand-off of rows to each
-    request: projection, reduction, copies to CPU) and reports it as a share of the call.
+    request: projection, reduction, copies to CPU; for (f) the steering plan's construction and
+    its in-place updates) and reports it as a share of the call.
     For (e) it reports the bytes captured and the rate at which the capture work moved them.
 
     Then transformers does (d)'s work: ``generate(output_hidden_states=True)`` on the same
@@ -54,8 +56,9 @@ from throughput import DTYPE_NAMES, REPO_ROOT, Config, build_hf, kv_cache_gb, ma
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from tapllm import LLM, HiddenStatesSpec, SamplingParams  # noqa: E402
+from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer  # noqa: E402
 from tapllm.hidden_states.plan import CapturePlan  # noqa: E402
+from tapllm.steering.plan import SteeringPlan  # noqa: E402
 from tapllm.loader import resolve_model  # noqa: E402
 
 
@@ -82,6 +85,8 @@ class CaptureTimer:
     def install(self) -> None:
         for name in ("__init__", "record", "finish"):
             setattr(CapturePlan, name, self._wrap(getattr(CapturePlan, name)))
+        for name in ("__init__", "__call__"):  # the steering plan's work counts the same way
+            setattr(SteeringPlan, name, self._wrap(getattr(SteeringPlan, name)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,9 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def scenarios(num_layers: int) -> dict[str, HiddenStatesSpec | None]:
-    """The five capture scenarios; the 3 blocks are the second, the middle and the last."""
+def scenarios(num_layers: int, hidden: int) -> dict[str, HiddenStatesSpec | list[Steer] | None]:
+    """The five capture scenarios and the steering one; the 3 blocks are the second, the middle and the last."""
     three = [1, num_layers // 2, num_layers - 1]
+    direction = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
     return {
         "a none": None,
         "b final@last_prompt": HiddenStatesSpec(layers=[0], points="final", positions="last_prompt"),
@@ -112,12 +118,23 @@ def scenarios(num_layers: int) -> dict[str, HiddenStatesSpec | None]:
                                                     reduce="mean"),
         "d 3 blocks every position": HiddenStatesSpec(layers=three, points="resid_pre", positions="all"),
         "e all blocks every position": HiddenStatesSpec(layers="all", points="resid_post", positions="all"),
+        "f half the batch steered": [Steer(layers=three, point="resid_post", vector=direction, scale=0.5)],
     }
 
 
-def run_tapllm(llm: LLM, prompts: list[list[int]], new: int, spec: HiddenStatesSpec | None) -> tuple[float, int, Any]:
-    """One timed generate; returns (seconds, tokens, outputs)."""
-    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, hidden_states=spec)
+def run_tapllm(llm: LLM, prompts: list[list[int]], new: int, spec: HiddenStatesSpec | list[Steer] | None
+               ) -> tuple[float, int, Any]:
+    """One timed generate; returns (seconds, tokens, outputs).
+
+    ``spec`` is what every request captures, or a list of steers applied to every other
+    request (the steering scenario).
+    """
+    if isinstance(spec, list):
+        steered = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, steering=spec)
+        plain = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+        params: Any = [steered if i % 2 == 0 else plain for i in range(len(prompts))]
+    else:
+        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, hidden_states=spec)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -185,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
     llm = build_tapllm(folder, cfg)
-    specs = scenarios(num_layers)
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    specs = scenarios(num_layers, hidden)
     names = list(specs)
     run_tapllm(llm, [p[:16] for p in prompts[:2]], 4, specs["d 3 blocks every position"])  # warm-up
     timer = CaptureTimer()

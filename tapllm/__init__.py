@@ -4,9 +4,10 @@ from tapllm.hidden_states import HiddenStates, HiddenStatesSpec, register_reduce
 from tapllm.llm import LLM
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tapllm.sampling_params import SamplingParams
+from tapllm.steering import Steer
 
 __all__ = [
     "LLM", "SamplingParams", "HiddenStatesSpec", "HiddenStates", "RequestOutput", "CompletionOutput", "Logprob",
-    "register_reducer",
+    "register_reducer", "Steer",
 ]
 __version__ = "0.1.0"

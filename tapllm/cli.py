@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_io_args(gen)
     gen.add_argument("--hidden-states", metavar="SPEC", help=_SPEC_HELP)
     gen.add_argument("--save", type=Path, help="safetensors file for the states (a directory with --input)")
+    gen.add_argument("--steer", type=Path, metavar="FILE", help="control vector to add: llama.cpp/repeng "
+                     ".gguf or safetensors {layer: vector}")
+    gen.add_argument("--steer-scale", type=float, default=1.0, help="scale of the --steer vector")
     _add_engine_args(gen)
     _add_sampling_args(gen)
     enc = sub.add_parser("encode", help="hidden states of a prompt (or a JSONL file of prompts), no generation")
@@ -75,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve the hidden_states extension (off by default for a shared service)")
     srv.add_argument("--hidden-states-max-bytes", type=int, default=64 << 20,
                      help="refuse requests whose states could exceed this many bytes (default 64 MiB)")
+    srv.add_argument("--enable-steering", action="store_true",
+                     help="serve the steering extension (off by default for a shared service)")
+    srv.add_argument("--max-steers", type=int, default=16, help="most steering entries per request")
     _add_engine_args(srv)
     col = sub.add_parser("collect", help="hidden states of a dataset into sharded files (resumable, Ray)")
     col.add_argument("--input", type=Path, required=True, help="JSONL (text | messages | prompt_token_ids), "
@@ -117,13 +123,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tapllm import LLM, HiddenStatesSpec, SamplingParams
+    from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
     from tapllm.hidden_states.summary import summarize
 
     encode = args.command == "encode"
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input FILE")
     spec = HiddenStatesSpec.parse(args.hidden_states) if args.hidden_states is not None else None
+    steer_file = getattr(args, "steer", None)
+    steering = [Steer.from_file(steer_file, scale=args.steer_scale)] if steer_file else None
     if args.save is not None and spec is None:
         raise ValueError("--save needs --hidden-states")
     if args.input is not None and spec is not None and args.save is None:
@@ -144,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed if args.temperature else None,
-            hidden_states=spec,
+            hidden_states=spec, steering=steering,
         )
         outs = llm.generate(prompts, params, use_tqdm=bar)
     if args.input is None:
@@ -186,12 +194,14 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
         seed=args.seed, enable_hidden_states=args.enable_hidden_states,
         hidden_states_max_bytes_per_request=args.hidden_states_max_bytes,
+        enable_steering=args.enable_steering, max_steers_per_request=args.max_steers,
     )
     name = args.served_model_name or _model_name(model)
     app = create_app(llm, name, api_key=args.api_key)
     logging.getLogger("tapllm").info(
-        "serving %s on http://%s:%d (hidden states %s, API key %s)", name, args.host, args.port,
-        "on" if args.enable_hidden_states else "off", "required" if args.api_key else "not required",
+        "serving %s on http://%s:%d (hidden states %s, steering %s, API key %s)", name, args.host, args.port,
+        "on" if args.enable_hidden_states else "off", "on" if args.enable_steering else "off",
+        "required" if args.api_key else "not required",
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
     return 0

@@ -133,6 +133,8 @@ class EngineConfig:
     seed: int = 0
     enable_hidden_states: bool = True
     hidden_states_max_bytes_per_request: int | None = 8 << 30
+    enable_steering: bool = True
+    max_steers_per_request: int = 16
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming any out-of-range setting."""
@@ -143,6 +145,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not isinstance(self.max_steers_per_request, int) or self.max_steers_per_request < 0:
+            raise ValueError(f"max_steers_per_request must be an integer >= 0, got {self.max_steers_per_request!r}")
         limit = self.hidden_states_max_bytes_per_request
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"hidden_states_max_bytes_per_request must be an integer >= 1 or None, got {limit!r}")

@@ -42,6 +42,8 @@ class LLM:
         enable_hidden_states: serve ``hidden_states`` requests at all (a service may turn it off).
         hidden_states_max_bytes_per_request: refuse a request whose captured states could
             exceed this many bytes (``None``: no limit). Generous by default for offline use.
+        enable_steering: accept requests with ``steering``.
+        max_steers_per_request: most ``Steer`` entries one request may carry.
     """
 
     def __init__(
@@ -58,6 +60,8 @@ class LLM:
         device: str | None = None,
         enable_hidden_states: bool = True,
         hidden_states_max_bytes_per_request: int | None = 8 << 30,
+        enable_steering: bool = True,
+        max_steers_per_request: int = 16,
     ) -> None:
         engine_config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -69,6 +73,8 @@ class LLM:
             seed=seed,
             enable_hidden_states=enable_hidden_states,
             hidden_states_max_bytes_per_request=hidden_states_max_bytes_per_request,
+            enable_steering=enable_steering,
+            max_steers_per_request=max_steers_per_request,
         )
         engine_config.validate()
         folder = resolve_model(model)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tapllm.hidden_states.spec import HiddenStatesSpec
+from tapllm.steering.spec import Steer
 
 
 @dataclass(slots=True)
@@ -18,7 +19,9 @@ class SamplingParams:
     end it too. ``logprobs=N`` returns, per generated token, the chosen token's logprob
     plus the top ``N`` alternatives (``0`` returns only the chosen token's).
     ``hidden_states`` (a ``HiddenStatesSpec`` or a dict of its fields) asks for activations
-    with the text; they arrive in ``RequestOutput.hidden_states``.
+    with the text; they arrive in ``RequestOutput.hidden_states``. ``steering`` (a list of
+    ``Steer`` or dicts of its fields) adds or ablates directions in this request's residual
+    stream, in order; other requests in the batch are untouched.
     """
 
     max_tokens: int = 16
@@ -33,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     hidden_states: HiddenStatesSpec | dict[str, Any] | None = None
+    steering: list[Steer | dict[str, Any]] | None = None
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -42,6 +46,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.hidden_states is not None:
             self.hidden_states = HiddenStatesSpec.from_any(self.hidden_states)
+        if self.steering is not None:
+            if isinstance(self.steering, Steer | dict):
+                self.steering = [self.steering]
+            self.steering = [Steer.from_any(s) for s in self.steering]
         self.validate()
 
     def validate(self) -> None:

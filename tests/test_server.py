@@ -96,8 +96,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    s = Server(tiny_models["llama"], "--enable-hidden-states", "--api-key", KEY, "--hidden-states-max-bytes",
-               "400000", "--max-num-seqs", "32")
+    s = Server(tiny_models["llama"], "--enable-hidden-states", "--enable-steering", "--api-key", KEY,
+               "--hidden-states-max-bytes", "400000", "--max-num-seqs", "32")
     yield s
     s.stop()
 
@@ -296,3 +296,42 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
     assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
     _, text = server.get("/metrics")
     assert "tapllm_hidden_states_bytes_total" in text and "tapllm_requests_waiting" in text
+
+
+def test_steering_extension(server, plain_server, reference):
+    from tapllm import Steer
+    from tapllm.hidden_states.wire import tensor_to_wire
+
+    v = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 2
+    steer = Steer(layers=[0, 2], point="resid_post", vector=v, scale=3.0)
+    prompt = "Once upon a time"
+    ref = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, steering=[steer],
+                                                      hidden_states=HiddenStatesSpec(**SPEC)), use_tqdm=False)[0]
+    plain = reference.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                               use_tqdm=False)[0]
+    assert ref.outputs[0].token_ids != plain.outputs[0].token_ids
+    client = server.client()
+    for vector in (tensor_to_wire(v, "base64"), v.tolist(), {"0": v.tolist(), "2": tensor_to_wire(v, "base64")}):
+        body = {"point": "resid_post", "vector": vector, "scale": 3.0}
+        if not isinstance(vector, dict) or "shape" in vector:
+            body["layers"] = [0, 2]
+        r = client.completions.create(model="tiny_llama", prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, "steering": [body], "hidden_states": SPEC})
+        assert r.choices[0].text == ref.outputs[0].text
+        _same_states(decode_hidden_states(r.choices[0]), ref.hidden_states)
+
+    ok = {"prompt": "Hi", "max_tokens": 2}
+    cases = [
+        (plain_server, [{"layers": [0], "vector": v.tolist()}], "does not serve steering"),
+        (server, [{"layers": [0], "vector": v[:32].tolist()}], "width 32, but the model's hidden size is 64"),
+        (server, [{"layers": [9], "vector": v.tolist()}], "layer 9 is out of range"),
+        (server, [{"layers": [0], "vector": {"shape": [64], "dtype": "float32",
+                                              "data": tensor_to_wire(torch.full((64,), float("inf")), "base64")["data"]}}],
+         "NaN or infinite"),
+        (server, [{"layers": [0], "vector": v.tolist()}] * 17, "more than max_steers_per_request=16"),
+        (server, [{"layers": [0], "vector": v.tolist(), "strength": 2}], "steering.0.strength"),
+    ]
+    for srv, steering, message in cases:
+        code, resp = srv.post("/v1/completions", {**ok, "steering": steering})
+        assert code == 400 and message in resp["error"]["message"], resp
+    assert server.post("/v1/completions", ok)[0] == 200

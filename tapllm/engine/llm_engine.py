@@ -15,6 +15,8 @@ from tapllm.engine.model_runner import ModelRunner
 from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.scheduler import Scheduler
 from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
+from tapllm.steering.plan import ResolvedSteer, resolve_steering
+from tapllm.steering.spec import steering_digest
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.sampling_params import SamplingParams
 from tapllm.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -81,6 +83,16 @@ class LLMEngine:
             )
         if params.hidden_states is not None:
             self._selection(token_ids, params, encode)
+        if params.steering:
+            self._steering(params)
+
+    def _steering(self, params: SamplingParams) -> list[ResolvedSteer]:
+        """Resolve the request's steers against the model and apply the instance policy."""
+        if not self.config.enable_steering:
+            raise ValueError("steering: this instance was started with enable_steering=False")
+        mc = self.model_config
+        return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype, self.runner.device,
+                                self.config.max_steers_per_request)
 
     def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool) -> Selection:
         """Resolve the request's hidden-state spec and apply the instance policy."""
@@ -123,6 +135,10 @@ class LLMEngine:
         if params.hidden_states is not None:
             sel = self._selection(token_ids, params, encode)
             req.capture = RequestCapture(sel, params.hidden_states, len(token_ids), self.runner.device)
+        if params.steering:
+            req.steering = self._steering(params)
+            # KV computed under a steer is only ever shared with requests under the same steers.
+            req.cache_salt = steering_digest(params.steering)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         self.requests[rid] = req
         self.scheduler.add(req)

@@ -15,6 +15,7 @@ from tapllm.engine.sampler import sample
 from tapllm.engine.scheduler import ScheduledItem, SchedulerOutput
 from tapllm.hidden_states.capture import CopySink
 from tapllm.hidden_states.plan import CaptureEntry, CapturePlan
+from tapllm.steering.plan import SteeringPlan
 from tapllm.layers.attention import AttentionMetadata, PrefillChunk
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
@@ -83,9 +84,11 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> dict[Request, int]:
         """Run one step; returns the sampled token of each request that reached its last token."""
         items = sorted(sched.items, key=lambda it: it.num_tokens != 1)  # decodes first
-        input_ids, positions, meta, sample_rows, captures = self._prepare(items)
+        input_ids, positions, meta, sample_rows, captures, steers = self._prepare(items)
         plan = CapturePlan(captures, self.device, self.capture_sink) if captures else None
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, plan.record if plan else None)
+        steering = SteeringPlan(steers, self.device) if steers else None
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, plan.record if plan else None,
+                            steering if steering else None)
         if plan is not None:
             plan.finish()
         if not sample_rows:
@@ -99,7 +102,7 @@ class ModelRunner:
 
     def _prepare(
         self, items: list[ScheduledItem]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, Request]], list[CaptureEntry]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, Request]], list[CaptureEntry], list]:
         bs = self.ecfg.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -109,6 +112,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         captures: list[CaptureEntry] = []
+        steers: list = []
         for it in items:
             req, start, n = it.request, it.start, it.num_tokens
             row = len(ids)
@@ -130,6 +134,8 @@ class ModelRunner:
                 window = req.capture.window(start, n)
                 if window is not None:
                     captures.append(CaptureEntry(req.capture, row + window[0] - start, *window))
+            if req.steering:
+                steers.append((req.steering, row, start, n, req.num_prompt_tokens))
         dev = self.device
         decode_bt = decode_bias = None
         if decode_tables:
@@ -145,4 +151,4 @@ class ModelRunner:
             decode_bias=decode_bias,
             prefills=prefills,
         )
-        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, captures
+        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, captures, steers

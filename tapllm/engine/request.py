@@ -49,6 +49,7 @@ class Request:
     cumulative_logprob: float = 0.0
     detokenizer: object | None = None
     capture: RequestCapture | None = None
+    steering: list | None = None  # ResolvedSteer list; its digest is in cache_salt
     encode_only: bool = False  # run the prompt for its hidden states; sample nothing
 
     def __post_init__(self) -> None:

@@ -21,6 +21,8 @@ from tapllm.layers.rotary import RotaryEmbedding, apply_rotary
 
 # recorder(point, layer, tensor [T, hidden]); layer is -1 for the "embed"/"final" pseudo-layers.
 Recorder = Callable[[str, int, torch.Tensor], None]
+# steerer(point, layer, tensor) modifies the planned rows in place and returns the tensor.
+Steerer = Callable[[str, int, torch.Tensor], torch.Tensor]
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -114,17 +116,30 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         recorder: Recorder | None = None,
+        steerer: Steerer | None = None,
     ) -> torch.Tensor:
-        """Run the ragged batch; returns the final-norm hidden states [T, hidden]."""
+        """Run the ragged batch; returns the final-norm hidden states [T, hidden].
+
+        ``steerer`` changes a point's tensor before anything reads it (so recorded states
+        include the steering); ``recorder`` then sees every point.
+        """
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         if recorder is not None:
             recorder("embed", -1, x)
         for i, layer in enumerate(self.layers):
+            if steerer is not None:
+                x = steerer("resid_pre", i, x)
             attn_out = layer.self_attn(layer.input_layernorm(x), cos_sin, kv_caches[i], meta)
+            if steerer is not None:
+                attn_out = steerer("attn_out", i, attn_out)
             mid = x + attn_out
             mlp_out = layer.mlp(layer.post_attention_layernorm(mid))
+            if steerer is not None:
+                mlp_out = steerer("mlp_out", i, mlp_out)
             out = mid + mlp_out
+            if steerer is not None:
+                out = steerer("resid_post", i, out)
             if recorder is not None:
                 recorder("resid_pre", i, x)
                 recorder("attn_out", i, attn_out)

@@ -126,6 +126,9 @@ def create_app(llm: LLM, served_model_name: str, api_key: str | None = None) -> 
         if wants_states and not llm.engine.config.enable_hidden_states:
             raise APIError(400, "this server does not serve hidden states (start it with --enable-hidden-states)",
                            param="hidden_states")
+        if isinstance(body, _Sampling) and body.steering and not llm.engine.config.enable_steering:
+            raise APIError(400, "this server does not serve steering (start it with --enable-steering)",
+                           param="steering")
 
     def stage(prompts: Sequence[str | list[int]], params: list[SamplingParams], encode: bool
               ) -> list[tuple[str | None, list[int], SamplingParams]]:

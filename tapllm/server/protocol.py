@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.hidden_states.wire import tensor_from_wire
 from tapllm.sampling_params import SamplingParams
+from tapllm.steering.spec import Steer
 
 PromptInput = str | list[int] | list[str | list[int]]
 
@@ -50,6 +51,28 @@ class HiddenStatesRequest(BaseModel):
         )
 
 
+class SteerRequest(BaseModel):
+    """One entry of the ``steering`` extension; vectors as ``{"shape", "dtype", "data"}`` or lists."""
+
+    model_config = ConfigDict(extra="forbid")
+    layers: list[int] | None = None
+    point: str = "resid_post"
+    op: str = "add"
+    vector: WireTensor | list[float] | dict[str, WireTensor | list[float]]
+    scale: float = 1.0
+    positions: str = "all"
+
+    def to_steer(self) -> Steer:
+        """The engine-side ``Steer``; ``ValueError`` names the field."""
+        vector: Any = self.vector
+        if isinstance(vector, WireTensor):
+            vector = vector.model_dump()
+        elif isinstance(vector, dict):
+            vector = {k: v.model_dump() if isinstance(v, WireTensor) else v for k, v in vector.items()}
+        return Steer(layers=self.layers, point=self.point, op=self.op, vector=vector, scale=self.scale,
+                     positions=self.positions)
+
+
 class _Sampling(BaseModel):
     """Fields shared by completions and chat; unknown OpenAI fields are accepted and ignored."""
 
@@ -71,6 +94,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     hidden_states: HiddenStatesRequest | None = None
+    steering: list[SteerRequest] | None = None
 
     def unsupported(self) -> str | None:
         """The first requested feature tapllm does not implement, as a message, or None."""
@@ -93,6 +117,7 @@ class _Sampling(BaseModel):
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             hidden_states=self.hidden_states.to_spec() if self.hidden_states is not None else None,
+            steering=[s.to_steer() for s in self.steering] if self.steering else None,
         )
 
 

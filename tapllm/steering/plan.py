@@ -1,0 +1,103 @@
+"""Steering resolved for a request, and the per-step plan the model calls at each point.
+
+The plan lists, per (point, block), the batch rows of steered requests and what to do to
+them. The model calls it right after computing each steerable tensor, before that tensor is
+recorded or used, so the rest of the forward (and any captured state) sees the steered
+value. Rows of other requests are never touched; a step without steered requests has no
+plan, and the model gets no steerer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tapllm.steering.spec import Steer
+
+
+@dataclass(slots=True)
+class ResolvedSteer:
+    """A ``Steer`` checked against the model, with its vectors on the device."""
+
+    point: str
+    op: str
+    vectors: dict[int, torch.Tensor]  # block -> add: scale * vector (model dtype); ablate: unit (float32)
+    positions: str
+
+    def window(self, num_prompt: int, start: int, n: int) -> tuple[int, int] | None:
+        """The part ``[a, b)`` of a chunk of positions ``[start, start + n)`` this steer applies to."""
+        lo, hi = {"all": (0, None), "prompt": (0, num_prompt), "generated": (num_prompt, None)}[self.positions]
+        a, b = max(start, lo), start + n if hi is None else min(start + n, hi)
+        return (a, b) if a < b else None
+
+
+def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int, dtype: torch.dtype,
+                     device: torch.device, max_steers: int) -> list[ResolvedSteer]:
+    """Check steers against the model; ``ValueError`` names the steer and field."""
+    if len(steers) > max_steers:
+        raise ValueError(f"steering: {len(steers)} steers, more than max_steers_per_request={max_steers}")
+    out = []
+    for i, s in enumerate(steers):
+        vectors = {}
+        for layer in s.layers:
+            if not -num_layers <= layer < num_layers:
+                raise ValueError(f"steering[{i}].layers: layer {layer} is out of range for a {num_layers}-block "
+                                 f"model (valid: {-num_layers}..{num_layers - 1})")
+            v = s.vector_for(layer)
+            if v.shape[0] != hidden_size:
+                raise ValueError(f"steering[{i}].vector has width {v.shape[0]}, but the model's hidden size is "
+                                 f"{hidden_size}")
+            block = layer % num_layers
+            if block in vectors:
+                raise ValueError(f"steering[{i}].layers names block {block} twice")
+            if s.op == "add":
+                vectors[block] = (s.scale * v).to(device, dtype)
+            else:
+                vectors[block] = (v / v.norm()).to(device, torch.float32)
+        out.append(ResolvedSteer(s.point, s.op, vectors, s.positions))
+    return out
+
+
+class SteeringPlan:
+    """The steering of one step; ``__call__(point, layer, t)`` modifies ``t``'s planned rows in place."""
+
+    def __init__(self, entries: list[tuple[list[ResolvedSteer], int, int, int, int]], device: torch.device) -> None:
+        # entries: (steers, first batch row, chunk start position, chunk length, prompt length)
+        ops: dict[tuple[str, int], list[tuple[int, int, str, torch.Tensor]]] = {}
+        for steers, row, start, n, num_prompt in entries:
+            for s in steers:
+                w = s.window(num_prompt, start, n)
+                if w is None:
+                    continue
+                r0, r1 = row + w[0] - start, row + w[1] - start
+                for block, vec in s.vectors.items():
+                    ops.setdefault((s.point, block), []).append((r0, r1, s.op, vec))
+        self.targets: dict[tuple[str, int], list] = {}
+        for key, lst in ops.items():
+            if len(lst) > 1 and all(op == "add" for _, _, op, _ in lst):
+                # Additions commute: one index_add_ for every steered row at this point.
+                idx = torch.cat([torch.arange(r0, r1, device=device) for r0, r1, _, _ in lst])
+                delta = torch.cat([v.expand(r1 - r0, -1) for r0, r1, _, v in lst])
+                self.targets[key] = [("merged", idx, delta)]
+            else:
+                self.targets[key] = [(op, slice(r0, r1), v) for r0, r1, op, v in lst]
+
+    def __bool__(self) -> bool:
+        return bool(self.targets)
+
+    def __call__(self, point: str, layer: int, t: torch.Tensor) -> torch.Tensor:
+        """Steer ``t`` ([tokens, hidden]) at ``point`` of block ``layer``; returns it."""
+        ops = self.targets.get((point, layer))
+        if ops is None:
+            return t
+        for op, rows, vec in ops:
+            if op == "merged":
+                t.index_add_(0, rows, vec)
+            elif op == "add":
+                t[rows] += vec
+            else:
+                x = t[rows].float()
+                t[rows] = (x - (x @ vec)[:, None] * vec).to(t.dtype)
+        return t
