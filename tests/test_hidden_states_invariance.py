@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import random_prompts
 from tapllm import LLM, HiddenStatesSpec, SamplingParams

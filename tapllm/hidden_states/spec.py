@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from tapllm._options import from_mapping
 
 # TransformerLens-style names; see DESIGN.md for their exact meaning.
 BLOCK_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
@@ -62,15 +64,7 @@ class HiddenStatesSpec:
     @classmethod
     def from_any(cls, value: HiddenStatesSpec | Mapping[str, Any]) -> HiddenStatesSpec:
         """Accept a spec or a plain dict with the same keys."""
-        if isinstance(value, HiddenStatesSpec):
-            return value
-        if isinstance(value, Mapping):
-            known = {f.name for f in fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"hidden_states: unknown key(s) {unknown}; known keys are {sorted(known)}")
-            return cls(**value)
-        raise ValueError(f"hidden_states must be a HiddenStatesSpec or a dict, got {type(value).__name__}")
+        return from_mapping(cls, value, "hidden_states")
 
     @classmethod
     def parse(cls, text: str) -> HiddenStatesSpec:

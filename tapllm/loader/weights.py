@@ -30,11 +30,23 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the checkpoint; a corrupt file raises ValueError."""
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint; a corrupt file raises ValueError.
+
+    The file is reopened for each group of tensors: ``safe_open`` maps the whole file, and
+    every page read stays in this process's RSS until the mapping is closed, so holding it
+    open for the whole load would add the checkpoint's size (e.g. a float32 conversion of a
+    bf16 model) to the load-time memory peak.
+    """
     for file in weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+                names = list(f.keys())
+            for start in range(0, len(names), _GROUP):
+                with safe_open(str(file), framework="pt") as f:
+                    batch = [(name, f.get_tensor(name)) for name in names[start : start + _GROUP]]
+                yield from batch
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ValueError(f"corrupt checkpoint file {file}: {exc}") from exc
+
+
+_GROUP = 16  # tensors read per mapping of the file

@@ -10,11 +10,13 @@ import hashlib
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tapllm._options import from_mapping
 
 STEER_POINTS = ("resid_pre", "attn_out", "mlp_out", "resid_post")
 OPS = ("add", "ablate")
@@ -86,15 +88,7 @@ class Steer:
     @classmethod
     def from_any(cls, value: Steer | Mapping[str, Any]) -> Steer:
         """Accept a ``Steer`` or a plain dict with the same keys."""
-        if isinstance(value, Steer):
-            return value
-        if isinstance(value, Mapping):
-            known = {f.name for f in fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"steering: unknown key(s) {unknown}; known keys are {sorted(known)}")
-            return cls(**value)
-        raise ValueError(f"steering entries must be Steer objects or dicts, got {type(value).__name__}")
+        return from_mapping(cls, value, "steering")
 
     @classmethod
     def from_file(cls, path: str | Path, scale: float = 1.0, op: str = "add", positions: str = "all") -> Steer:
