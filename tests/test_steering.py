@@ -172,6 +172,15 @@ def test_mixed_batch_and_prefix_cache(tiny_models):
     # ...while identical steers share, and unsteered requests keep sharing among themselves
     same = cache.generate([b], no_capture(steered), use_tqdm=False)[0]
     assert same.metrics["num_cached_tokens"] == 48
+    # a steer of generated positions only leaves the prompt's blocks shared with unsteered requests
+    late = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True,
+                          steering=[Steer(layers=[0, 1], vector=_vec(13), scale=2.0, positions="generated")])
+    late_out = cache.generate([b], late, use_tqdm=False)[0]
+    assert late_out.metrics["num_cached_tokens"] == 48
+    late_ref = LLM(path, dtype="float32", enable_prefix_caching=False).generate([b], late, use_tqdm=False)[0]
+    assert late_out.outputs[0].token_ids == late_ref.outputs[0].token_ids
+    assert cache.generate([b + late_out.outputs[0].token_ids], no_capture(plain),
+                          use_tqdm=False)[0].metrics["num_cached_tokens"] == 48  # not its steered blocks
     assert cache.generate([a], no_capture(plain), use_tqdm=False)[0].metrics["num_cached_tokens"] == 48
     ref = LLM(path, dtype="float32", enable_prefix_caching=False).generate([b], no_capture(steered),
                                                                            use_tqdm=False)[0]

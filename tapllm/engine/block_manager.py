@@ -14,8 +14,8 @@ class BlockManager:
     """Hands out KV cache blocks to requests and shares full blocks with equal prefixes.
 
     A full block is identified by a hash chained over all tokens up to its end (plus the
-    request's ``cache_salt``), so two requests share a block only when everything before it
-    is equal too. Blocks nobody references stay cached in LRU order until they are needed.
+    request's ``cache_salt`` from the block holding position ``salt_from`` on), so two
+    requests share a block only when everything before it is equal too. Blocks nobody references stay cached in LRU order until they are needed.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -46,9 +46,12 @@ class BlockManager:
         bs = self.block_size
         while len(req.block_hashes) < num_blocks:
             i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else req.cache_salt
+            parent = req.block_hashes[-1] if req.block_hashes else b""
+            # The salt (e.g. a steering hash) enters the chain at the first block whose KV it
+            # affects; blocks before it stay shareable with unsalted requests.
+            salt = req.cache_salt if (i + 1) * bs > req.salt_from else b""
             tokens = np.asarray(req.token_ids[i * bs : (i + 1) * bs], dtype=np.int64)
-            req.block_hashes.append(hashlib.blake2b(parent + tokens.tobytes(), digest_size=16).digest())
+            req.block_hashes.append(hashlib.blake2b(parent + salt + tokens.tobytes(), digest_size=16).digest())
         return req.block_hashes[:num_blocks]
 
     def find_cached_prefix(self, req: Request) -> list[int]:

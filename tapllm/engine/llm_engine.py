@@ -137,8 +137,10 @@ class LLMEngine:
             req.capture = RequestCapture(sel, params.hidden_states, len(token_ids), self.runner.device)
         if params.steering:
             req.steering = self._steering(params)
-            # KV computed under a steer is only ever shared with requests under the same steers.
+            # KV computed under a steer is only ever shared with requests under the same steers;
+            # steers of generated positions leave the prompt's blocks shareable.
             req.cache_salt = steering_digest(params.steering)
+            req.salt_from = min(len(token_ids) if s.positions == "generated" else 0 for s in params.steering)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         self.requests[rid] = req
         self.scheduler.add(req)

@@ -40,6 +40,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: bytes = b""
+    salt_from: int = 0  # blocks reaching this position or later carry cache_salt in their hash
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
