@@ -170,6 +170,9 @@ def test_kill_mid_run_then_resume_gives_the_same_dataset(tiny_models, tmp_path):
     with pytest.raises(FileNotFoundError, match="incomplete"):
         tapllm.datasets.open(cut)
     assert all(f.endswith((".safetensors", ".json", ".jsonl")) for f in visible)
+    # what a kill in the middle of safetensors' own write leaves (its Rust tempfile), whether
+    # or not this kill happened to land there
+    (cut / ".tmpAb12Cd").write_bytes(b"partial")
 
     assert _collect(model, inp, cut, *args) == 0  # the same command again
     assert not [f for f in cut.iterdir() if f.name.startswith(".")]  # no temporaries left

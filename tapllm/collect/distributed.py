@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from tapllm.collect.inputs import Item
 from tapllm.collect.run import CollectConfig, build_llm, describe, prepare_output, run_part, split_parts
+from tapllm.collect.writer import remove_library_temporaries
 
 logger = logging.getLogger("tapllm")
 MAX_RESTARTS = 2
@@ -68,6 +69,7 @@ def run_with_ray(cfg: CollectConfig, items: list[Item], address: str, show_progr
     run = ray.get(actors[0].identity.remote())
     if prepare_output(cfg.out, run, cfg.overwrite):
         return None, parts, 0.0
+    remove_library_temporaries(cfg.out)  # no worker writes yet
     t0 = time.perf_counter()
     refs = {}
     for k, (a, b) in enumerate(parts):

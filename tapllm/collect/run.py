@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from tapllm.collect.inputs import Item, fingerprint, read_items
 from tapllm.collect.shards import arrow_dtype_ok
-from tapllm.collect.writer import Manifest, OrderedShardWriter, ShardEntry
+from tapllm.collect.writer import Manifest, OrderedShardWriter, ShardEntry, remove_library_temporaries
 from tapllm.hidden_states.capture import resolve
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.sampling_params import SamplingParams
@@ -125,7 +125,7 @@ def prepare_output(out: Path, run: dict[str, Any], overwrite: bool) -> bool:
 
 
 def _is_ours(name: str) -> bool:
-    return name in _OURS or name.startswith(("part", "progress-part", ".part", ".metadata", ".run"))
+    return name in _OURS or name.startswith(("part", "progress-part", ".part", ".metadata", ".run", ".tmp"))
 
 
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -161,7 +161,9 @@ def run_part(llm: Any, cfg: CollectConfig, items: list[Item], part: int, start: 
     engine = llm.engine
     manifest = Manifest(cfg.out, part)
     done = manifest.load()
-    manifest.reset_to(done)  # drop a shard written but not recorded, and temporaries
+    manifest.reset_to(done)  # drop a shard written but not recorded, and our temporaries
+    if cfg.workers == 1:  # alone in the folder: a killed run's library temporaries can go too
+        remove_library_temporaries(cfg.out)
     resume = done[-1].requests[1] if done else start
     writer = OrderedShardWriter(manifest, resume, len(done), cfg.shard_tokens, cfg.fmt, list(cfg.points))
     params = cfg.params()
@@ -223,6 +225,7 @@ def finalize(out: Path, run: dict[str, Any], parts: list[tuple[int, int]], num_i
     if covered != num_items:
         raise RuntimeError(f"the manifests cover {covered} of {num_items} records; rerun to complete the dataset")
     rows = sum(e.rows for e in shards)
+    remove_library_temporaries(out)  # every writer has finished
     meta = {**run, "num_requests": num_items, "num_rows": rows, "num_shards": len(shards),
             "bytes": sum(e.bytes for e in shards), "shards": [asdict(e) for e in shards], "seconds": round(seconds, 3)}
     if run["storage"] == "arrow":

@@ -77,6 +77,18 @@ class Manifest:
             os.fsync(f.fileno())
 
 
+def remove_library_temporaries(out: Path) -> None:
+    """Delete temporaries a killed run left: safetensors writes through a Rust tempfile
+    (``.tmp`` + 6 characters) beside its target.
+
+    Call only while no writer runs in ``out`` (another worker's file would be cut short);
+    the folder holds only tapllm's files (see ``run.prepare_output``).
+    """
+    for f in out.iterdir():
+        if f.name.startswith(".tmp") and len(f.name) == 10 and f.is_file():
+            f.unlink()
+
+
 _DONE = object()
 
 
