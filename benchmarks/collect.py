@@ -62,7 +62,7 @@ def hf_collect(model: torch.nn.Module, prompts: list[list[int]], layers: list[in
                ) -> int:
     """The transformers loop; returns rows written."""
     out.mkdir()
-    writer = OrderedShardWriter(Manifest(out, 0), 0, 0, args.shard_tokens, "safetensors", ["resid_pre"])
+    writer = OrderedShardWriter(Manifest(out, 0), 0, 0, args.shard_tokens, "safetensors")
     rows = 0
     with torch.inference_mode():
         for b in range(0, len(prompts), args.hf_batch):

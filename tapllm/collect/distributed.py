@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tapllm.collect.inputs import Item
+from tapllm.collect.inputs import Item, fingerprint
 from tapllm.collect.run import CollectConfig, build_llm, describe, prepare_output, run_part, split_parts
 from tapllm.collect.writer import remove_library_temporaries
 
@@ -31,17 +31,13 @@ class CollectWorker:
         self.cfg = cfg
         self.llm = build_llm(cfg, threads)
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self, input_sha256: str) -> dict[str, Any]:
         """The run description as this worker's engine sees it."""
-        return describe(self.cfg, self.llm)
+        return describe(self.cfg, self.llm, input_sha256)
 
     def run(self, items: list[Item], part: int, start: int, end: int) -> int:
         """Collect input [start, end) as part ``part``; returns the number of shards."""
         return len(run_part(self.llm, self.cfg, items, part, start, end, show_progress=False))
-
-    def pid(self) -> int:
-        """The worker's process id (tests kill it to check recovery)."""
-        return os.getpid()
 
 
 def run_with_ray(cfg: CollectConfig, items: list[Item], address: str, show_progress: bool
@@ -66,7 +62,8 @@ def run_with_ray(cfg: CollectConfig, items: list[Item], address: str, show_progr
     cfg = replace(cfg, input=cfg.input.resolve(), out=cfg.out.resolve())
     parts = split_parts(len(items), cfg.workers)
     actors = [Actor.remote(cfg, per_worker) for _ in parts]
-    run = ray.get(actors[0].identity.remote())
+    # The driver hashes the input: worker nodes get their records shipped, not the file.
+    run = ray.get(actors[0].identity.remote(fingerprint(cfg.input)))
     if prepare_output(cfg.out, run, cfg.overwrite):
         return None, parts, 0.0
     remove_library_temporaries(cfg.out)  # no worker writes yet

@@ -85,7 +85,7 @@ def build_llm(cfg: CollectConfig, threads: int | None = None) -> Any:
                hidden_states_max_bytes_per_request=None)
 
 
-def describe(cfg: CollectConfig, llm: Any) -> dict[str, Any]:
+def describe(cfg: CollectConfig, llm: Any, input_sha256: str) -> dict[str, Any]:
     """The run's identity (``run.json``): model, settings, resolved layers, input hash."""
     mc = llm.engine.model_config
     sel = resolve(cfg.spec(), num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
@@ -98,7 +98,7 @@ def describe(cfg: CollectConfig, llm: Any) -> dict[str, Any]:
         "dtype": str(mc.dtype).removeprefix("torch."), "hidden_size": mc.hidden_size,
         "layers": list(sel.layers), "points": list(cfg.points), "positions": cfg.spec().positions,
         "max_tokens": cfg.max_tokens, "storage": cfg.fmt, "shard_tokens": cfg.shard_tokens,
-        "workers": cfg.workers, "input": str(cfg.input.resolve()), "input_sha256": fingerprint(cfg.input),
+        "workers": cfg.workers, "input": str(cfg.input.resolve()), "input_sha256": input_sha256,
     }
 
 
@@ -165,7 +165,7 @@ def run_part(llm: Any, cfg: CollectConfig, items: list[Item], part: int, start: 
     if cfg.workers == 1:  # alone in the folder: a killed run's library temporaries can go too
         remove_library_temporaries(cfg.out)
     resume = done[-1].requests[1] if done else start
-    writer = OrderedShardWriter(manifest, resume, len(done), cfg.shard_tokens, cfg.fmt, list(cfg.points))
+    writer = OrderedShardWriter(manifest, resume, len(done), cfg.shard_tokens, cfg.fmt)
     params = cfg.params()
     encode = cfg.max_tokens == 0
     window = 2 * engine.config.max_num_seqs
@@ -256,7 +256,7 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
         if cfg.workers != 1:
             raise ValueError("--workers needs --ray-address (use 'local' for a Ray instance on this machine)")
         llm = build_llm(cfg)
-        run = describe(cfg, llm)
+        run = describe(cfg, llm, fingerprint(cfg.input))
         if prepare_output(cfg.out, run, cfg.overwrite):
             logger.info("%s already holds this complete dataset", cfg.out)
             return json.loads((cfg.out / "metadata.json").read_text())

@@ -95,14 +95,12 @@ _DONE = object()
 class OrderedShardWriter:
     """Writes shards of whole requests, in input order, on a background thread."""
 
-    def __init__(self, manifest: Manifest, next_index: int, seq: int, shard_tokens: int, fmt: str,
-                 points: list[str]) -> None:
+    def __init__(self, manifest: Manifest, next_index: int, seq: int, shard_tokens: int, fmt: str) -> None:
         self.manifest = manifest
         self.next_index = next_index
         self.seq = seq
         self.shard_tokens = shard_tokens
         self.fmt = fmt
-        self.points = points
         self.bytes_written = 0
         self.rows_written = 0
         self.entries: list[ShardEntry] = []

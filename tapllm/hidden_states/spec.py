@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tapllm._options import from_mapping
+from tapllm.hidden_states.reducers import get_reducer
 
 # TransformerLens-style names; see DESIGN.md for their exact meaning.
 BLOCK_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
@@ -51,8 +52,6 @@ class HiddenStatesSpec:
         self.layers = _check_layers(self.layers)
         self.positions = _check_positions(self.positions)
         if self.reduce is not None:
-            from tapllm.hidden_states.reducers import get_reducer
-
             if not isinstance(self.reduce, str):
                 raise ValueError(f"hidden_states.reduce must be a reducer name or None, got {self.reduce!r}")
             get_reducer(self.reduce)  # raises naming the known reducers

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tapllm.engine.request import Request
@@ -55,14 +55,12 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class AsyncEngine:
     """Runs an ``LLM``'s engine on a background thread for concurrent asyncio clients."""
 
     def __init__(self, llm: LLM) -> None:
-        self.llm = llm
         self.engine = llm.engine
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
