@@ -7,9 +7,10 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from tapllm._files import atomic_write
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -285,13 +286,5 @@ def _write_jsonl(rows: list[dict[str, Any]], path: Path | None) -> None:
     if path is None:
         sys.stdout.write(text)
         return
-    # Write beside the target and rename, so no half-written file is ever visible.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, text)  # no half-written file is ever visible
     print(f"wrote {len(rows)} results to {path}", file=sys.stderr)

@@ -24,7 +24,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
 
@@ -39,3 +39,7 @@ class RequestOutput:
     finished: bool = False
     hidden_states: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set when this request alone failed while others in its batch went on: the message, and
+    # "invalid_request_error" (its own input caused it) or "server_error" (e.g. a plugin raised).
+    error: str | None = None
+    error_type: str | None = None

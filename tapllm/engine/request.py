@@ -52,6 +52,8 @@ class Request:
     capture: RequestCapture | None = None
     steering: list | None = None  # ResolvedSteer list; its digest is in cache_salt
     encode_only: bool = False  # run the prompt for its hidden states; sample nothing
+    error: str | None = None  # why this request alone failed (finish_reason "error")
+    error_type: str | None = None  # "invalid_request_error" | "server_error"
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from tapllm._files import atomic_write
 
 FORMAT = "tapllm.hidden_states"
 VERSION = "1"
@@ -97,15 +98,7 @@ class HiddenStates(Mapping[str, torch.Tensor]):
         parent = path.parent if str(path.parent) else Path(".")
         if not parent.is_dir():
             raise FileNotFoundError(f"cannot save hidden states: no such directory: {parent}")
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> HiddenStates:
