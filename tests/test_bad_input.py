@@ -23,7 +23,18 @@ def llm(tiny_models):
         (dict(temperature=-0.5), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(top_p=1e-300), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(seed=1.5), "seed"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(stop=["a\ud800"]), "stop"),
         (dict(min_p=2.0), "min_p"),
         (dict(logprobs=-1), "logprobs"),
     ],
@@ -66,11 +77,16 @@ def test_prompt_larger_than_kv_cache(tiny_models):
         small.generate([list(range(100, 120))], use_tqdm=False)
 
 
-def test_request_outgrowing_the_cache_ends_with_length(tiny_models):
+def test_context_is_capped_to_the_kv_cache(tiny_models):
+    """A cache smaller than the context caps max_model_len, so no admitted request can outgrow it."""
     small = LLM(tiny_models["llama"], dtype="float32", block_size=4, kv_cache_blocks=3)
-    outs = small.generate([list(range(100, 108))], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "length"
-    assert len(outs[0].outputs[0].token_ids) == 12 - 8 + 1
+    assert small.engine.model_config.max_model_len == 12
+    outs = small.generate([list(range(100, 108))], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                          use_tqdm=False)
+    c = outs[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 12 - 8 and outs[0].error is None
+    with pytest.raises(ValueError, match=r"max_model_len\) is 12 \(capped to what the KV cache holds"):
+        small.generate([list(range(100, 112))], use_tqdm=False)
 
 
 @pytest.mark.parametrize(
