@@ -163,3 +163,41 @@ def test_sliding_window_caps_the_context(tiny_models, tmp_path):
         llm.generate([list(range(100, 170))], use_tqdm=False)
     out = llm.generate([list(range(100, 160))], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_python_api_argument_errors_name_the_argument(llm):
+    good = random_prompts([5])[0]
+    with pytest.raises(TypeError, match="bytes"):
+        llm.generate([b"bytes"], use_tqdm=False)
+    with pytest.raises(TypeError, match="bytes"):
+        llm.generate(b"bytes", use_tqdm=False)
+    with pytest.raises(TypeError, match=r"prompts\[1\]"):
+        llm.generate([good, 3.5], use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params"):
+        llm.generate([good], "greedy", use_tqdm=False)
+    with pytest.raises(ValueError, match="unknown key"):
+        llm.generate([good], {"max_tokenz": 2}, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"messages\[0\].content"):
+        llm.chat([{"role": "user", "content": 7}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\].content is required"):
+        llm.chat([{"role": "user"}], use_tqdm=False)
+    with pytest.raises(TypeError, match=r"messages\[1\].role"):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": None, "content": "x"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="not valid Unicode.*index 1"):
+        llm.generate(["a\ud800b"], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    # a dict works as SamplingParams, like every other option object
+    out = llm.generate([good], {"max_tokens": 2, "temperature": 0, "ignore_eos": True}, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_unusable_device_is_a_clear_error(tiny_models):
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            LLM(tiny_models["llama"], device="cuda")
+    with pytest.raises(ValueError, match="device"):
+        LLM(tiny_models["llama"], device="tpu")
+    with pytest.raises(ValueError, match="device"):
+        LLM(tiny_models["llama"], device="no such device")

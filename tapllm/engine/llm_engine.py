@@ -158,9 +158,13 @@ class LLMEngine:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             gen = torch.Generator().manual_seed(seed)
         req = Request(rid, n, prompt, token_ids, params, gen, encode_only=encode)
+        capture_error = None
         if params.hidden_states is not None:
             sel = self._selection(token_ids, params, encode)
-            req.capture = RequestCapture(sel, params.hidden_states, len(token_ids), self.runner.device)
+            try:  # a reducer plugin's start() runs here
+                req.capture = RequestCapture(sel, params.hidden_states, len(token_ids), self.runner.device)
+            except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                capture_error = f"hidden_states: starting the capture failed: {type(exc).__name__}: {exc}"
         if params.steering:
             req.steering = self._steering(params)
             # KV computed under a steer is shared only with requests under the same steers at the
@@ -168,6 +172,9 @@ class LLMEngine:
             req.steering_digest = steering_digest(params.steering)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         self.requests[rid] = req
+        if capture_error is not None:
+            self._fail(req, capture_error, "server_error")
+            return req
         self.scheduler.add(req)
         return req
 
