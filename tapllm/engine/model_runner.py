@@ -17,7 +17,7 @@ from tapllm.engine.scheduler import ScheduledItem
 from tapllm.hidden_states.capture import CopySink
 from tapllm.hidden_states.plan import CaptureEntry, CapturePlan
 from tapllm.steering.plan import SteeringPlan
-from tapllm.layers.attention import AttentionMetadata, PrefillChunk
+from tapllm.layers.attention import AttentionMetadata, PrefillChunk, group_prefills
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 from tapllm.platform import cpu_support, tune_cpu_allocator
@@ -174,11 +174,13 @@ class ModelRunner:
             decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev)
             decode_mask = (torch.arange(width * bs, device=dev)[None, :] >= lens[:, None])[:, None, :]
+        groups, alone = group_prefills(prefills, dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
             num_decodes=len(decode_tables),
             decode_block_tables=decode_bt,
             decode_mask=decode_mask,
-            prefills=prefills,
+            prefills=alone,
+            prefill_groups=groups,
         )
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, captures, steers

@@ -1,14 +1,17 @@
 """Causal attention over a paged KV cache, in plain PyTorch.
 
 The batch is ragged: rows ``[0, num_decodes)`` are single-token decodes, answered together
-by two batched matmuls over their gathered (padded, masked) contexts; each prefill chunk
-after them gets its own SDPA call, against its cached context plus the chunk itself. The same
-code runs on CPU and CUDA (where SDPA picks its flash or memory-efficient kernels).
+by two batched matmuls over their gathered (padded, masked) contexts. Prefill chunks with no
+cached context (fresh prompts) of similar lengths share one SDPA call over a right-padded
+``[count, length]`` batch (causal masking alone keeps real rows off the padding), so many
+short prompts do not cost one call each per layer; a chunk that continues a cached context
+gets its own SDPA call against that context plus itself. The same code runs on CPU and CUDA
+(where SDPA picks its flash or memory-efficient kernels).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +28,17 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class PrefillGroup:
+    """Fresh prompts attended in one SDPA call, right-padded to ``[count, length]``."""
+
+    count: int
+    length: int
+    gather: torch.Tensor  # [count * length] batch row feeding each padded slot (padding repeats a real row)
+    valid: torch.Tensor  # [n] padded slots holding real rows
+    rows: torch.Tensor  # [n] batch rows those real slots go back to
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Where each new token's K/V goes and what each query row may attend to."""
 
@@ -32,7 +46,43 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size]: True where masked
-    prefills: list[PrefillChunk]
+    prefills: list[PrefillChunk]  # chunks attended one by one
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
+
+
+# Padding costs attention work (quadratic in the padded length); below this length a prompt's
+# attention is so cheap that the saved per-call overhead always wins.
+_ALWAYS_GROUP = 64
+_MAX_PADDING_WORK = 1.3  # a group may do at most this much more attention work than its prompts need
+
+
+def group_prefills(chunks: list[PrefillChunk], device: torch.device) -> tuple[list[PrefillGroup], list[PrefillChunk]]:
+    """Split prefill chunks into padded groups of fresh prompts and chunks attended alone."""
+    fresh = sorted((c for c in chunks if c.context_len == 0), key=lambda c: -c.length)
+    alone = [c for c in chunks if c.context_len != 0]
+    groups: list[PrefillGroup] = []
+    i = 0
+    while i < len(fresh):
+        longest = fresh[i].length
+        members, work = [fresh[i]], longest * longest
+        for c in fresh[i + 1 :]:
+            if longest > _ALWAYS_GROUP and (len(members) + 1) * longest**2 > _MAX_PADDING_WORK * (work + c.length**2):
+                break
+            members.append(c)
+            work += c.length**2
+        i += len(members)
+        if len(members) == 1:
+            alone.append(members[0])
+            continue
+        gather, valid, rows = [], [], []
+        for m, c in enumerate(members):
+            span = list(range(c.start, c.start + c.length))
+            gather.extend(span + [span[-1]] * (longest - c.length))
+            valid.extend(range(m * longest, m * longest + c.length))
+            rows.extend(span)
+        groups.append(PrefillGroup(len(members), longest, torch.tensor(gather, device=device),
+                                   torch.tensor(valid, device=device), torch.tensor(rows, device=device)))
+    return groups, alone
 
 
 def paged_attention(
@@ -61,6 +111,14 @@ def paged_attention(
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+    for g in meta.prefill_groups:
+        def padded(x: torch.Tensor) -> torch.Tensor:
+            return x.index_select(0, g.gather).view(g.count, g.length, x.shape[1], dim).transpose(1, 2)
+
+        og = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale,
+                                            enable_gqa=True)  # [count, H, length, D]
+        og = og.transpose(1, 2).reshape(g.count * g.length, q.shape[1], dim).index_select(0, g.valid)
+        out.index_copy_(0, g.rows, og)
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         qc = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
