@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from tapllm.collect.run import CollectConfig, collect  # noqa: E402
-from tapllm.collect.writer import Manifest, OrderedShardWriter  # noqa: E402
+from tapllm.collect.writer import Manifest, ShardWriter  # noqa: E402
 from tapllm.loader import resolve_model  # noqa: E402
 
 
@@ -62,8 +62,9 @@ def hf_collect(model: torch.nn.Module, prompts: list[list[int]], layers: list[in
                ) -> int:
     """The transformers loop; returns rows written."""
     out.mkdir()
-    writer = OrderedShardWriter(Manifest(out, 0), 0, 0, args.shard_tokens, "safetensors")
-    rows = 0
+    writer = ShardWriter(Manifest(out, 0), 0, "safetensors")
+    group: list[dict[str, torch.Tensor]] = []
+    first = rows = group_rows = 0
     with torch.inference_mode():
         for b in range(0, len(prompts), args.hf_batch):
             batch = prompts[b : b + args.hf_batch]
@@ -77,9 +78,15 @@ def hf_collect(model: torch.nn.Module, prompts: list[list[int]], layers: list[in
             states = torch.stack([hs[i] for i in layers], dim=2)  # [batch, width, 3, hidden]
             for i, p in enumerate(batch):
                 n = len(p)
-                writer.put(b + i, {"token_id": torch.tensor(p), "request_index": torch.full((n,), b + i),
-                                   "position": torch.arange(n), "resid_pre": states[i, :n].clone()})
+                group.append({"token_id": torch.tensor(p), "request_index": torch.full((n,), b + i),
+                              "position": torch.arange(n), "resid_pre": states[i, :n].clone()})
                 rows += n
+                group_rows += n
+                if group_rows >= args.shard_tokens:  # the same cut as tapllm's groups
+                    writer.put(first, b + i + 1, group)
+                    group, first, group_rows = [], b + i + 1, 0
+    if group:
+        writer.put(first, len(prompts), group)
     writer.close()
     return rows
 

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="0 = prompts only; > 0 generates (greedy) and also captures generated positions "
                      "with --positions all")
     col.add_argument("--format", dest="fmt", default="safetensors", choices=["safetensors", "arrow"])
-    col.add_argument("--shard-tokens", type=int, default=65536, help="rows per shard (cut at request ends)")
+    col.add_argument("--shard-tokens", type=int, default=65536,
+                     help="rows per shard: a group of consecutive records, cut at the first record that reaches "
+                     "it, run by itself (so a resumed run is bitwise identical)")
     col.add_argument("--overwrite", action="store_true", help="replace a different run's dataset in --out")
     col.add_argument("--ray-address", default=None,
                      help="run on Ray: 'local' (start one here), 'auto' (the cluster this node belongs to) or an address")

@@ -143,7 +143,21 @@ def _slow_records(n: int) -> list[dict]:
     return [{"prompt_token_ids": p} for p in random_prompts([40 + (i % 60) for i in range(n)], seed=5)]
 
 
-def test_kill_mid_run_then_resume_gives_the_same_dataset(tiny_models, tmp_path):
+def _assert_bitwise_equal(a_dir: Path, b_dir: Path) -> None:
+    """Same shards (files, record ranges, sha256 of the bytes) and equal tensors."""
+    a, b = tapllm.datasets.open(a_dir), tapllm.datasets.open(b_dir)
+    a.verify()
+    b.verify()
+    key = ("file", "requests", "rows", "bytes", "sha256")
+    assert [[s[k] for k in key] for s in a.shards] == [[s[k] for k in key] for s in b.shards]
+    for i in range(len(a.shards)):
+        sa, sb = a.shard(i), b.shard(i)
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_kill_mid_run_then_resume_gives_a_bitwise_identical_dataset(tiny_models, tmp_path, capsys):
+    """kill -9 mid-run, the same command again: every shard's bytes equal an uninterrupted run's.
+    While the first run works, a second one on the same folder is refused at once (the lock)."""
     model = tiny_models["llama"]
     inp = _write_jsonl(tmp_path / "in.jsonl", _slow_records(600))
     args = ["--layers", "all", "--points", "resid_post,mlp_out", "--shard-tokens", "500", "--max-num-seqs", "8"]
@@ -153,14 +167,25 @@ def test_kill_mid_run_then_resume_gives_the_same_dataset(tiny_models, tmp_path):
     cut = tmp_path / "cut"
     cmd = [sys.executable, "-m", "tapllm", "collect", "--model", str(model), "--input", str(inp), "--out", str(cut),
            "--dtype", "float32", "--quiet", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # the same intra-op threads as this process, which computed the uninterrupted run
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     manifest = cut / "progress-part000.jsonl"
     deadline = time.time() + 120
+    contended = False
     while time.time() < deadline and proc.poll() is None:
-        if manifest.exists() and len(manifest.read_text().splitlines()) >= 3:
+        lines = len(manifest.read_text().splitlines()) if manifest.exists() else 0
+        if lines >= 1 and not contended:
+            # a second run (this process) on the folder the first one is writing
+            assert _collect(model, inp, cut, *args) == 2
+            msg = capsys.readouterr().err
+            assert f"--out {cut} is in use by another tapllm collect run (pid {proc.pid} on " in msg
+            contended = True
+        if lines >= 3:
             break
         time.sleep(0.01)
     assert proc.poll() is None, "the run finished before it could be interrupted"
+    assert contended
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (cut / "metadata.json").exists()
@@ -169,17 +194,14 @@ def test_kill_mid_run_then_resume_gives_the_same_dataset(tiny_models, tmp_path):
     assert 3 <= done < len(json.loads((whole / "metadata.json").read_text())["shards"])
     with pytest.raises(FileNotFoundError, match="incomplete"):
         tapllm.datasets.open(cut)
-    assert all(f.endswith((".safetensors", ".json", ".jsonl")) for f in visible)
+    assert all(f.endswith((".safetensors", ".json", ".jsonl")) or f == "collect.lock" for f in visible)
     # what a kill in the middle of safetensors' own write leaves (its Rust tempfile), whether
     # or not this kill happened to land there
     (cut / ".tmpAb12Cd").write_bytes(b"partial")
 
-    assert _collect(model, inp, cut, *args) == 0  # the same command again
+    assert _collect(model, inp, cut, *args) == 0  # the same command again: the dead run's lock is gone
     assert not [f for f in cut.iterdir() if f.name.startswith(".")]  # no temporaries left
-    a, b = tapllm.datasets.open(whole), tapllm.datasets.open(cut)
-    b.verify()
-    assert [s["requests"] for s in a.shards] == [s["requests"] for s in b.shards]
-    _assert_same_dataset(a, b)
+    _assert_bitwise_equal(whole, cut)
 
 
 def test_ray_workers_produce_the_same_dataset(tiny_models, tmp_path):
@@ -192,9 +214,11 @@ def test_ray_workers_produce_the_same_dataset(tiny_models, tmp_path):
                 dtype="float32", max_num_seqs=16)
     collect(CollectConfig(out=tmp_path / "single", **base), show_progress=False)
     slow = _write_jsonl(tmp_path / "slow.jsonl", _slow_records(800))
-    slow_base = {**base, "input": slow, "layers": "all", "points": ["resid_post", "mlp_out"], "max_num_seqs": 4}
-    collect(CollectConfig(out=tmp_path / "slow-single", **slow_base), show_progress=False)
+    slow_base = {**base, "input": slow, "layers": "all", "points": ["resid_post", "mlp_out"], "max_num_seqs": 4,
+                 "shard_tokens": 300}
     try:
+        collect(CollectConfig(out=tmp_path / "slow-ray", workers=2, **slow_base), ray_address="local",
+                show_progress=False)
         meta = collect(CollectConfig(out=tmp_path / "ray", workers=2, **base), ray_address="local",
                        show_progress=False)
         assert {s["part"] for s in meta["shards"]} == {0, 1}
@@ -222,7 +246,7 @@ def test_ray_workers_produce_the_same_dataset(tiny_models, tmp_path):
         thread.join(timeout=300)
         assert killed is not None, "no worker could be killed mid-run"
         assert "meta" in result
-        _assert_same_dataset(tapllm.datasets.open(tmp_path / "slow-single"), tapllm.datasets.open(tmp_path / "ray-kill"))
+        _assert_bitwise_equal(tmp_path / "slow-ray", tmp_path / "ray-kill")
     finally:
         ray.shutdown()
 
@@ -277,7 +301,7 @@ def test_full_disk_leaves_no_corrupt_shard(tiny_models, tmp_path):
            "--dtype", "float32", "--quiet", "--layers", "all", "--points", "resid_post", "--shard-tokens", "1000"]
     done = subprocess.run(cmd, preexec_fn=limit, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
-    assert "no space left writing shard part000-" in done.stderr
+    assert f"no space left writing {out}/part000-" in done.stderr  # the file's path
     assert not [f for f in out.iterdir() if f.name.startswith(".")]
     listed = [json.loads(x)["file"] for x in (out / "progress-part000.jsonl").read_text().splitlines()]
     shards = sorted(f.name for f in out.glob("part000-*"))

@@ -68,8 +68,13 @@ def _item(rec: Any, where: str) -> Item:
 
 def _read_jsonl(path: Path) -> list[Any]:
     out = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # decoded line by line, so an error names its line
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte "
+                                 f"{exc.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -110,6 +115,8 @@ def _read_datasets_folder(path: Path) -> list[dict[str, Any]]:
 
 def fingerprint(path: Path) -> str:
     """A content hash of the input (file bytes, or a folder's files), to recognise a rerun."""
+    if not path.exists():
+        raise FileNotFoundError(f"--input: no such file or folder: {path}")
     h = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for f in files:

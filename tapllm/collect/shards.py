@@ -2,7 +2,8 @@
 
 A shard holds ``rows`` token rows: per point a ``[rows, layers, hidden]`` array, and the
 columns ``token_id``, ``request_index`` and ``position``. Files are written beside their
-final name and renamed into place after an fsync, so a shard is either whole or absent.
+final name and renamed into place after an fsync, so a shard is either whole or absent, and
+get the mode the umask gives (safetensors' own temporary is ``0600``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from tapllm._files import atomic_path
+
 INDEX_COLUMNS = ("token_id", "request_index", "position")
 SUFFIX = {"safetensors": ".safetensors", "arrow": ".arrow"}
 _ARROW_TYPES = {torch.float32: "float32", torch.float16: "float16"}
@@ -24,28 +27,35 @@ class DiskFullError(OSError):
     """The output device ran out of space (or a file size limit was hit) while writing."""
 
 
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def write_error(path: Path, exc: OSError) -> OSError:
+    """``exc`` restated so that it names ``path`` (a temporary's name, or none, is all many carry)."""
+    if exc.errno is None:
+        return OSError(f"cannot write {path}: {exc}")
+    reason = exc.strerror or os.strerror(exc.errno)
+    if exc.errno in _FULL:
+        return DiskFullError(exc.errno, f"no space left writing {path} ({reason})")
+    return OSError(exc.errno, f"cannot write {path}: {reason}")
+
+
 def write_shard(path: Path, columns: dict[str, torch.Tensor], fmt: str) -> tuple[int, str]:
-    """Write one shard atomically; returns (bytes, sha256 hex)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Write one shard atomically, with the umask's mode; returns (bytes, sha256 hex).
+
+    An ``OSError`` names ``path`` (``DiskFullError`` for a full disk or a file size limit).
+    """
     try:
-        if fmt == "safetensors":
-            _write_safetensors(tmp, columns)
-        else:
-            _write_arrow(tmp, columns)
-        with tmp.open("rb+") as f:
-            os.fsync(f.fileno())
-        digest = sha256_file(tmp)
-        size = tmp.stat().st_size
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            if fmt == "safetensors":
+                _write_safetensors(tmp, columns)
+            else:
+                _write_arrow(tmp, columns)
+        return path.stat().st_size, sha256_file(path)
+    except DiskFullError:
+        raise
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise DiskFullError(exc.errno, f"no space left writing shard {path.name} ({exc.strerror})") from None
-        raise
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return size, digest
+        raise write_error(path, exc) from None
 
 
 def _write_safetensors(path: Path, columns: dict[str, torch.Tensor]) -> None:

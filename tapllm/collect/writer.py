@@ -1,9 +1,9 @@
 """The background shard writer and the per-part progress manifest that makes runs resumable.
 
-Finished requests arrive in any order; the writer thread puts them back in input order and
-cuts shards at request boundaries once a shard holds ``shard_tokens`` rows (so a shard
-exceeds that by less than one request). After each shard is renamed into place, a line is
-appended (and fsynced) to the part's manifest: a shard counts only once it is listed there.
+The engine loop hands over one group of consecutive records at a time (see
+``run.plan_groups``); the writer thread makes each group exactly one shard while the engine
+computes the next group. After a shard is renamed into place, a line is appended (and
+fsynced) to the part's manifest: a shard counts only once it is listed there.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tapllm.collect.shards import SUFFIX, write_shard
+from tapllm._files import atomic_write
+from tapllm.collect.shards import SUFFIX, write_error, write_shard
 
 
 @dataclass(slots=True)
@@ -62,113 +63,106 @@ class Manifest:
         keep = {e.file for e in entries}
         prefix = f"part{self.part:03d}-"
         for f in self.out.iterdir():
-            stray_tmp = f.name.startswith(f".{prefix}") and f.name.endswith(".tmp")
+            stray_tmp = f.name.startswith((f".{prefix}", f".{self.path.name}.")) and f.name.endswith(".tmp")
             if stray_tmp or (f.name.startswith(prefix) and f.name not in keep):
                 f.unlink()
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(asdict(e)) + "\n" for e in entries))
-        os.replace(tmp, self.path)
+        try:
+            atomic_write(self.path, "".join(json.dumps(asdict(e)) + "\n" for e in entries))
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
 
     def append(self, entry: ShardEntry) -> None:
         """Record a complete shard durably."""
-        with self.path.open("a") as f:
-            f.write(json.dumps(asdict(entry)) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(asdict(entry)) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise write_error(self.path, exc) from None
 
 
-def remove_library_temporaries(out: Path) -> None:
-    """Delete temporaries a killed run left: safetensors writes through a Rust tempfile
-    (``.tmp`` + 6 characters) beside its target.
+def remove_temporaries(out: Path) -> None:
+    """Delete the temporaries a killed run left: ours (``.NAME.XXXXXXXX.tmp`` beside each file)
+    and safetensors' (it writes through a Rust tempfile, ``.tmp`` + 6 characters).
 
     Call only while no writer runs in ``out`` (another worker's file would be cut short);
-    the folder holds only tapllm's files (see ``run.prepare_output``).
+    the folder holds only tapllm's files (see ``run.check_output``).
     """
     for f in out.iterdir():
-        if f.name.startswith(".tmp") and len(f.name) == 10 and f.is_file():
+        library = f.name.startswith(".tmp") and len(f.name) == 10
+        ours = f.name.startswith(".") and f.name.endswith(".tmp")
+        if (library or ours) and f.is_file():
             f.unlink()
 
 
 _DONE = object()
 
 
-class OrderedShardWriter:
-    """Writes shards of whole requests, in input order, on a background thread."""
+class ShardWriter:
+    """Writes each group of records handed to it as one shard, on a background thread.
 
-    def __init__(self, manifest: Manifest, next_index: int, seq: int, shard_tokens: int, fmt: str) -> None:
+    ``put`` waits until the previous group is written, so at most two groups are held: the
+    one being written and the one the engine is computing.
+    """
+
+    def __init__(self, manifest: Manifest, seq: int, fmt: str) -> None:
         self.manifest = manifest
-        self.next_index = next_index
         self.seq = seq
-        self.shard_tokens = shard_tokens
         self.fmt = fmt
         self.bytes_written = 0
         self.rows_written = 0
         self.entries: list[ShardEntry] = []
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}
-        self._buffer: list[dict[str, torch.Tensor]] = []
-        self._buffer_first = next_index
-        self._buffer_rows = 0
-        self._queue: queue.Queue = queue.Queue(maxsize=256)  # backpressure on the engine loop
+        self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self._aborted = False
         self._thread = threading.Thread(target=self._run, name="tapllm-shard-writer", daemon=True)
         self._thread.start()
 
-    def put(self, index: int, columns: dict[str, torch.Tensor]) -> None:
-        """Hand over request ``index``'s rows (``token_id``, ``request_index``, ``position``, points)."""
+    def put(self, first: int, end: int, records: list[dict[str, torch.Tensor]]) -> None:
+        """Hand over records [first, end): per record its rows (``token_id``, ``request_index``,
+        ``position``, points), in input order."""
+        self._queue.join()  # the previous shard is on disk (or failed)
         self._raise_if_failed()
-        self._queue.put((index, columns))
+        self._queue.put((first, end, records))
 
     def close(self) -> list[ShardEntry]:
-        """Flush the last shard, stop the thread, re-raise any write error."""
+        """Finish the last shard, stop the thread, re-raise any write error."""
         self._queue.put(_DONE)
         self._thread.join()
         self._raise_if_failed()
         return self.entries
 
     def abort(self) -> None:
-        """Stop without flushing the partial shard (the run failed elsewhere)."""
-        self._aborted = True
+        """Stop after the shard in hand (a whole group: worth keeping for the rerun)."""
         self._queue.put(_DONE)
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=600)
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
 
     def _run(self) -> None:
-        try:
-            while True:
-                item = self._queue.get()
+        while True:
+            item = self._queue.get()
+            try:
                 if item is _DONE:
-                    if self._error is None and not self._aborted:
-                        self._flush()
                     return
-                if self._error is not None:
-                    continue
-                index, columns = item
-                self._pending[index] = columns
-                while self.next_index in self._pending:
-                    cols = self._pending.pop(self.next_index)
-                    self._buffer.append(cols)
-                    self._buffer_rows += int(cols["position"].shape[0])
-                    self.next_index += 1
-                    if self._buffer_rows >= self.shard_tokens:
-                        self._flush()
-        except BaseException as exc:  # surfaced to the engine loop on its next put / close
-            self._error = exc
+                if self._error is None:
+                    self._write(*item)
+            except BaseException as exc:  # surfaced to the engine loop on its next put / close
+                self._error = exc
+            finally:
+                self._queue.task_done()
 
-    def _flush(self) -> None:
-        if not self._buffer:
-            return
-        columns = {k: torch.cat([b[k] for b in self._buffer]) for k in self._buffer[0]}
+    def _write(self, first: int, end: int, records: list[dict[str, torch.Tensor]]) -> None:
+        columns = {k: torch.cat([r[k] for r in records]) for k in records[0]}
+        records.clear()  # the concatenated copy is all this shard needs now
+        rows = int(columns["position"].shape[0])
         name = f"part{self.manifest.part:03d}-{self.seq:05d}{SUFFIX[self.fmt]}"
         size, digest = write_shard(self.manifest.out / name, columns, self.fmt)
-        entry = ShardEntry(name, self.manifest.part, self.seq, self._buffer_rows,
-                           [self._buffer_first, self.next_index], size, digest)
+        entry = ShardEntry(name, self.manifest.part, self.seq, rows, [first, end], size, digest)
         self.manifest.append(entry)
         self.entries.append(entry)
         self.bytes_written += size
-        self.rows_written += self._buffer_rows
+        self.rows_written += rows
         self.seq += 1
-        self._buffer, self._buffer_first, self._buffer_rows = [], self.next_index, 0
