@@ -74,10 +74,11 @@ class Guard:
         try:
             receive = await self._admit(scope, receive, label)
         except _Refuse as r:
-            headers = [(b"content-type", b"application/json"), *r.headers]
+            body = encode(error_body(r.message, r.type, code=r.code))
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       *r.headers]
             if r.close:
                 headers.append((b"connection", b"close"))
-            body = encode(error_body(r.message, r.type, code=r.code))
             await counted_send({"type": "http.response.start", "status": r.status, "headers": headers})
             await counted_send({"type": "http.response.body", "body": body})
             return
