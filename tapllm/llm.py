@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from tapllm._options import from_mapping
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.loader import resolve_model
 from tapllm.outputs import RequestOutput
-from tapllm.sampling_params import SamplingParams
+from tapllm.sampling_params import SamplingParams, check_unicode
 
 logger = logging.getLogger("tapllm")
 
@@ -44,6 +45,11 @@ class LLM:
             exceed this many bytes (``None``: no limit). Generous by default for offline use.
         enable_steering: accept requests with ``steering``.
         max_steers_per_request: most ``Steer`` entries one request may carry.
+        max_logprobs: most ``logprobs`` a request may ask for (vLLM's name and default, 20).
+
+    A request that fails alone while running (its reducer plugin raised, its steering made
+    the logits non-finite) comes back with ``finish_reason="error"`` and the message in
+    ``RequestOutput.error``; the other requests of the call complete normally.
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class LLM:
         hidden_states_max_bytes_per_request: int | None = 8 << 30,
         enable_steering: bool = True,
         max_steers_per_request: int = 16,
+        max_logprobs: int = 20,
     ) -> None:
         engine_config = EngineConfig(
             max_num_seqs=max_num_seqs,
@@ -75,11 +82,12 @@ class LLM:
             hidden_states_max_bytes_per_request=hidden_states_max_bytes_per_request,
             enable_steering=enable_steering,
             max_steers_per_request=max_steers_per_request,
+            max_logprobs=max_logprobs,
         )
         engine_config.validate()
+        dev = resolve_device(device)
         folder = resolve_model(model)
-        model_config = ModelConfig.from_folder(folder, dtype)
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model_config = ModelConfig.from_folder(folder, dtype, dev)
         self.engine = LLMEngine(model_config, engine_config, dev)
 
     @property
@@ -139,8 +147,8 @@ class LLM:
             try:
                 text, ids = self.engine.tokenize(prompt)
                 self.engine.validate_prompt(ids, params, encode)
-            except ValueError as exc:
-                raise ValueError(f"prompts[{i}]: {exc}") from None
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
             staged.append((text, ids, params))
         reqs = []
         try:
@@ -161,9 +169,9 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the chat template."""
-        if not messages:
-            raise ValueError("messages is empty")
-        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+            raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
+        convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm)
         return outs
@@ -172,11 +180,12 @@ class LLM:
         """Render a conversation to the prompt text the model expects."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template")
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+        if isinstance(conversation, str | bytes) or not isinstance(conversation, Sequence) or not conversation:
+            raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for i, m in enumerate(conversation):
+            check_message(m, f"messages[{i}]")
         return self.tokenizer.apply_chat_template(
-            list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
+            [dict(m) for m in conversation], tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
     def _run(self, total: int, use_tqdm: bool, desc: str) -> None:
@@ -192,25 +201,93 @@ class LLM:
                     bar.set_postfix_str(f"{rate:.1f} tok/s")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` means CUDA when available, else CPU; ``ValueError`` names an unusable device."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: {device!r} is not a device name; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but CUDA is not available here (torch {torch.__version__}); "
+                             "use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif dev.type != "cpu":
+        raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
+    return dev
+
+
+def check_message(message: Any, where: str) -> None:
+    """``TypeError``/``ValueError`` naming ``where`` unless ``message`` is a usable chat message.
+
+    ``role`` must be a string; ``content`` a string or a list of ``{"type": "text", "text": ...}``
+    parts (``None`` only for an assistant turn).
+    """
+    if not isinstance(message, Mapping):
+        raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise TypeError(f"{where}.role must be a non-empty string, got {role!r}")
+    check_unicode(role, f"{where}.role")
+    if "content" not in message or message["content"] is None:
+        if role == "assistant":
+            return
+        raise ValueError(f"{where}.content is required for a {role!r} message")
+    content = message["content"]
+    if isinstance(content, str):
+        check_unicode(content, f"{where}.content")
+        return
+    if not isinstance(content, list):
+        raise TypeError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise TypeError(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}")
+        check_unicode(part["text"], f"{where}.content[{j}].text")
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, bytes | bytearray | memoryview):
+        raise TypeError("prompts: got bytes; pass text as str (decode it first) or token ids as a list of ints")
     if isinstance(prompts, torch.Tensor):
         prompts = prompts.tolist()
+    if not isinstance(prompts, Sequence) and not isinstance(prompts, Iterable):
+        raise TypeError(f"prompts must be a str, a list of token ids, or a list of those; got {type(prompts).__name__}")
     items = list(prompts)
-    if items and all(isinstance(x, int) for x in items):
+    if items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
         return [items]  # a single prompt of token ids
+    for i, x in enumerate(items):
+        if not isinstance(x, str | list | tuple | torch.Tensor):
+            raise TypeError(f"prompts[{i}] must be a str or a list of token ids, got {type(x).__name__}")
     return items
 
 
 def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]] | None, n: int
 ) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    plist = list(params)
+    if isinstance(params, SamplingParams | Mapping):
+        return [_as_params(params, "sampling_params")] * n
+    if isinstance(params, str | bytes) or not isinstance(params, Sequence):
+        raise TypeError(f"sampling_params must be a SamplingParams, a dict of its fields, or a list of those; "
+                        f"got {type(params).__name__}")
+    plist = [_as_params(p, f"sampling_params[{i}]") for i, p in enumerate(params)]
     if len(plist) != n:
         raise ValueError(f"sampling_params has {len(plist)} entries for {n} prompts")
     return plist
+
+
+def _as_params(value: Any, where: str) -> SamplingParams:
+    if isinstance(value, SamplingParams):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return from_mapping(SamplingParams, value, where)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}" if not str(exc).startswith(where) else str(exc)) from None
+    raise TypeError(f"{where} must be a SamplingParams or a dict of its fields, got {type(value).__name__}")

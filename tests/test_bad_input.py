@@ -23,7 +23,18 @@ def llm(tiny_models):
         (dict(temperature=-0.5), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature="0.5"), "temperature"),
+        (dict(top_p=1e-300), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(seed=1.5), "seed"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(stop=["a\ud800"]), "stop"),
         (dict(min_p=2.0), "min_p"),
         (dict(logprobs=-1), "logprobs"),
     ],
@@ -66,11 +77,16 @@ def test_prompt_larger_than_kv_cache(tiny_models):
         small.generate([list(range(100, 120))], use_tqdm=False)
 
 
-def test_request_outgrowing_the_cache_ends_with_length(tiny_models):
+def test_context_is_capped_to_the_kv_cache(tiny_models):
+    """A cache smaller than the context caps max_model_len, so no admitted request can outgrow it."""
     small = LLM(tiny_models["llama"], dtype="float32", block_size=4, kv_cache_blocks=3)
-    outs = small.generate([list(range(100, 108))], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "length"
-    assert len(outs[0].outputs[0].token_ids) == 12 - 8 + 1
+    assert small.engine.model_config.max_model_len == 12
+    outs = small.generate([list(range(100, 108))], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                          use_tqdm=False)
+    c = outs[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 12 - 8 and outs[0].error is None
+    with pytest.raises(ValueError, match=r"max_model_len\) is 12 \(capped to what the KV cache holds"):
+        small.generate([list(range(100, 112))], use_tqdm=False)
 
 
 @pytest.mark.parametrize(
@@ -147,3 +163,41 @@ def test_sliding_window_caps_the_context(tiny_models, tmp_path):
         llm.generate([list(range(100, 170))], use_tqdm=False)
     out = llm.generate([list(range(100, 160))], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_python_api_argument_errors_name_the_argument(llm):
+    good = random_prompts([5])[0]
+    with pytest.raises(TypeError, match="bytes"):
+        llm.generate([b"bytes"], use_tqdm=False)
+    with pytest.raises(TypeError, match="bytes"):
+        llm.generate(b"bytes", use_tqdm=False)
+    with pytest.raises(TypeError, match=r"prompts\[1\]"):
+        llm.generate([good, 3.5], use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params"):
+        llm.generate([good], "greedy", use_tqdm=False)
+    with pytest.raises(ValueError, match="unknown key"):
+        llm.generate([good], {"max_tokenz": 2}, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"messages\[0\].content"):
+        llm.chat([{"role": "user", "content": 7}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\].content is required"):
+        llm.chat([{"role": "user"}], use_tqdm=False)
+    with pytest.raises(TypeError, match=r"messages\[1\].role"):
+        llm.chat([{"role": "user", "content": "hi"}, {"role": None, "content": "x"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="not valid Unicode.*index 1"):
+        llm.generate(["a\ud800b"], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    # a dict works as SamplingParams, like every other option object
+    out = llm.generate([good], {"max_tokens": 2, "temperature": 0, "ignore_eos": True}, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+
+
+def test_unusable_device_is_a_clear_error(tiny_models):
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            LLM(tiny_models["llama"], device="cuda")
+    with pytest.raises(ValueError, match="device"):
+        LLM(tiny_models["llama"], device="tpu")
+    with pytest.raises(ValueError, match="device"):
+        LLM(tiny_models["llama"], device="no such device")

@@ -13,9 +13,11 @@ from tapllm.engine.request import Request
 class BlockManager:
     """Hands out KV cache blocks to requests and shares full blocks with equal prefixes.
 
-    A full block is identified by a hash chained over all tokens up to its end (plus the
-    request's ``cache_salt`` from the block holding position ``salt_from`` on), so two
-    requests share a block only when everything before it is equal too. Blocks nobody references stay cached in LRU order until they are needed.
+    A full block is identified by a hash chained over all tokens up to its end and, per
+    block, everything else its KV depends on (``Request.block_salt``: a tenant salt, and which
+    of its positions which steers touched), so two requests share a block only when its KV
+    and everything before it are equal too. Blocks nobody references stay cached in LRU
+    order until they are needed.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -47,9 +49,7 @@ class BlockManager:
         while len(req.block_hashes) < num_blocks:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else b""
-            # The salt (e.g. a steering hash) enters the chain at the first block whose KV it
-            # affects; blocks before it stay shareable with unsalted requests.
-            salt = req.cache_salt if (i + 1) * bs > req.salt_from else b""
+            salt = req.block_salt(i, bs)
             tokens = np.asarray(req.token_ids[i * bs : (i + 1) * bs], dtype=np.int64)
             req.block_hashes.append(hashlib.blake2b(parent + salt + tokens.tobytes(), digest_size=16).digest())
         return req.block_hashes[:num_blocks]

@@ -11,14 +11,15 @@ import torch
 
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.block_manager import BlockManager
-from tapllm.engine.model_runner import ModelRunner
+from tapllm.engine.model_runner import ModelRunner, StepResult
 from tapllm.engine.request import Request, RequestStatus
-from tapllm.engine.scheduler import Scheduler
+from tapllm.engine.sampler import RowFailure
+from tapllm.engine.scheduler import ScheduledItem, Scheduler
 from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
 from tapllm.steering.plan import ResolvedSteer, resolve_steering
 from tapllm.steering.spec import steering_digest
 from tapllm.outputs import CompletionOutput, RequestOutput
-from tapllm.sampling_params import SamplingParams
+from tapllm.sampling_params import SamplingParams, check_unicode
 from tapllm.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger("tapllm")
@@ -36,20 +37,46 @@ class LLMEngine:
         self.blocks = BlockManager(
             self.runner.num_blocks, engine_config.block_size, engine_config.enable_prefix_caching
         )
+        self._fit_context_to_cache()
         self.scheduler = Scheduler(engine_config, self.blocks)
         self._ids = itertools.count()
         self._seeds = torch.Generator().manual_seed(engine_config.seed)
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
+
+    def _fit_context_to_cache(self) -> None:
+        """Cap the context at what the KV cache holds, so every admitted request can finish.
+
+        Like vLLM, a request is never started that could not complete alone in an empty
+        cache: its prompt and generated tokens always fit, and preemption guarantees progress.
+        """
+        mc = self.model_config
+        cache_tokens = self.runner.num_blocks * self.config.block_size
+        self.context_limited_by_cache = cache_tokens < mc.max_model_len
+        if self.context_limited_by_cache:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than the model's context of %d: max_model_len is capped to "
+                "%d (raise kv_cache_blocks or kv_cache_memory_gb for longer sequences)",
+                cache_tokens, mc.max_model_len, cache_tokens,
+            )
+            mc.max_model_len = cache_tokens
 
     # ---- admission -------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        """Return ``(text, token ids)`` for a string or a list of token ids."""
+        """Return ``(text, token ids)`` for a string or a list of token ids.
+
+        ``TypeError`` for anything else (bytes included); ``ValueError`` for text that is not
+        valid Unicode or ids that are not integers.
+        """
         if isinstance(prompt, str):
+            check_unicode(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, bytes | bytearray | memoryview):
+            raise TypeError("prompt is bytes: pass text as str (decode it first) or token ids as a list of ints")
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
+        if not isinstance(prompt, Sequence):
+            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         try:
             return None, [operator.index(t) for t in prompt]
         except TypeError:
@@ -64,23 +91,22 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         limit = self.model_config.max_model_len
+        why = (" (capped to what the KV cache holds: raise kv_cache_blocks or kv_cache_memory_gb)"
+               if self.context_limited_by_cache else "")
         if encode and len(token_ids) > limit:
-            raise ValueError(f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {limit}")
+            raise ValueError(f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {limit}{why}")
         if not encode and len(token_ids) >= limit:
             raise ValueError(
-                f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {limit} "
+                f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {limit}{why} "
                 "and must leave room for at least one generated token"
             )
         vocab = self.model_config.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        cache_tokens = self.runner.num_blocks * self.config.block_size
-        if len(token_ids) + 1 > cache_tokens:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens but the KV cache holds only {cache_tokens}; "
-                "raise kv_cache_blocks or kv_cache_memory_gb"
-            )
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs: {params.logprobs} requested, more than max_logprobs="
+                             f"{self.config.max_logprobs} (the instance's limit)")
         if params.hidden_states is not None:
             self._selection(token_ids, params, encode)
         if params.steering:
@@ -132,17 +158,23 @@ class LLMEngine:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             gen = torch.Generator().manual_seed(seed)
         req = Request(rid, n, prompt, token_ids, params, gen, encode_only=encode)
+        capture_error = None
         if params.hidden_states is not None:
             sel = self._selection(token_ids, params, encode)
-            req.capture = RequestCapture(sel, params.hidden_states, len(token_ids), self.runner.device)
+            try:  # a reducer plugin's start() runs here
+                req.capture = RequestCapture(sel, params.hidden_states, len(token_ids), self.runner.device)
+            except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                capture_error = f"hidden_states: starting the capture failed: {type(exc).__name__}: {exc}"
         if params.steering:
             req.steering = self._steering(params)
-            # KV computed under a steer is only ever shared with requests under the same steers;
-            # steers of generated positions leave the prompt's blocks shareable.
-            req.cache_salt = steering_digest(params.steering)
-            req.salt_from = min(len(token_ids) if s.positions == "generated" else 0 for s in params.steering)
+            # KV computed under a steer is shared only with requests under the same steers at the
+            # same positions (Request.block_salt); unsteered blocks stay shareable with everyone.
+            req.steering_digest = steering_digest(params.steering)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
         self.requests[rid] = req
+        if capture_error is not None:
+            self._fail(req, capture_error, "server_error")
+            return req
         self.scheduler.add(req)
         return req
 
@@ -160,35 +192,69 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that finished in it."""
+        """Run one batch; returns the requests that finished in it.
+
+        A failure that belongs to one request (its sampling, capture, reducer plugin,
+        steering, detokenization) finishes that request alone with ``finish_reason="error"``;
+        the others in the batch go on as if it had not been there.
+        """
         sched = self.scheduler.schedule()
         finished: list[Request] = []
-        for req in sched.dropped:
-            logger.warning("request %s no longer fits the KV cache; finishing it", req.request_id)
-            self._finish(req, "length", None)
+        for req in sched.dropped:  # unreachable while max_model_len fits the cache; kept as a guard
+            self._fail(req, f"the request needs {req.num_tokens} tokens of KV cache, more than the cache "
+                       f"holds ({self.blocks.num_blocks * self.blocks.block_size})", "invalid_request_error")
             finished.append(req)
         if not sched.items:
             return finished
-        sampled = self.runner.execute(sched)
+        result = self._execute_isolated(sched.items)
+        for req, failure in result.failed.items():
+            self._fail(req, failure.message, failure.error_type)
+            finished.append(req)
         for it in sched.items:
             req = it.request
+            if req.finished:
+                continue
             req.num_computed_tokens += it.num_tokens
             self.blocks.cache_full_blocks(req)
-            if req.num_preemptions == 0 and it.start < req.num_prompt_tokens:
-                self.num_prompt_tokens += min(it.num_tokens, req.num_prompt_tokens - it.start)
             if req.encode_only and it.samples:
                 self._finish(req, "length", None)
                 finished.append(req)
-        for req, token in sampled.items():
+        for req, token in result.sampled.items():
             if self._append_token(req, token):
                 finished.append(req)
         return finished
+
+    def _execute_isolated(self, items: list[ScheduledItem]) -> StepResult:
+        """Run ``items``; if the batch raises, rerun halves until the failing request is alone.
+
+        Nothing a step commits (KV slots are rewritten with the same values, capture and
+        sampling happen after the forward) is done twice, so the other requests' tokens and
+        states equal those of an undisturbed step.
+        """
+        try:
+            return self.runner.execute(items)
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            if len(items) == 1:
+                logger.exception("request %s failed in the forward pass", items[0].request.request_id)
+                return StepResult(failed={items[0].request: RowFailure(
+                    f"the forward pass failed for this request: {type(exc).__name__}: {exc}", "server_error")})
+            logger.warning("a step of %d requests failed (%s: %s); rerunning it in halves to isolate the cause",
+                           len(items), type(exc).__name__, exc)
+        mid = len(items) // 2
+        first, second = self._execute_isolated(items[:mid]), self._execute_isolated(items[mid:])
+        first.sampled.update(second.sampled)
+        first.failed.update(second.failed)
+        return first
 
     def _append_token(self, req: Request, token: int) -> bool:
         req.token_ids.append(token)
         self.num_generated_tokens += 1
         p = req.params
-        delta = req.detokenizer.step(token)
+        try:
+            delta = req.detokenizer.step(token)
+        except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+            self._fail(req, f"detokenizing token {token} failed: {type(exc).__name__}: {exc}", "server_error")
+            return True
         if delta:
             prev = len(req.text)
             req.text += delta
@@ -220,6 +286,26 @@ class LLMEngine:
         req.stop_reason = stop_reason
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
+        if req.capture is not None and reason != "error":
+            try:  # reducers finish here, so a plugin that raises fails this request alone
+                req.hidden_states = req.capture.result()
+            except Exception as exc:  # noqa: BLE001
+                self._set_error(req, f"hidden_states: finishing the capture failed: {type(exc).__name__}: {exc}",
+                                "server_error")
+            req.capture = None  # its buffers are in the result now (or gone with the error)
+
+    def _fail(self, req: Request, message: str, error_type: str) -> None:
+        """Finish ``req`` alone with an error; its blocks and buffers are released."""
+        logger.warning("request %s failed: %s", req.request_id, message)
+        self._set_error(req, message, error_type)
+        req.capture = None
+        self._finish(req, "error", None)
+
+    @staticmethod
+    def _set_error(req: Request, message: str, error_type: str) -> None:
+        req.error, req.error_type = message, error_type
+        req.finish_reason = "error"
+        req.hidden_states = None
 
     def make_output(self, req: Request) -> RequestOutput:
         """The user-facing result of a request."""
@@ -227,12 +313,13 @@ class LLMEngine:
             for tid, lp in entry.items():
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tid])
-        hidden_states = req.capture.result() if req.capture is not None else None
+        hidden_states = req.hidden_states
         if req.encode_only:
             return RequestOutput(
                 request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
                 outputs=[], finished=req.finished, hidden_states=hidden_states,
                 metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
+                error=req.error, error_type=req.error_type,
             )
         completion = CompletionOutput(
             index=0,
@@ -251,4 +338,6 @@ class LLMEngine:
             finished=req.finished,
             hidden_states=hidden_states,
             metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
+            error=req.error,
+            error_type=req.error_type,
         )

@@ -5,21 +5,22 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.request import Request
-from tapllm.engine.sampler import sample
-from tapllm.engine.scheduler import ScheduledItem, SchedulerOutput
+from tapllm.engine.sampler import RowFailure, sample
+from tapllm.engine.scheduler import ScheduledItem
 from tapllm.hidden_states.capture import CopySink
 from tapllm.hidden_states.plan import CaptureEntry, CapturePlan
 from tapllm.steering.plan import SteeringPlan
 from tapllm.layers.attention import AttentionMetadata, PrefillChunk
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
-from tapllm.platform import tune_cpu_allocator
+from tapllm.platform import cpu_support, tune_cpu_allocator
 
 logger = logging.getLogger("tapllm")
 
@@ -38,6 +39,23 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
+def _linear_path(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type != "cpu":
+        return "F.linear"
+    support = cpu_support()
+    if dtype in support.packable:
+        return "prepacked for oneDNN"
+    return f"plain F.linear ({support.reason or 'no oneDNN packing for ' + str(dtype)})"
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step produced: a token per sampling request, and requests that failed alone."""
+
+    sampled: dict[Request, int] = field(default_factory=dict)
+    failed: dict[Request, RowFailure] = field(default_factory=dict)
+
+
 class ModelRunner:
     """Loads weights, allocates the paged KV cache and executes steps."""
 
@@ -54,8 +72,9 @@ class ModelRunner:
         self.model.prepare_for_inference(device)
         self.model.eval()
         logger.info(
-            "loaded %s (%s, %s) in %.1fs",
+            "loaded %s (%s, %s) in %.1fs; linear layers: %s",
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
+            _linear_path(device, model_config.dtype),
         )
         # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
         self.capture_sink = CopySink(staged=device.type != "cpu")
@@ -81,24 +100,36 @@ class ModelRunner:
         return max(1, min(by_memory, by_need))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[Request, int]:
-        """Run one step; returns the sampled token of each request that reached its last token."""
-        items = sorted(sched.items, key=lambda it: it.num_tokens != 1)  # decodes first
+    def execute(self, items: list[ScheduledItem]) -> StepResult:
+        """Run one step of ``items``; returns the sampled tokens and the requests that failed alone.
+
+        Raises only for errors that belong to the whole batch (the engine then isolates them).
+        """
+        items = sorted(items, key=lambda it: it.num_tokens != 1)  # decodes first
+        self.capture_sink.pending.clear()  # a previous failed step may have left staged copies
         input_ids, positions, meta, sample_rows, captures, steers = self._prepare(items)
         plan = CapturePlan(captures, self.device, self.capture_sink) if captures else None
         steering = SteeringPlan(steers, self.device) if steers else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta, plan.record if plan else None,
                             steering if steering else None)
+        result = StepResult()
         if plan is not None:
-            plan.finish()
+            for capture, message in plan.finish().items():
+                req = next(it.request for it in items if it.request.capture is capture)
+                result.failed[req] = RowFailure(message, "server_error")
         if not sample_rows:
-            return {}
+            return result
         rows, reqs = zip(*sample_rows)
         if len(rows) != hidden.shape[0]:  # all rows sample in a pure decode step: no gather
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        tokens = sample(logits.cpu(), list(reqs))
-        return dict(zip(reqs, tokens))
+        tokens, failures = sample(logits.cpu(), list(reqs))
+        for row, (req, token) in enumerate(zip(reqs, tokens)):
+            if row in failures:
+                result.failed.setdefault(req, failures[row])
+            elif req not in result.failed:
+                result.sampled[req] = token
+        return result
 
     def _prepare(
         self, items: list[ScheduledItem]
@@ -137,18 +168,17 @@ class ModelRunner:
             if req.steering:
                 steers.append((req.steering, row, start, n, req.num_prompt_tokens))
         dev = self.device
-        decode_bt = decode_bias = None
+        decode_bt = decode_mask = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev)
-            pad = torch.arange(width * bs, device=dev)[None, :] >= lens[:, None]
-            decode_bias = torch.zeros(pad.shape, device=dev).masked_fill_(pad, float("-inf"))[:, None, :]
+            decode_mask = (torch.arange(width * bs, device=dev)[None, :] >= lens[:, None])[:, None, :]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
             num_decodes=len(decode_tables),
             decode_block_tables=decode_bt,
-            decode_bias=decode_bias,
+            decode_mask=decode_mask,
             prefills=prefills,
         )
         return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, captures, steers

@@ -10,6 +10,7 @@ import torch
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.outputs import Logprob
 from tapllm.sampling_params import SamplingParams
+from tapllm.steering.plan import steering_block_salt
 
 
 class RequestStatus(enum.Enum):
@@ -39,8 +40,7 @@ class Request:
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    cache_salt: bytes = b""
-    salt_from: int = 0  # blocks reaching this position or later carry cache_salt in their hash
+    cache_salt: bytes = b""  # enters every block's hash: no sharing with other salts
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -50,7 +50,9 @@ class Request:
     cumulative_logprob: float = 0.0
     detokenizer: object | None = None
     capture: RequestCapture | None = None
-    steering: list | None = None  # ResolvedSteer list; its digest is in cache_salt
+    hidden_states: object | None = None  # the HiddenStates result, made when the request finishes
+    steering: list | None = None  # ResolvedSteer list
+    steering_digest: bytes = b""  # hash of the request's steers (see block_salt)
     encode_only: bool = False  # run the prompt for its hidden states; sample nothing
     error: str | None = None  # why this request alone failed (finish_reason "error")
     error_type: str | None = None  # "invalid_request_error" | "server_error"
@@ -60,6 +62,14 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+
+    def block_salt(self, index: int, block_size: int) -> bytes:
+        """What besides the tokens the KV of block ``index`` depends on (its prefix-cache salt)."""
+        if not self.steering:
+            return self.cache_salt
+        first = index * block_size
+        return self.cache_salt + steering_block_salt(self.steering, self.steering_digest, self.num_prompt_tokens,
+                                                     first, block_size)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -75,19 +75,32 @@ class CapturePlan:
         src = t[pp.rows] if isinstance(pp.rows, slice) else t.index_select(0, pp.rows)
         pp.stage[:, slot].copy_(src)
 
-    def finish(self) -> None:
-        """Deliver each request's rows, then mark their positions captured."""
+    def finish(self) -> dict[RequestCapture, str]:
+        """Deliver each request's rows, then mark their positions captured.
+
+        A request whose delivery raises (e.g. its reducer plugin) is left out and returned
+        with the error; the other requests' rows are delivered as usual.
+        """
         for pp in self.points:
             if pp.stage is None:
                 raise RuntimeError(f"the model never recorded point {pp.point!r}")
+        failed: dict[RequestCapture, str] = {}
+        for pp in self.points:
             for e, offset, subset in pp.entries:
+                if e.capture in failed:
+                    continue
                 rows = pp.stage[offset : offset + e.b - e.a]
                 if subset is not None:
                     rows = rows.index_select(1, subset)
-                e.capture.consume(pp.point, rows, e.a, e.b, self.sink)
+                try:
+                    e.capture.consume(pp.point, rows, e.a, e.b, self.sink)
+                except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                    failed[e.capture] = f"hidden_states: capturing {pp.point!r} failed: {type(exc).__name__}: {exc}"
         self.sink.flush()
         for e in self.entries:
-            e.capture.advance(e.a, e.b)
+            if e.capture not in failed:
+                e.capture.advance(e.a, e.b)
+        return failed
 
 
 def _rows(entries: list[CaptureEntry], device: torch.device) -> slice | torch.Tensor:

@@ -31,7 +31,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_bias: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size]: 0 or -inf
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size]: True where masked
     prefills: list[PrefillChunk]
 
 
@@ -51,7 +51,10 @@ def paged_attention(
     """
     num_kv, dim = k.shape[1], k.shape[2]
     k_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    # A freed block keeps its values, and padded or partly filled blocks are read with zero
+    # attention weight; 0 * NaN is NaN, so a value that is not finite (one request's overflow)
+    # must never reach the cache where another request could read it that way.
+    v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, _finite(v).transpose(0, 1))
     nd = meta.num_decodes
     if nd == q.shape[0]:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
@@ -90,9 +93,15 @@ def _decode_attention(
     kd = _gather(k_cache, meta.decode_block_tables)  # [Hkv, B, S, D], contiguous
     vd = _gather(v_cache, meta.decode_block_tables)
     qg = q.view(b, kv_heads, h // kv_heads, d).transpose(0, 1)  # [Hkv, B, G, D]
-    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale + meta.decode_bias
-    probs = scores.softmax(-1).to(q.dtype)
+    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale
+    # masked_fill, not an added -inf bias: a stale key slot can make its score +inf or NaN.
+    probs = scores.masked_fill_(meta.decode_mask, float("-inf")).softmax(-1).to(q.dtype)
     return torch.matmul(probs, vd).transpose(0, 1).reshape(b, h, d)
+
+
+def _finite(v: torch.Tensor) -> torch.Tensor:
+    """``v`` with NaN and infinities replaced by 0 (``v`` itself when all are finite)."""
+    return torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -1,30 +1,30 @@
-"""A linear layer whose weights come from a checkpoint, optionally prepacked for oneDNN on CPU."""
+"""A linear layer whose weights come from a checkpoint, optionally prepacked for oneDNN on CPU.
+
+On CPU, ``F.linear`` reorders the weight into oneDNN's blocked layout on every call; for the
+small row counts of decoding that dominates. Reordering once at load time (what
+torch.compile's CPU freezing does) makes linears 1.4-2.5x faster at decode sizes.
+
+Which mechanism: the public ``torch.utils.mkldnn.to_mkldnn`` (``MkldnnLinear``) converts
+every input to and from oneDNN's tensor format and measured slower than plain ``F.linear``
+at decode sizes (16x576 @ 576x1536: 0.26 ms against 0.30 plain and 0.15 prepacked, fp32;
+0.23 / 0.16 / 0.10 ms in bf16), and torch.compile's freezing costs a compile per shape. So
+the private ``torch.ops.mkldnn`` packing ops are used, only where ``tapllm.platform``'s probe
+packed and ran a trial linear in that dtype on this CPU (bf16 packing needs AVX512-BW/VL/DQ
+or AVX-NE-CONVERT); everywhere else the layer is a plain ``F.linear``.
+"""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# On CPU, ``F.linear`` reorders the weight into oneDNN's blocked layout on every call; for the
-# small row counts of decoding that dominates. Reordering once at load time (what
-# torch.compile's CPU freezing does) makes bf16 and fp32 linears 1.4-2x faster here.
-_PACKABLE = (torch.float32, torch.bfloat16)
+from tapllm.platform import cpu_support
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when weights of ``dtype`` on ``device`` can be prepacked for oneDNN."""
-    if os.environ.get("TAPLLM_PACKED_LINEAR", "1") == "0":
-        return False
-    return (
-        device.type == "cpu"
-        and dtype in _PACKABLE
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    """True when weights of ``dtype`` on ``device`` can be prepacked for oneDNN (see the probe)."""
+    return device.type == "cpu" and dtype in cpu_support().packable
 
 
 class Linear(nn.Module):

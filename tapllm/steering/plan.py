@@ -33,6 +33,27 @@ class ResolvedSteer:
         return (a, b) if a < b else None
 
 
+def steering_block_salt(steers: Sequence[ResolvedSteer], digest: bytes, num_prompt: int, first: int,
+                        size: int) -> bytes:
+    """The prefix-cache salt of the KV block holding positions ``[first, first + size)``.
+
+    A block's KV depends on the steering of its own positions (earlier positions enter
+    through the hash chain), so the salt names the steers and exactly which of the block's
+    positions each one touches: a steer limited to the prompt or to generated positions
+    touches different positions of the same tokens when the prompt ends elsewhere (a
+    continuation). A block none of whose positions is steered gets no salt, and stays
+    shareable as long as every block before it is.
+    """
+    touched = []
+    for k, s in enumerate(steers):
+        w = s.window(num_prompt, first, size)
+        if w is not None:
+            touched.append(f"{k}:{w[0] - first}-{w[1] - first}")
+    if not touched:
+        return b""
+    return digest + ",".join(touched).encode()
+
+
 def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int, dtype: torch.dtype,
                      device: torch.device, max_steers: int) -> list[ResolvedSteer]:
     """Check steers against the model; ``ValueError`` names the steer and field."""
@@ -53,7 +74,13 @@ def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int,
             if block in vectors:
                 raise ValueError(f"steering[{i}].layers names block {block} twice")
             if s.op == "add":
-                vectors[block] = (s.scale * v).to(device, dtype)
+                scaled = s.scale * v
+                limit = torch.finfo(dtype).max
+                if not torch.isfinite(scaled).all() or float(scaled.abs().max()) > limit:
+                    raise ValueError(f"steering[{i}]: scale * vector overflows at layer {layer} (scale {s.scale:g}, "
+                                     f"largest |entry| {float(v.abs().max()):g}); the model's {dtype} holds at most "
+                                     f"{limit:.3g}")
+                vectors[block] = scaled.to(device, dtype)
             else:
                 vectors[block] = (v / v.norm()).to(device, torch.float32)
         out.append(ResolvedSteer(s.point, s.op, vectors, s.positions))
