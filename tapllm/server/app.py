@@ -182,11 +182,14 @@ def create_app(llm: LLM, served_model_name: str, api_key: str | None = None, *, 
     def tokenize(prompt: str | list[int], name: str) -> tuple[str | None, list[int]]:
         """Check a prompt's text, refuse one that cannot fit without tokenizing it, tokenize."""
         if isinstance(prompt, str):
-            check_text(prompt, name)
-            size = len(prompt.encode("utf-8"))
+            # A character is at least one byte: only a prompt that may fit is encoded to measure it.
+            exact = prompt.isascii() or len(prompt) <= text_limit
+            size = len(prompt.encode("utf-8", "surrogatepass")) if exact and not prompt.isascii() else len(prompt)
             if size > text_limit:
-                raise APIError(400, f"{name} is {size:,} bytes of text, more than the model's context of {max_len} "
+                at_least = "" if exact else "at least "
+                raise APIError(400, f"{name} is {at_least}{size:,} bytes of text, more than the model's context of {max_len} "
                                f"tokens can hold (at most {longest_token} bytes a token): shorten it", param=name)
+            check_text(prompt, name)
         try:
             return llm.engine.tokenize(prompt)
         except (ValueError, TypeError) as exc:
