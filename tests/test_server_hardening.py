@@ -600,3 +600,24 @@ def test_shutdown_under_load(tiny_models, second_signal):
             assert exited < grace + 6
     finally:
         server.stop()
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    from tapllm.cli import _api_key, build_parser
+
+    def key(*argv: str) -> str | None:
+        return _api_key(build_parser().parse_args(["serve", *argv]))
+
+    monkeypatch.delenv("TAPLLM_API_KEY", raising=False)
+    assert key() is None
+    monkeypatch.setenv("TAPLLM_API_KEY", "from-env\n")
+    assert key() == "from-env"
+    assert key("--api-key", "flag") == "flag"
+    (tmp_path / "k").write_text("from-file\nsecond line\n")
+    assert key("--api-key-file", str(tmp_path / "k")) == "from-file"
+    (tmp_path / "empty").write_text("\n")
+    for argv, message in ((["--api-key-file", str(tmp_path / "empty")], "is empty"),
+                          (["--api-key-file", str(tmp_path / "missing")], "cannot read"),
+                          (["--api-key", "a", "--api-key-file", str(tmp_path / "k")], "not both")):
+        with pytest.raises(ValueError, match=message):
+            key(*argv)

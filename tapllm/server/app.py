@@ -183,12 +183,13 @@ def create_app(llm: LLM, served_model_name: str, api_key: str | None = None, *, 
         """Check a prompt's text, refuse one that cannot fit without tokenizing it, tokenize."""
         if isinstance(prompt, str):
             # A character is at least one byte: only a prompt that may fit is encoded to measure it.
-            exact = prompt.isascii() or len(prompt) <= text_limit
-            size = len(prompt.encode("utf-8", "surrogatepass")) if exact and not prompt.isascii() else len(prompt)
+            ascii_only = prompt.isascii()
+            exact = ascii_only or len(prompt) <= text_limit
+            size = len(prompt) if ascii_only or not exact else len(prompt.encode("utf-8", "surrogatepass"))
             if size > text_limit:
-                at_least = "" if exact else "at least "
-                raise APIError(400, f"{name} is {at_least}{size:,} bytes of text, more than the model's context of {max_len} "
-                               f"tokens can hold (at most {longest_token} bytes a token): shorten it", param=name)
+                raise APIError(400, f"{name} is {'' if exact else 'at least '}{size:,} bytes of text, more than the "
+                               f"model's context of {max_len} tokens can hold (at most {longest_token} bytes a "
+                               "token): shorten it", param=name)
             check_text(prompt, name)
         try:
             return llm.engine.tokenize(prompt)
