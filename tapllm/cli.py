@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-steering", action="store_true",
                      help="serve the steering extension (off by default for a shared service)")
     srv.add_argument("--max-steers", type=int, default=16, help="most steering entries per request")
+    srv.add_argument("--max-logprobs", type=int, default=20,
+                     help="most logprobs / top_logprobs a request may ask for (default 20, as vLLM)")
     srv.add_argument("--max-request-bytes", type=int, default=8 << 20,
                      help="largest request body accepted, in bytes (default 8 MiB; larger: 413)")
     srv.add_argument("--max-prompts-per-request", type=int, default=256,
@@ -220,6 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed, enable_hidden_states=args.enable_hidden_states,
         hidden_states_max_bytes_per_request=args.hidden_states_max_bytes,
         enable_steering=args.enable_steering, max_steers_per_request=args.max_steers,
+        max_logprobs=args.max_logprobs,
     )
     name = args.served_model_name or _model_name(model)
     lifecycle = Lifecycle()

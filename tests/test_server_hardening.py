@@ -403,6 +403,7 @@ def test_bad_input_is_4xx_not_500(hard):
         code, resp = hard.post("/v1/completions", ok, content_type=ctype)
         assert code == 415 and "Content-Type must be application/json" in resp["error"]["message"], ctype
     assert hard.post("/v1/completions", ok, content_type="application/json; charset=utf-8")[0] == 200
+    assert hard.post("/health", ok, content_type=None)[0] == 405  # a route that takes no POST: 405, not 415
     assert hard.metric("tapllm_engine_step_errors_total") == 0
 
 

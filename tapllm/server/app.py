@@ -69,7 +69,7 @@ def create_app(llm: LLM, served_model_name: str, api_key: str | None = None, *, 
     lifecycle.abort_inflight = engine.abort_all
     max_len = llm.engine.model_config.max_model_len
     hs_limit = llm.engine.config.hidden_states_max_bytes_per_request
-    max_logprobs: int | None = getattr(llm.engine.config, "max_logprobs", None)
+    max_logprobs = llm.engine.config.max_logprobs
     longest_token, text_limit = _text_limit(llm.tokenizer, max_len)
     logger.info("prompts over %s bytes of UTF-8 are refused before tokenizing (%d tokens x %d bytes, the "
                 "longest token)", f"{text_limit:,}", max_len, longest_token)
@@ -169,7 +169,7 @@ def create_app(llm: LLM, served_model_name: str, api_key: str | None = None, *, 
             return
         if value < 0:
             raise APIError(400, f"{field} must be >= 0, got {value}", param=field)
-        if max_logprobs is not None and value > max_logprobs:
+        if value > max_logprobs:
             raise APIError(400, f"{field}: {value} requested, more than this server's max_logprobs={max_logprobs}",
                            param=field)
 

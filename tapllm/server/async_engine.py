@@ -204,10 +204,9 @@ class AsyncEngine:
             if done:
                 update.finished = True
                 update.output = self.engine.make_output(req)
-                error = getattr(req, "error", None)
-                if error is not None:  # this request alone failed; the others go on
-                    update.error = error
-                    update.error_type = getattr(req, "error_type", None) or "server_error"
+                if req.error is not None:  # this request alone failed; the others go on
+                    update.error = req.error
+                    update.error_type = req.error_type or "server_error"
                 del self._streams[rid]
             self._push(stream, update)
 

@@ -52,19 +52,20 @@ class Guard:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
 
-    def route_of(self, scope: Scope) -> str:
-        """The template of the route ``scope`` goes to (also on a wrong method), or ``unmatched``."""
+    def route_of(self, scope: Scope) -> tuple[str, bool]:
+        """The template of the route ``scope`` goes to (also on a wrong method), or ``unmatched``;
+        and whether the route takes this method."""
         for route in self.routes():
             match, _ = route.matches(scope)
             if match is not Match.NONE:
-                return getattr(route, "path", UNMATCHED)
-        return UNMATCHED
+                return getattr(route, "path", UNMATCHED), match is Match.FULL
+        return UNMATCHED, False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        label = self.route_of(scope)
+        label, takes_method = self.route_of(scope)
 
         async def counted_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -72,7 +73,7 @@ class Guard:
             await send(message)
 
         try:
-            receive = await self._admit(scope, receive, label)
+            receive = await self._admit(scope, receive, takes_method)
         except _Refuse as r:
             body = encode(error_body(r.message, r.type, code=r.code))
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -86,7 +87,7 @@ class Guard:
             return
         await self.app(scope, receive, counted_send)
 
-    async def _admit(self, scope: Scope, receive: Receive, label: str) -> Receive | None:
+    async def _admit(self, scope: Scope, receive: Receive, takes_method: bool) -> Receive | None:
         path = scope["path"]
         if path not in OPEN_PATHS:
             if self.lifecycle.draining:
@@ -97,8 +98,8 @@ class Guard:
                 if not secrets.compare_digest(given, self.expected_auth):
                     raise _Refuse(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
                                   code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
-        if scope["method"] not in ("POST", "PUT", "PATCH") or label == UNMATCHED:
-            return receive
+        if scope["method"] not in ("POST", "PUT", "PATCH") or not takes_method:
+            return receive  # nothing to read (the app answers 404 / 405 without reading a body)
         ctype = (_header(scope, b"content-type") or b"").split(b";")[0].strip().lower()
         if ctype != b"application/json":
             shown = ctype.decode("latin-1") or "missing"
