@@ -72,8 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=os.environ.get("TAPLLM_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' (default: $TAPLLM_API_KEY; none: open)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on everything but /health (visible in ps: prefer "
+                     "--api-key-file or $TAPLLM_API_KEY; none of them: open)")
+    srv.add_argument("--api-key-file", type=Path, default=None, metavar="PATH",
+                     help="read the API key from the first line of this file")
     srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: the folder name or GGUF file stem)")
     srv.add_argument("--enable-hidden-states", action="store_true",
                      help="serve the hidden_states extension (off by default for a shared service)")
@@ -82,6 +85,23 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-steering", action="store_true",
                      help="serve the steering extension (off by default for a shared service)")
     srv.add_argument("--max-steers", type=int, default=16, help="most steering entries per request")
+    srv.add_argument("--max-logprobs", type=int, default=20,
+                     help="most logprobs / top_logprobs a request may ask for (default 20, as vLLM)")
+    srv.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                     help="largest request body accepted, in bytes (default 8 MiB; larger: 413)")
+    srv.add_argument("--max-prompts-per-request", type=int, default=256,
+                     help="most prompts in one completions or hidden_states request (default 256)")
+    srv.add_argument("--max-connections", type=int, default=1000,
+                     help="open connections (and requests) served at once; beyond: 503 (default 1000)")
+    srv.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                     help="seconds an idle keep-alive connection stays open (default 5)")
+    srv.add_argument("--header-read-timeout", type=float, default=10.0,
+                     help="seconds a connection has to send a request's headers before it is closed (default 10)")
+    srv.add_argument("--body-read-timeout", type=float, default=30.0,
+                     help="seconds a client has to send a request's body (default 30; then 408)")
+    srv.add_argument("--shutdown-timeout", type=float, default=10.0,
+                     help="on SIGTERM/SIGINT, seconds requests in flight have to finish before they are aborted "
+                     "(default 10; a second signal aborts them at once)")
     _add_engine_args(srv)
     col = sub.add_parser("collect", help="hidden states of a dataset into sharded files (resumable, Ray)")
     col.add_argument("--input", type=Path, required=True, help="JSONL (text | messages | prompt_token_ids), "
@@ -184,13 +204,19 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from tapllm import LLM
     from tapllm.server import create_app
+    from tapllm.server.serving import Lifecycle, run
 
     if args.model is not None and args.model_path is not None:
         raise ValueError("give the model either as MODEL or as --model, not both")
+    for flag in ("max_request_bytes", "max_prompts_per_request", "max_connections"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("keep_alive_timeout", "header_read_timeout", "body_read_timeout", "shutdown_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    api_key = _api_key(args)
     model = args.model_path or args.model
     llm = LLM(
         model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -198,16 +224,41 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed, enable_hidden_states=args.enable_hidden_states,
         hidden_states_max_bytes_per_request=args.hidden_states_max_bytes,
         enable_steering=args.enable_steering, max_steers_per_request=args.max_steers,
+        max_logprobs=args.max_logprobs,
     )
     name = args.served_model_name or _model_name(model)
-    app = create_app(llm, name, api_key=args.api_key)
+    lifecycle = Lifecycle()
+    app = create_app(llm, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
+                     max_prompts_per_request=args.max_prompts_per_request, body_read_timeout=args.body_read_timeout,
+                     lifecycle=lifecycle)
     logging.getLogger("tapllm").info(
         "serving %s on http://%s:%d (hidden states %s, steering %s, API key %s)", name, args.host, args.port,
         "on" if args.enable_hidden_states else "off", "on" if args.enable_steering else "off",
-        "required" if args.api_key else "not required",
+        "required" if api_key else "not required",
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning" if args.quiet else "info")
+    run(app, lifecycle, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+        shutdown_timeout=args.shutdown_timeout, keep_alive_timeout=args.keep_alive_timeout,
+        header_read_timeout=args.header_read_timeout, max_connections=args.max_connections)
     return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The server's API key: --api-key, else the first line of --api-key-file, else $TAPLLM_API_KEY."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give the API key either as --api-key or as --api-key-file, not both")
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {exc}") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    key = args.api_key if args.api_key is not None else os.environ.get("TAPLLM_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("the API key is empty (--api-key or $TAPLLM_API_KEY)")
+    return key.strip() if key is not None else None
 
 
 def _collect(args: argparse.Namespace) -> int:

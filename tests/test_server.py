@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,78 +15,9 @@ from conftest import random_prompts
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 from tapllm.client import decode_hidden_states
 
+from server_util import KEY, Server
+
 openai = pytest.importorskip("openai")
-KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``tapllm serve`` in a subprocess, on a free loopback port."""
-
-    def __init__(self, model: Path, *args: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tapllm", "serve", str(model), "--port", str(self.port), "--dtype", "float32",
-               "--served-model-name", "tiny_llama", "--quiet", *args]
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"tapllm-server-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"server exited: {self.log.read()[-3000:]}")
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become healthy")
-
-    def request(self, method: str, path: str, body: bytes | None = None, key: str | None = KEY
-                ) -> tuple[int, dict | str]:
-        req = urllib.request.Request(self.url + path, data=body, method=method)
-        req.add_header("Content-Type", "application/json")
-        if key:
-            req.add_header("Authorization", f"Bearer {key}")
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                status, text = r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            status, text = e.code, e.read().decode()
-        try:
-            return status, json.loads(text)
-        except json.JSONDecodeError:
-            return status, text
-
-    def get(self, path: str, key: str | None = KEY) -> tuple[int, dict | str]:
-        return self.request("GET", path, None, key)
-
-    def post(self, path: str, obj: dict | bytes, key: str | None = KEY) -> tuple[int, dict | str]:
-        return self.request("POST", path, obj if isinstance(obj, bytes) else json.dumps(obj).encode(), key)
-
-    def metric(self, name: str) -> float:
-        _, text = self.get("/metrics")
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +180,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, plai
     code, resp = plain_server.post("/v1/hidden_states", {"input": "x"})
     assert code == 400 and "does not serve hidden states" in resp["error"]["message"]
     code, resp = server.post("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": 2})
-    assert code == 200  # content may be omitted (None): an empty message
+    assert code == 400 and "messages[0].content is required" in resp["error"]["message"]
     code, resp = server.post("/v1/chat/completions", {"messages": [], "max_tokens": 2})
     assert code == 400 and "messages" in resp["error"]["message"]
 

@@ -1,10 +1,15 @@
 """The engine loop of the server: one background thread steps the engine; asyncio handlers await updates.
 
-Handlers validate and tokenize on the event loop, then hand a request to the engine thread
-through a queue. The thread admits it, steps the engine while anything is in flight, and
-after each step pushes every request's new tokens and text to that request's asyncio queue
-(``call_soon_threadsafe``). Aborts (a client gone) travel the same queue. An exception in a
-step fails the requests in flight with an error instead of killing the thread.
+Handlers validate and tokenize (off the event loop), then hand a request to the engine
+thread through a queue. The thread admits it, steps the engine while anything is in flight,
+and after each step pushes every request's new tokens and text to that request's asyncio
+queue (``call_soon_threadsafe``). Aborts (a client gone) travel the same queue.
+
+A request that fails alone in the engine (``Request.error``) finishes with that error and
+its type; the others go on. An exception of a whole step (rare: the engine isolates what
+it can) fails the requests in flight instead of killing the thread. At shutdown,
+``abort_all`` ends every request in flight at once from the event loop, without waiting
+for the engine's current step.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ class Update:
     logprobs: list[dict[int, Logprob]] | None
     finished: bool = False
     output: RequestOutput | None = None  # the complete result, with the final update
-    error: str | None = None
+    error: str | None = None  # why the request failed (it is finished)
+    error_type: str | None = None  # "invalid_request_error" | "server_error" | "service_unavailable"
 
 
 @dataclass(slots=True)
@@ -68,6 +74,14 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tapllm-engine", daemon=True)
+        # Loop side: the streams being awaited, so shutdown can end them without the thread.
+        self._active: dict[str, _Stream] = {}
+        self._closed: str | None = None  # set by abort_all: new requests fail with this message
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread.is_alive()
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -77,7 +91,22 @@ class AsyncEngine:
         """Stop the engine thread (requests in flight are abandoned)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=5)
+
+    def abort_all(self, message: str) -> int:
+        """End every request in flight now with a 503 error, and refuse later ones (event loop only).
+
+        Returns how many were ended. The engine thread frees their memory at its next chance.
+        """
+        self._closed = message
+        aborted = 0
+        for rid, stream in list(self._active.items()):
+            stream.queue.put_nowait(Update("", [], None, True, error=message, error_type="service_unavailable"))
+            self._inbox.put(("abort", rid))
+            aborted += 1
+        self._active.clear()
+        self._wake.set()
+        return aborted
 
     async def generate(
         self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, encode: bool = False
@@ -87,18 +116,24 @@ class AsyncEngine:
         Leaving the iteration early (client gone, task cancelled) aborts the request, which
         frees its KV blocks and capture buffers.
         """
+        if self._closed is not None:
+            yield Update("", [], None, True, error=self._closed, error_type="service_unavailable")
+            return
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._active[request_id] = stream
         self._inbox.put(("add", (request_id, prompt, token_ids, params, encode, stream)))
         self._wake.set()
         finished = False
         try:
             while True:
                 update = await stream.queue.get()
-                finished = update.finished
+                finished = update.finished  # (abort_all has told the engine thread itself)
                 yield update
                 if finished:
                     return
         finally:
+            if self._active.get(request_id) is stream:
+                del self._active[request_id]
             if not finished:
                 self._inbox.put(("abort", request_id))
                 self._wake.set()
@@ -120,7 +155,8 @@ class AsyncEngine:
                 self.stats.step_errors += 1
                 for rid in list(self._streams):
                     engine.abort_request(rid)
-                    self._push(self._streams.pop(rid), Update("", [], None, True, error=f"engine error: {exc}"))
+                    self._push(self._streams.pop(rid), Update("", [], None, True, error=f"engine error: {exc}",
+                                                              error_type="server_error"))
                 continue
             self._publish()
             self._refresh_stats()
@@ -137,14 +173,15 @@ class AsyncEngine:
                     stream.request = self.engine.add_request(prompt, ids, params, rid, encode=encode)
                 except Exception as exc:  # validated before, so this is unexpected
                     logger.exception("could not add request %s", rid)
-                    self._push(stream, Update("", [], None, True, error=str(exc)))
+                    kind = "invalid_request_error" if isinstance(exc, ValueError | TypeError) else "server_error"
+                    self._push(stream, Update("", [], None, True, error=str(exc), error_type=kind))
                     continue
                 self._streams[rid] = stream
             elif kind == "abort":
                 if self._streams.pop(payload, None) is not None:
                     self.engine.abort_request(payload)
                     self.stats.requests_aborted += 1
-                    logger.info("aborted request %s (client gone)", payload)
+                    logger.info("aborted request %s", payload)
 
     def _publish(self) -> None:
         for rid, stream in list(self._streams.items()):
@@ -167,6 +204,9 @@ class AsyncEngine:
             if done:
                 update.finished = True
                 update.output = self.engine.make_output(req)
+                if req.error is not None:  # this request alone failed; the others go on
+                    update.error = req.error
+                    update.error_type = req.error_type or "server_error"
                 del self._streams[rid]
             self._push(stream, update)
 

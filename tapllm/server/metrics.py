@@ -19,7 +19,7 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
-        yield CounterMetricFamily("tapllm_requests_aborted", "requests aborted because the client went away",
+        yield CounterMetricFamily("tapllm_requests_aborted", "requests aborted (client gone, or shutdown)",
                                   value=s.requests_aborted)
         yield CounterMetricFamily("tapllm_engine_step_errors", "engine steps that raised", value=s.step_errors)
         yield GaugeMetricFamily("tapllm_requests_running", "requests being computed", value=s.running)
@@ -34,7 +34,9 @@ class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("tapllm_requests", "HTTP API requests", ["endpoint", "status"], registry=r)
+        # Labelled by route template ("/v1/completions"; "unmatched" for unknown paths): bounded series.
+        self.requests = Counter("tapllm_requests", "HTTP requests answered, by route and status",
+                                ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("tapllm_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("tapllm_generation_tokens", "generated tokens of finished requests",
                                          registry=r)

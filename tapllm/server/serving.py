@@ -1,0 +1,181 @@
+"""Running the app under uvicorn: header-read timeout, connection limit, and a bounded shutdown.
+
+Shutdown, on SIGTERM or SIGINT:
+
+1. The first signal stops the server taking work: the listening socket closes, idle
+   keep-alive connections close, and any request that still arrives is answered 503
+   (``Lifecycle.draining``). Requests in flight keep running.
+2. After ``shutdown_timeout`` seconds (or at once on a second signal) whatever is still in
+   flight is aborted: each stream gets an error event and ``data: [DONE]``, each other
+   request a 503. The process exits as soon as those responses are written (uvicorn's own
+   graceful timeout, a few seconds later, is the last resort for clients that do not read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger("tapllm")
+
+# Seconds uvicorn waits past the abort for the last responses before it cancels their tasks.
+_ABORT_FLUSH_S = 3.0
+_M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc's malloc.h)
+_TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+@dataclass
+class Lifecycle:
+    """Shutdown state shared by the middleware (refuses new work) and the uvicorn server."""
+
+    draining: bool = False
+    abort_inflight: Callable[[str], int] = field(default=lambda message: 0)
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has not sent a request's headers in time.
+
+    The clock starts when the connection is made and again after each response (a kept-alive
+    connection waits for its next request). A connection whose request headers are still
+    incomplete when it runs out is closed (with a 408 if it had sent part of them), so
+    half-open connections cannot be held; requests in progress are not affected.
+    """
+
+    header_timeout: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._partial = False
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:
+            self._partial = True
+        super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._partial = False
+            self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_overdue)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_overdue(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return  # closed already, or a request is in progress: not ours to time
+        if self._partial:
+            self.transport.write(_TIMEOUT_RESPONSE)
+        self.transport.close()
+
+
+def protocol_with_header_timeout(seconds: float) -> type[HeaderTimeoutH11Protocol]:
+    """A ``HeaderTimeoutH11Protocol`` subclass with this timeout, for ``uvicorn.Config(http=...)``."""
+    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": float(seconds)})
+
+
+class TapllmServer(uvicorn.Server):
+    """``uvicorn.Server`` with a bounded, two-stage shutdown (see the module docstring)."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self.shutdown_timeout = shutdown_timeout
+        self.signals_received = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._abort_timer: asyncio.TimerHandle | None = None
+        self._aborted = False
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the main thread (the loop's) between bytecodes: defer the work to the loop.
+        self.signals_received += 1
+        first = self.signals_received == 1
+        if first:
+            self.should_exit = True
+        if self._loop is None:  # not serving yet
+            self.force_exit = not first
+            return
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        self._loop.call_soon_threadsafe(self._drain if first else self._abort, name)
+
+    def _drain(self, signame: str) -> None:
+        self.lifecycle.draining = True
+        logger.warning("%s: not accepting new requests; requests in flight have %.1f s to finish "
+                       "(send the signal again to abort them now)", signame, self.shutdown_timeout)
+        assert self._loop is not None
+        self._abort_timer = self._loop.call_later(self.shutdown_timeout, self._abort, "shutdown timeout")
+
+    def _abort(self, why: str) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        self.lifecycle.draining = True
+        self.should_exit = True
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
+        n = self.lifecycle.abort_inflight(f"the server is shutting down ({why}): request aborted")
+        logger.warning("%s: aborted %d request(s) in flight", why, n)
+        assert self._loop is not None
+        self._loop.call_later(_ABORT_FLUSH_S, self._give_up)
+
+    def _give_up(self) -> None:
+        self.force_exit = True
+
+
+def return_freed_memory() -> None:
+    """Make glibc hand large freed buffers (request bodies, parsed prompts) back to the OS.
+
+    By default glibc raises its mmap threshold after each large free (up to 32 MiB), after
+    which multi-megabyte bodies are carved from the heap arenas, one per worker thread, and
+    kept there. A fixed 1 MiB threshold keeps them in mmap, released on free. No-op elsewhere.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
+def run(app: Any, lifecycle: Lifecycle, *, host: str, port: int, log_level: str, shutdown_timeout: float,
+        keep_alive_timeout: float, header_read_timeout: float, max_connections: int | None) -> None:
+    """Serve ``app`` until a signal stops it."""
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on",
+        http=protocol_with_header_timeout(header_read_timeout),
+        timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]  # uvicorn takes a float fine
+        limit_concurrency=max_connections,
+        # Our own abort comes at shutdown_timeout; uvicorn cancels what still hangs after that.
+        timeout_graceful_shutdown=int(shutdown_timeout + 2 * _ABORT_FLUSH_S + 1),
+    )
+    return_freed_memory()
+    TapllmServer(config, lifecycle, shutdown_timeout).run()
