@@ -44,6 +44,21 @@ def tune_cpu_allocator() -> bool:
     return ok
 
 
+def release_free_memory() -> bool:
+    """Hand the free parts of the heap back to the kernel (glibc ``malloc_trim``); False elsewhere.
+
+    :func:`tune_cpu_allocator` keeps large buffers on the heap for speed, so memory a rare
+    large request (a multi-megabyte HTTP body) used stays with the process; calling this
+    after such a request returns it without giving up the per-step gain.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))
+
+
 @dataclass(frozen=True, slots=True)
 class CpuSupport:
     """What this CPU (and this torch build) computes well; probed once per process.

@@ -112,6 +112,12 @@ class LLMEngine:
         if params.steering:
             self._steering(params)
 
+    def hidden_states_bytes(self, token_ids: list[int], params: SamplingParams, encode: bool = False) -> int:
+        """Upper bound on the bytes of hidden states this request can return (0 without a spec)."""
+        if params.hidden_states is None:
+            return 0
+        return self._selection(token_ids, params, encode).max_bytes
+
     def _steering(self, params: SamplingParams) -> list[ResolvedSteer]:
         """Resolve the request's steers against the model and apply the instance policy."""
         if not self.config.enable_steering:

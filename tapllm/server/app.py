@@ -207,10 +207,7 @@ def create_app(llm: LLM, served_model_name: str, api_key: str | None = None, *, 
             raise APIError(400, f"{prefix}max_tokens: the prompt has {len(ids)} tokens and max_tokens is "
                            f"{params.max_tokens}, over the model's context of {max_len}; use max_tokens <= "
                            f"{max_len - len(ids)}", param="max_tokens")
-        capture = 0
-        if params.hidden_states is not None:
-            capture = llm.engine._selection(ids, params, encode_only).max_bytes
-        return (text, ids, params), capture
+        return (text, ids, params), llm.engine.hidden_states_bytes(ids, params, encode_only)
 
     def check_total_states(total: int, count: int) -> None:
         if hs_limit is not None and total > hs_limit:

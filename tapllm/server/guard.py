@@ -11,6 +11,9 @@ In order, before the request body is read or parsed:
 5. the body is read here, at most ``max_body_bytes`` (413, from Content-Length before
    anything is read, or counted for a chunked body) within ``body_timeout`` seconds (408),
    and handed to the app in one piece.
+
+After a request with a large body (1 MiB or more) the free heap is handed back to the kernel
+(``malloc_trim``, on a worker thread), so rare large bodies do not leave the process bigger.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from typing import Any
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tapllm.platform import release_free_memory
 from tapllm.server.errors import encode, error_body
 from tapllm.server.serving import Lifecycle
 
 UNMATCHED = "unmatched"
+LARGE_BODY = 1 << 20
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -51,6 +56,7 @@ class Guard:
         self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
+        self._trimming: asyncio.Future | None = None
 
     def route_of(self, scope: Scope) -> tuple[str, bool]:
         """The template of the route ``scope`` goes to (also on a wrong method), or ``unmatched``;
@@ -85,7 +91,15 @@ class Guard:
             return
         if receive is None:  # the client left while sending its body
             return
-        await self.app(scope, receive, counted_send)
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            if getattr(receive, "body_size", 0) >= LARGE_BODY:
+                self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        if self._trimming is None or self._trimming.done():
+            self._trimming = asyncio.ensure_future(asyncio.to_thread(release_free_memory))
 
     async def _admit(self, scope: Scope, receive: Receive, takes_method: bool) -> Receive | None:
         path = scope["path"]
@@ -152,4 +166,5 @@ def _replay(body: bytes, receive: Receive) -> Receive:
             return {"type": "http.request", "body": pending.pop(), "more_body": False}
         return await receive()
 
+    replay.body_size = len(body)  # type: ignore[attr-defined]
     return replay

@@ -14,7 +14,6 @@ Shutdown, on SIGTERM or SIGINT:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import signal
 from collections.abc import Callable
@@ -30,7 +29,6 @@ logger = logging.getLogger("tapllm")
 
 # Seconds uvicorn waits past the abort for the last responses before it cancels their tasks.
 _ABORT_FLUSH_S = 3.0
-_M_MMAP_THRESHOLD = -3  # mallopt parameter (glibc's malloc.h)
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
 
@@ -152,20 +150,6 @@ class TapllmServer(uvicorn.Server):
         self.force_exit = True
 
 
-def return_freed_memory() -> None:
-    """Make glibc hand large freed buffers (request bodies, parsed prompts) back to the OS.
-
-    By default glibc raises its mmap threshold after each large free (up to 32 MiB), after
-    which multi-megabyte bodies are carved from the heap arenas, one per worker thread, and
-    kept there. A fixed 1 MiB threshold keeps them in mmap, released on free. No-op elsewhere.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-    except (OSError, AttributeError):
-        pass
-
-
 def run(app: Any, lifecycle: Lifecycle, *, host: str, port: int, log_level: str, shutdown_timeout: float,
         keep_alive_timeout: float, header_read_timeout: float, max_connections: int | None) -> None:
     """Serve ``app`` until a signal stops it."""
@@ -177,5 +161,4 @@ def run(app: Any, lifecycle: Lifecycle, *, host: str, port: int, log_level: str,
         # Our own abort comes at shutdown_timeout; uvicorn cancels what still hangs after that.
         timeout_graceful_shutdown=int(shutdown_timeout + 2 * _ABORT_FLUSH_S + 1),
     )
-    return_freed_memory()
     TapllmServer(config, lifecycle, shutdown_timeout).run()
