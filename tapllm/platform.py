@@ -153,3 +153,22 @@ def cpu_support() -> CpuSupport:
 def fastest_cpu_dtype() -> torch.dtype:
     """bfloat16 where the CPU computes it natively, else float32."""
     return torch.bfloat16 if cpu_support().native_bf16 else torch.float32
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` means CUDA when available, else CPU; ``ValueError`` names an unusable device."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: {device!r} is not a device name; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but CUDA is not available here (torch {torch.__version__}); "
+                             "use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif dev.type != "cpu":
+        raise ValueError(f"device={device!r} is not supported; use 'cpu' or 'cuda'")
+    return dev

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from tapllm._text import check_unicode
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.spec import Steer
 
@@ -118,12 +119,3 @@ def _real(name: str, value: Any) -> float:
     if not math.isfinite(out):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return out
-
-
-def check_unicode(text: str, name: str) -> None:
-    """``ValueError`` if ``text`` holds a lone surrogate (it cannot be encoded as UTF-8)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{name} is not valid Unicode: lone surrogate {text[exc.start]!r} at index {exc.start}") \
-            from None

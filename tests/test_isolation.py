@@ -129,16 +129,15 @@ def test_bad_values_are_refused_and_the_good_requests_are_unharmed(llm, solo, kw
         llm.generate(GOOD + [GOOD[0]], [_good_params()] * len(GOOD) + [params], use_tqdm=False)
     assert not engine.has_unfinished_requests()
     # As a server does it: the good requests are in flight when the bad one arrives and is refused.
-    reqs = []
-    for p in GOOD[:4]:
-        _, ids = engine.tokenize(p)
-        reqs.append(engine.add_request(None, ids, _good_params()))
+    reqs = [engine.prepare(p, _good_params()) for p in GOOD]
+    for req in reqs[:4]:
+        engine.add(req)
     engine.step()
     with pytest.raises(ValueError, match=message):
         params = SamplingParams(**{"max_tokens": 6, "temperature": 1.0, **kwargs})
-        engine.validate_prompt(GOOD[0], params)
-    for p in GOOD[4:]:
-        reqs.append(engine.add_request(None, p, _good_params()))
+        engine.prepare(GOOD[0], params)
+    for req in reqs[4:]:
+        engine.add(req)
     while engine.has_unfinished_requests():
         engine.step()
     _assert_unchanged([engine.make_output(r) for r in reqs], solo)

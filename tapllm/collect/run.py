@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from tapllm._files import atomic_write
+from tapllm.engine.request import Request
 from tapllm.collect.inputs import Item, fingerprint, read_items
 from tapllm.collect.lock import LOCK_NAME, OutputLock
 from tapllm.collect.shards import arrow_dtype_ok, write_error
@@ -217,12 +218,11 @@ def render(llm: Any, item: Item) -> str | list[int]:
     return item.value
 
 
-Staged = tuple[str | None, list[int]]
 
 
 def plan_groups(llm: Any, cfg: CollectConfig, items: list[Item], start: int, first: int, end: int
-                ) -> Iterator[tuple[int, int, list[Staged]]]:
-    """The groups of records [first, end) as ``(first, end, [(text, ids), ...])``, lazily.
+                ) -> Iterator[tuple[int, int, list[Request]]]:
+    """The groups of records [first, end) as ``(first, end, [prepared request, ...])``, lazily.
 
     A group ends at the first record where its rows reach ``--shard-tokens``, counting each
     record's rows from the input alone: its prompt tokens, plus ``max_tokens - 1`` when
@@ -233,16 +233,15 @@ def plan_groups(llm: Any, cfg: CollectConfig, items: list[Item], start: int, fir
     engine = llm.engine
     params, encode = cfg.params(), cfg.max_tokens == 0
     extra = cfg.max_tokens - 1 if cfg.max_tokens > 0 and cfg.spec().positions == "all" else 0
-    group: list[Staged] = []
+    group: list[Request] = []
     g0, rows = first, 0
     for i in range(first, end):
         try:
-            text, ids = engine.tokenize(render(llm, items[i - start]))
-            engine.validate_prompt(ids, params, encode)
-        except ValueError as exc:
+            req = engine.prepare(render(llm, items[i - start]), params, encode=encode, request_id=f"collect-{i}")
+        except (ValueError, TypeError) as exc:
             raise ValueError(f"--input record {i}: {exc}") from None
-        group.append((text, ids))
-        rows += len(ids) + extra
+        group.append(req)
+        rows += req.num_prompt_tokens + extra
         if rows >= cfg.shard_tokens:
             yield g0, i + 1, group
             group, g0, rows = [], i + 1, 0
@@ -278,10 +277,8 @@ def run_part(llm: Any, cfg: CollectConfig, items: list[Item], part: int, start: 
             k = 0
             while k < len(staged) or in_flight:
                 while k < len(staged) and len(in_flight) < window:
-                    text, ids = staged[k]
-                    rid = f"collect-{g0 + k}"
-                    engine.add_request(text, ids, params, request_id=rid, encode=encode)
-                    in_flight[rid] = k
+                    engine.add(staged[k])
+                    in_flight[staged[k].request_id] = k
                     k += 1
                 for req in engine.step():
                     j = in_flight.pop(req.request_id)
@@ -299,7 +296,7 @@ def run_part(llm: Any, cfg: CollectConfig, items: list[Item], part: int, start: 
         entries = writer.close()
     except BaseException:
         for rid in in_flight:
-            engine.abort_request(rid)
+            engine.abort(rid)
         writer.abort()
         raise
     finally:

@@ -28,8 +28,8 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
-        self.hits = 0
-        self.queries = 0
+        self.hit_tokens = 0  # prompt tokens served from the cache, since start
+        self.queried_tokens = 0  # tokens of the requests looked up
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,8 +64,8 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.queries += req.num_tokens
-        self.hits += len(hits) * self.block_size
+        self.queried_tokens += req.num_tokens
+        self.hit_tokens += len(hits) * self.block_size
         return hits
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] | None = None) -> bool:

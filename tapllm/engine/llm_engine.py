@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,19 +21,29 @@ from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
 from tapllm.steering.plan import ResolvedSteer, resolve_steering
 from tapllm.steering.spec import steering_digest
 from tapllm.outputs import CompletionOutput, RequestOutput
-from tapllm.sampling_params import SamplingParams, check_unicode
-from tapllm.tokenizer import IncrementalDetokenizer, load_tokenizer
+from tapllm._text import check_unicode
+from tapllm.sampling_params import SamplingParams
+from tapllm.loader import resolve_model
+from tapllm.platform import resolve_device
+from tapllm.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
 
 logger = logging.getLogger("tapllm")
 
 
 class LLMEngine:
-    """Runs requests to completion with continuous batching over a paged KV cache."""
+    """Runs requests to completion with continuous batching over a paged KV cache.
+
+    The public surface, used by ``LLM``, the server and ``tapllm collect`` alike:
+    :meth:`prepare` (tokenize, check and resolve one request; raises naming the field),
+    :meth:`add` (schedule it), :meth:`step`, :meth:`abort`, :meth:`make_output`,
+    :meth:`render_chat` and :meth:`stats`.
+    """
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device) -> None:
         engine_config.validate()
         self.model_config = model_config
         self.config = engine_config
+        self.device = device
         self.tokenizer = load_tokenizer(model_config.path)
         self.runner = ModelRunner(model_config, engine_config, device)
         self.blocks = BlockManager(
@@ -40,9 +52,18 @@ class LLMEngine:
         self._fit_context_to_cache()
         self.scheduler = Scheduler(engine_config, self.blocks)
         self._ids = itertools.count()
+        self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(engine_config.seed)
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Resolve ``config``'s model, device and dtype, then load the engine."""
+        config.validate()
+        device = resolve_device(config.device)
+        model_config = ModelConfig.from_folder(resolve_model(config.model), config.dtype, device)
+        return cls(model_config, config, device)
 
     def _fit_context_to_cache(self) -> None:
         """Cap the context at what the KV cache holds, so every admitted request can finish.
@@ -62,12 +83,84 @@ class LLMEngine:
             mc.max_model_len = cache_tokens
 
     # ---- admission -------------------------------------------------------------------
-    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        """Return ``(text, token ids)`` for a string or a list of token ids.
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """A conversation rendered with the model's chat template (messages checked first)."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt)
 
-        ``TypeError`` for anything else (bytes included); ``ValueError`` for text that is not
-        valid Unicode or ids that are not integers.
+    def prepare(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        encode: bool = False,
+        request_id: str | None = None,
+    ) -> Request:
+        """Tokenize, check and resolve one request; nothing is scheduled until :meth:`add`.
+
+        Everything that can be refused is refused here, with a ``ValueError`` (``TypeError``
+        for a wrong type) naming the field and its limit: the prompt, the sampling values as
+        the sampler will use them, the hidden-state spec and the steers against the model and
+        the instance's policy. Specs and steering vectors are resolved (and moved to the
+        device) once, here. ``encode`` runs the prompt for its hidden states only.
         """
+        text, token_ids = self._tokenize(prompt)
+        params.validate()
+        self._check_prompt(token_ids, params, encode)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        req = Request(rid, -1, text, token_ids, params, None, encode_only=encode)
+        if params.hidden_states is not None:
+            req.selection = self._selection(token_ids, params, encode)
+        if params.steering:
+            req.steering = self._steering(params)
+            # KV computed under a steer is shared only with requests under the same steers at the
+            # same positions (Request.block_salt); unsteered blocks stay shareable with everyone.
+            req.steering_digest = steering_digest(params.steering)
+        return req
+
+    def add(self, req: Request) -> None:
+        """Schedule a request made by :meth:`prepare`."""
+        if req.arrival >= 0:
+            raise ValueError(f"request {req.request_id} was already added")
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        params = req.params
+        req.arrival = next(self._arrivals)
+        if not params.greedy:
+            seed = params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+            req.generator = torch.Generator().manual_seed(seed)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        self.requests[req.request_id] = req
+        if req.selection is not None:
+            try:  # a reducer plugin's start() runs here
+                req.capture = RequestCapture(req.selection, params.hidden_states, req.num_prompt_tokens, self.device)
+            except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                self._fail(req, f"hidden_states: starting the capture failed: {type(exc).__name__}: {exc}",
+                           "server_error")
+                return
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks and capture buffers (unknown ids are ignored)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+            req.capture = None
+            self.scheduler.finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is queued or running."""
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """Live numbers for monitoring (requests running and waiting, cache use and hits)."""
+        sched, blocks = self.scheduler, self.blocks
+        return EngineStats(len(sched.running), len(sched.waiting), blocks.usage(), blocks.hit_tokens,
+                           blocks.queried_tokens, self.num_generated_tokens)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             check_unicode(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -82,12 +175,7 @@ class LLMEngine:
         except TypeError:
             raise ValueError("prompt token ids must be integers") from None
 
-    def validate_prompt(self, token_ids: list[int], params: SamplingParams, encode: bool = False) -> None:
-        """Raise ``ValueError`` naming the problem if this prompt cannot be served.
-
-        ``encode`` requests only run the prompt, so it may fill the whole context.
-        """
-        params.validate()
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams, encode: bool) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         limit = self.model_config.max_model_len
@@ -107,23 +195,13 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs: {params.logprobs} requested, more than max_logprobs="
                              f"{self.config.max_logprobs} (the instance's limit)")
-        if params.hidden_states is not None:
-            self._selection(token_ids, params, encode)
-        if params.steering:
-            self._steering(params)
-
-    def hidden_states_bytes(self, token_ids: list[int], params: SamplingParams, encode: bool = False) -> int:
-        """Upper bound on the bytes of hidden states this request can return (0 without a spec)."""
-        if params.hidden_states is None:
-            return 0
-        return self._selection(token_ids, params, encode).max_bytes
 
     def _steering(self, params: SamplingParams) -> list[ResolvedSteer]:
         """Resolve the request's steers against the model and apply the instance policy."""
         if not self.config.enable_steering:
             raise ValueError("steering: this instance was started with enable_steering=False")
         mc = self.model_config
-        return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype, self.runner.device,
+        return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype, self.device,
                                 self.config.max_steers_per_request)
 
     def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool) -> Selection:
@@ -145,56 +223,6 @@ class LLMEngine:
                 "select fewer layers or positions, reduce, project, or use a smaller dtype"
             )
         return sel
-
-    def add_request(
-        self,
-        prompt: str | None,
-        token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        encode: bool = False,
-    ) -> Request:
-        """Queue a validated request; ``encode`` runs the prompt for its hidden states only."""
-        n = next(self._ids)
-        rid = request_id if request_id is not None else str(n)
-        gen = None
-        if not params.greedy:
-            seed = params.seed
-            if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            gen = torch.Generator().manual_seed(seed)
-        req = Request(rid, n, prompt, token_ids, params, gen, encode_only=encode)
-        capture_error = None
-        if params.hidden_states is not None:
-            sel = self._selection(token_ids, params, encode)
-            try:  # a reducer plugin's start() runs here
-                req.capture = RequestCapture(sel, params.hidden_states, len(token_ids), self.runner.device)
-            except Exception as exc:  # noqa: BLE001 - belongs to this request alone
-                capture_error = f"hidden_states: starting the capture failed: {type(exc).__name__}: {exc}"
-        if params.steering:
-            req.steering = self._steering(params)
-            # KV computed under a steer is shared only with requests under the same steers at the
-            # same positions (Request.block_salt); unsteered blocks stay shareable with everyone.
-            req.steering_digest = steering_digest(params.steering)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-        self.requests[rid] = req
-        if capture_error is not None:
-            self._fail(req, capture_error, "server_error")
-            return req
-        self.scheduler.add(req)
-        return req
-
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks."""
-        req = self.requests.pop(request_id, None)
-        if req is not None and not req.finished:
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = "abort"
-            self.scheduler.finish(req)
-
-    def has_unfinished_requests(self) -> bool:
-        """True while any request is queued or running."""
-        return self.scheduler.has_unfinished()
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -314,20 +342,12 @@ class LLMEngine:
         req.hidden_states = None
 
     def make_output(self, req: Request) -> RequestOutput:
-        """The user-facing result of a request."""
+        """The user-facing result of a request (``outputs`` is empty for an encode request)."""
         for entry in req.logprobs or ():
             for tid, lp in entry.items():
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tid])
-        hidden_states = req.hidden_states
-        if req.encode_only:
-            return RequestOutput(
-                request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-                outputs=[], finished=req.finished, hidden_states=hidden_states,
-                metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
-                error=req.error, error_type=req.error_type,
-            )
-        completion = CompletionOutput(
+        completions = [] if req.encode_only else [CompletionOutput(
             index=0,
             text=req.text,
             token_ids=list(req.output_token_ids),
@@ -335,15 +355,32 @@ class LLMEngine:
             logprobs=req.logprobs,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-        )
+        )]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=list(req.prompt_token_ids),
-            outputs=[completion],
+            outputs=completions,
             finished=req.finished,
-            hidden_states=hidden_states,
+            hidden_states=req.hidden_states,
             metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
             error=req.error,
             error_type=req.error_type,
         )
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine for monitoring (``LLMEngine.stats``)."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float  # fraction of blocks referenced by requests
+    prefix_cache_hit_tokens: int  # prompt tokens served from the prefix cache, since start
+    prefix_cache_queried_tokens: int  # prompt tokens looked up in it, since start
+    generated_tokens: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of looked-up prompt tokens that came from the cache (0 before any lookup)."""
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0

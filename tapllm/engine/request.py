@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tapllm.hidden_states.capture import RequestCapture
+from tapllm.hidden_states.capture import RequestCapture, Selection
 from tapllm.outputs import Logprob
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.plan import steering_block_salt
@@ -49,6 +49,7 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     detokenizer: object | None = None
+    selection: Selection | None = None  # the resolved hidden-state spec (see LLMEngine.prepare)
     capture: RequestCapture | None = None
     hidden_states: object | None = None  # the HiddenStates result, made when the request finishes
     steering: list | None = None  # ResolvedSteer list
@@ -70,6 +71,11 @@ class Request:
         first = index * block_size
         return self.cache_salt + steering_block_salt(self.steering, self.steering_digest, self.num_prompt_tokens,
                                                      first, block_size)
+
+    @property
+    def max_hidden_states_bytes(self) -> int:
+        """Upper bound on the bytes of hidden states this request can return (0 when it asks none)."""
+        return self.selection.max_bytes if self.selection is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:
