@@ -170,7 +170,7 @@ class ModelRunner:
             if req.capture is not None or req.steering:
                 spans.append(RowSpan(req, row, start, n))
         dev = self.device
-        decode_bt = decode_mask = None
+        decode_bt = decode_mask = lens = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
@@ -184,5 +184,6 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=alone,
             prefill_groups=groups,
+            decode_lens=lens,
         )
         return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapllm.config import ModelConfig
-from tapllm.layers.attention import AttentionMetadata, paged_attention
+from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -27,14 +27,15 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class Attention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projection and rotary embedding."""
 
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, cfg.dtype)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, cfg.dtype)
-        self.scale = self.head_dim**-0.5
+        window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
+        self.opts = AttentionOptions(scale=self.head_dim**-0.5, window=window)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head normalisation of q and k before rotary; identity in this family."""
@@ -48,7 +49,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv, self.num_kv], dim=1)
         q, k = self.qk_norm(q, k)
         q, k = apply_rotary(q, k, cos_sin)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.opts)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -101,8 +102,8 @@ class LlamaForCausalLM(nn.Module):
         mlp_bias = bool(getattr(hf, "mlp_bias", False))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.attention_cls(cfg, qkv_bias, o_bias), MLP(cfg, mlp_bias))
-            for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, self.attention_cls(cfg, i, qkv_bias, o_bias), MLP(cfg, mlp_bias))
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, float(hf.rms_norm_eps), cfg.dtype)
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
