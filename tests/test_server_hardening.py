@@ -270,14 +270,14 @@ def urllib_request(server: Server, path: str, obj: dict) -> bytes:
 
 
 def test_logprobs_of_minus_infinity_are_written_as_vllm_does():
-    from tapllm.server.app import _chat_logprobs, _completion_logprobs
     from tapllm.server.errors import dumps
+    from tapllm.server.formatting import chat_logprobs, completion_logprobs
 
-    llm = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: f"t{ids[0]}"))
+    tokenizer = SimpleNamespace(decode=lambda ids: f"t{ids[0]}")
     entries = [{5: Logprob(-math.inf, 2), 6: Logprob(0.0, 1)}]
-    got = _completion_logprobs([5], entries, llm, 2)
+    got = completion_logprobs([5], entries, tokenizer, 2)
     assert got["token_logprobs"] == [-9999.0] and got["top_logprobs"] == [{"t6": 0.0, "t5": -9999.0}]
-    assert _chat_logprobs([5], entries, llm, 1)[0]["logprob"] == -9999.0
+    assert chat_logprobs([5], entries, tokenizer, 1)[0]["logprob"] == -9999.0
     assert _strict_loads(dumps({"a": [math.nan, math.inf, 1.5]})) == {"a": [None, None, 1.5]}
 
 
