@@ -26,6 +26,12 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("tapllm_requests_waiting", "requests queued (queue depth)", value=e.waiting)
         yield GaugeMetricFamily("tapllm_kv_cache_usage_ratio", "fraction of KV cache blocks in use",
                                 value=e.kv_cache_usage)
+        yield CounterMetricFamily("tapllm_prefix_cache_hits", "prompt tokens served from the prefix cache",
+                                  value=e.prefix_cache_hit_tokens)
+        yield CounterMetricFamily("tapllm_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                  value=e.prefix_cache_queried_tokens)
+        yield GaugeMetricFamily("tapllm_prefix_cache_hit_rate", "share of looked-up prompt tokens found in the "
+                                "prefix cache, since start", value=e.prefix_cache_hit_rate)
 
 
 class ServerMetrics:
