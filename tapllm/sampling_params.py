@@ -23,6 +23,7 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 class SamplingParams:
     """How to sample one request's completion.
 
+    ``max_tokens=None`` generates up to the end of the context (as in vLLM).
     ``temperature == 0`` (or below 1e-5, as in vLLM) means greedy decoding. ``seed`` (an
     integer in [-2**63, 2**64 - 1]) makes sampling reproducible for this request regardless
     of what else shares its batch. ``top_k`` 0 or -1 disables top-k. ``stop`` strings end generation
@@ -35,7 +36,7 @@ class SamplingParams:
     stream, in order; other requests in the batch are untouched.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -68,8 +69,9 @@ class SamplingParams:
 
         Values are checked as the sampler will use them: as float32 numbers on the device.
         """
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, or None for the rest of the context, "
+                             f"got {self.max_tokens!r}")
         temperature = _real("temperature", self.temperature)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")

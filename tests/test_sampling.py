@@ -111,3 +111,11 @@ def test_logprobs_top_n(llm):
         assert ranks == [1, 2, 3]
         assert all(lp.decoded_token is not None for lp in entry.values())
     assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+
+
+def test_max_tokens_none_generates_to_the_end_of_the_context(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    limit = llm.engine.model_config.max_model_len
+    prompt = list(range(100, 100 + limit - 5))
+    out = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"

@@ -107,9 +107,11 @@ class LLMEngine:
         params.validate()
         self._check_prompt(token_ids, params, encode)
         rid = request_id if request_id is not None else str(next(self._ids))
-        req = Request(rid, -1, text, token_ids, params, None, encode_only=encode)
+        room = self.model_config.max_model_len - len(token_ids)
+        max_tokens = 1 if encode else (params.max_tokens if params.max_tokens is not None else room)
+        req = Request(rid, -1, text, token_ids, params, None, encode_only=encode, max_tokens=max_tokens)
         if params.hidden_states is not None:
-            req.selection = self._selection(token_ids, params, encode)
+            req.selection = self._selection(token_ids, params, encode, max_tokens)
         if params.steering:
             req.steering = self._steering(params)
             # KV computed under a steer is shared only with requests under the same steers at the
@@ -204,12 +206,12 @@ class LLMEngine:
         return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype, self.device,
                                 self.config.max_steers_per_request)
 
-    def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool) -> Selection:
+    def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool, max_tokens: int) -> Selection:
         """Resolve the request's hidden-state spec and apply the instance policy."""
         if not self.config.enable_hidden_states:
             raise ValueError("hidden_states: this instance was started with enable_hidden_states=False")
         mc, p = self.model_config, len(token_ids)
-        end = p if encode else min(p + params.max_tokens, mc.max_model_len) - 1
+        end = p if encode else min(p + max_tokens, mc.max_model_len) - 1
         sel = resolve(
             params.hidden_states, num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
             num_prompt=p, max_positions=end, encode=encode,
@@ -297,7 +299,7 @@ class LLMEngine:
         if (not p.ignore_eos and token in self.model_config.eos_token_ids) or token in p.stop_token_ids:
             self._finish(req, "stop", token)
             return True
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.model_config.max_model_len:
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.model_config.max_model_len:
             self._finish(req, "length", None)
             return True
         return False

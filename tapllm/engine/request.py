@@ -55,6 +55,7 @@ class Request:
     steering: list | None = None  # ResolvedSteer list
     steering_digest: bytes = b""  # hash of the request's steers (see block_salt)
     encode_only: bool = False  # run the prompt for its hidden states; sample nothing
+    max_tokens: int = 1  # params.max_tokens, or the rest of the context when that is None
     error: str | None = None  # why this request alone failed (finish_reason "error")
     error_type: str | None = None  # "invalid_request_error" | "server_error"
 

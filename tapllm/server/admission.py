@@ -47,8 +47,7 @@ class Admission:
         self._check_common(body)
         self._check_logprobs(body.logprobs, "logprobs")
         prompts = _prompt_list(body.prompt, "prompt", self.max_prompts_per_request)
-        max_tokens = body.max_tokens if body.max_tokens is not None else self.max_len
-        params = self._params(body, max_tokens)
+        params = self._params(body, body.max_tokens)  # None: the rest of each prompt's context
         return self._prepare_all(prompts, params, False, "prompt", request_id)
 
     def chat(self, body: ChatCompletionRequest, request_id: str) -> Request:
@@ -61,13 +60,8 @@ class Admission:
         except (ValueError, TypeError) as exc:  # the template refused these messages
             raise APIError(400, str(exc), param="messages") from None
         self._check_prompt_text(text, "messages")
-        # Tokenized here, as prepare would (the default max_tokens needs the length), then prepared as ids.
-        ids = self.engine.tokenizer.encode(text, add_special_tokens=True)
-        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-                          max(1, self.max_len - len(ids)))
-        req = self._prepare(ids, self._params(body, max_tokens), False, f"{request_id}-0", "")
-        req.prompt = text
-        return req
+        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
+        return self._prepare(text, self._params(body, max_tokens), False, f"{request_id}-0", "")
 
     def hidden_states(self, body: HiddenStatesOnlyRequest, request_id: str) -> list[Request]:
         """The prompts of a ``/v1/hidden_states`` body (prompt-only, like ``LLM.encode``)."""
@@ -110,7 +104,7 @@ class Admission:
                            param=field)
 
     @staticmethod
-    def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
         try:
             return body.sampling_params(max_tokens, body.num_logprobs())
         except (ValueError, TypeError) as exc:
@@ -136,9 +130,9 @@ class Admission:
         except (ValueError, TypeError) as exc:
             raise APIError(400, f"{prefix}{exc}") from None
         n = req.num_prompt_tokens
-        if not encode and n + params.max_tokens > self.max_len:
+        if not encode and n + req.max_tokens > self.max_len:
             raise APIError(400, f"{prefix}max_tokens: the prompt has {n} tokens and max_tokens is "
-                           f"{params.max_tokens}, over the model's context of {self.max_len}; use max_tokens <= "
+                           f"{req.max_tokens}, over the model's context of {self.max_len}; use max_tokens <= "
                            f"{self.max_len - n}", param="max_tokens")
         return req
 

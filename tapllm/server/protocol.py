@@ -110,7 +110,7 @@ class _Sampling(BaseModel):
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Engine parameters; ``ValueError`` names the field."""
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
