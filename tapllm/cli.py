@@ -261,6 +261,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def _collect(args: argparse.Namespace) -> int:
     from tapllm.collect.run import CollectConfig, collect
+    from tapllm.config import EngineConfig
 
     layers: list[int] | str = args.layers
     if args.layers != "all":
@@ -269,10 +270,9 @@ def _collect(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--layers must be 'all' or comma-separated integers, got {args.layers!r}") from None
     cfg = CollectConfig(
-        input=args.input, out=args.out, model=args.model, layers=layers, points=args.points.split(","),
-        positions=args.positions, max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens,
-        dtype=args.dtype, workers=args.workers, overwrite=args.overwrite, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        input=args.input, out=args.out, layers=layers, points=args.points.split(","), positions=args.positions,
+        max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens, workers=args.workers,
+        overwrite=args.overwrite, engine=EngineConfig.from_cli_args(args),
     )
     meta = collect(cfg, ray_address=args.ray_address, show_progress=not args.quiet)
     secs = meta.get("seconds") or 0

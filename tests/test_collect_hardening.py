@@ -46,12 +46,12 @@ def test_refusals_come_before_the_model_loads(tiny_models, tmp_path, capsys, mon
     assert _run(model, inp, done) == 0
     capsys.readouterr()
 
-    import tapllm.llm
+    from tapllm.engine.llm_engine import LLMEngine
 
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was loaded before the refusal")
 
-    monkeypatch.setattr(tapllm.llm.LLM, "__init__", no_weights)
+    monkeypatch.setattr(LLMEngine, "__init__", no_weights)
 
     def err(out: Path, *extra: str, inp: Path = inp, dtype: str = "float32") -> str:
         assert _run(model, inp, out, *extra, dtype=dtype) == 2

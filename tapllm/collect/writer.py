@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tapllm._files import atomic_write
-from tapllm.collect.shards import SUFFIX, write_error, write_shard
+from tapllm.collect.shards import SUFFIX, write_error, write_file, write_shard
 
 
 @dataclass(slots=True)
@@ -66,10 +65,7 @@ class Manifest:
             stray_tmp = f.name.startswith((f".{prefix}", f".{self.path.name}.")) and f.name.endswith(".tmp")
             if stray_tmp or (f.name.startswith(prefix) and f.name not in keep):
                 f.unlink()
-        try:
-            atomic_write(self.path, "".join(json.dumps(asdict(e)) + "\n" for e in entries))
-        except OSError as exc:
-            raise write_error(self.path, exc) from None
+        write_file(self.path, "".join(json.dumps(asdict(e)) + "\n" for e in entries))
 
     def append(self, entry: ShardEntry) -> None:
         """Record a complete shard durably."""
