@@ -107,7 +107,6 @@ class ShardWriter:
         self.seq = seq
         self.fmt = fmt
         self.bytes_written = 0
-        self.rows_written = 0
         self.entries: list[ShardEntry] = []
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -160,5 +159,4 @@ class ShardWriter:
         self.manifest.append(entry)
         self.entries.append(entry)
         self.bytes_written += size
-        self.rows_written += rows
         self.seq += 1
