@@ -18,9 +18,9 @@ What it measures
     machine is noisy (about +-15% run to run), and the ratios are to (a) of the same run (the
     ratio of medians is printed too).
     Because that noise is larger than the effect, it also times the capture work itself (the
-    plan's construction, its recorder calls in the forward, and the hand-off of rows to each
-    request: projection, reduction, copies to CPU; for (f) the steering plan's construction and
-    its in-place updates) and reports it as a share of the call.
+    step tap's construction with its capture and steering plans, its calls at every point of
+    the forward (steering in place, then recording rows), and the hand-off of rows to each
+    request: projection, reduction, copies to CPU) and reports it as a share of the call.
     For (e) it reports the bytes captured and the rate at which the capture work moved them.
 
     Then transformers does (d)'s work: ``generate(output_hidden_states=True)`` on the same
@@ -59,16 +59,15 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer  # noqa: E402
-from tapllm.hidden_states.plan import CapturePlan  # noqa: E402
-from tapllm.steering.plan import SteeringPlan  # noqa: E402
+from tapllm.engine.tap import StepTap  # noqa: E402
 from tapllm.loader import resolve_model  # noqa: E402
 
 
 class CaptureTimer:
-    """Accumulates the time spent in the capture plan (construction, recorder, finish).
+    """Accumulates the time spent in the step tap (construction, calls in the forward, finish).
 
-    Installed by wrapping ``CapturePlan``'s methods for this benchmark only; the engine
-    itself carries no timing code.
+    Installed by wrapping ``StepTap``'s methods for this benchmark only; the engine itself
+    carries no timing code.
     """
 
     def __init__(self) -> None:
@@ -85,10 +84,9 @@ class CaptureTimer:
         return timed
 
     def install(self) -> None:
-        for name in ("__init__", "record", "finish"):
-            setattr(CapturePlan, name, self._wrap(getattr(CapturePlan, name)))
-        for name in ("__init__", "__call__"):  # the steering plan's work counts the same way
-            setattr(SteeringPlan, name, self._wrap(getattr(SteeringPlan, name)))
+        StepTap.build = classmethod(self._wrap(StepTap.build.__func__))  # builds both plans
+        for name in ("__call__", "finish"):
+            setattr(StepTap, name, self._wrap(getattr(StepTap, name)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

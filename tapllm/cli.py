@@ -80,11 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the model id clients use (default: the folder name or GGUF file stem)")
     srv.add_argument("--enable-hidden-states", action="store_true",
                      help="serve the hidden_states extension (off by default for a shared service)")
-    srv.add_argument("--hidden-states-max-bytes", type=int, default=64 << 20,
+    srv.add_argument("--hidden-states-max-bytes", dest="hidden_states_max_bytes_per_request", type=int,
+                     default=64 << 20,
                      help="refuse requests whose states could exceed this many bytes (default 64 MiB)")
     srv.add_argument("--enable-steering", action="store_true",
                      help="serve the steering extension (off by default for a shared service)")
-    srv.add_argument("--max-steers", type=int, default=16, help="most steering entries per request")
+    srv.add_argument("--max-steers", dest="max_steers_per_request", type=int, default=16,
+                     help="most steering entries per request")
     srv.add_argument("--max-logprobs", type=int, default=20,
                      help="most logprobs / top_logprobs a request may ask for (default 20, as vLLM)")
     srv.add_argument("--max-request-bytes", type=int, default=8 << 20,
@@ -202,7 +204,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tapllm import LLM
+    from tapllm.config import EngineConfig
+    from tapllm.engine.llm_engine import LLMEngine
     from tapllm.server import create_app
     from tapllm.server.serving import Lifecycle, run
 
@@ -216,22 +219,15 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     api_key = _api_key(args)
     model = args.model_path or args.model
-    llm = LLM(
-        model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
-        seed=args.seed, enable_hidden_states=args.enable_hidden_states,
-        hidden_states_max_bytes_per_request=args.hidden_states_max_bytes,
-        enable_steering=args.enable_steering, max_steers_per_request=args.max_steers,
-        max_logprobs=args.max_logprobs,
-    )
+    engine = LLMEngine.from_config(EngineConfig.from_cli_args(args, model=model))
     name = args.served_model_name or _model_name(model)
     lifecycle = Lifecycle()
-    app = create_app(llm, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
+    app = create_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
                      max_prompts_per_request=args.max_prompts_per_request, body_read_timeout=args.body_read_timeout,
                      lifecycle=lifecycle)
     logging.getLogger("tapllm").info(
         "serving %s on http://%s:%d (hidden states %s, steering %s, API key %s)", name, args.host, args.port,
-        "on" if args.enable_hidden_states else "off", "on" if args.enable_steering else "off",
+        "on" if engine.config.enable_hidden_states else "off", "on" if engine.config.enable_steering else "off",
         "required" if api_key else "not required",
     )
     run(app, lifecycle, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",

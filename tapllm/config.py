@@ -38,6 +38,7 @@ class ModelConfig:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    sliding_windows: tuple[int | None, ...] = ()  # per block: its attention window, or None (global)
 
     @classmethod
     def from_folder(
@@ -62,11 +63,6 @@ class ModelConfig:
             )
         hf = AutoConfig.from_pretrained(str(path))
         max_len = int(hf.max_position_embeddings)
-        window = getattr(hf, "sliding_window", None)
-        if window and getattr(hf, "use_sliding_window", True) and window < max_len:
-            # Full attention is exact inside the window, so cap the context there.
-            logger.warning("sliding window %d is not implemented: max_model_len capped to it", window)
-            max_len = int(window)
         heads = int(hf.num_attention_heads)
         return cls(
             path=path,
@@ -81,6 +77,7 @@ class ModelConfig:
             vocab_size=int(hf.vocab_size),
             max_model_len=max_len,
             eos_token_ids=_eos_ids(path, hf),
+            sliding_windows=_sliding_windows(hf, int(hf.num_hidden_layers)),
         )
 
     @property
@@ -146,6 +143,17 @@ def _warn_if_slow(dtype: torch.dtype, device: torch.device | str | None) -> torc
                 "dtype='auto' picks the fastest", dtype_name(dtype), support.isa,
             )
     return dtype
+
+
+def _sliding_windows(hf: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Each block's sliding window as transformers applies it (``layer_types`` where the config has them)."""
+    window = getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None)
+    if not window:
+        return (None,) * num_layers
+    if types is None:  # Mistral: every layer slides
+        return (int(window),) * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def _eos_ids(path: Path, hf: Any) -> tuple[int, ...]:

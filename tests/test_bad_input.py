@@ -151,20 +151,6 @@ def test_missing_tensor(tiny_models, tmp_path):
         LLM(folder)
 
 
-def test_sliding_window_caps_the_context(tiny_models, tmp_path):
-    folder = tmp_path / "m"
-    shutil.copytree(tiny_models["mistral"], folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["sliding_window"] = 64
-    (folder / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(folder, dtype="float32")
-    assert llm.engine.model_config.max_model_len == 64
-    with pytest.raises(ValueError, match="max_model_len\\) is 64"):
-        llm.generate([list(range(100, 170))], use_tqdm=False)
-    out = llm.generate([list(range(100, 160))], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
-    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 4
-
-
 def test_python_api_argument_errors_name_the_argument(llm):
     good = random_prompts([5])[0]
     with pytest.raises(TypeError, match="bytes"):

@@ -178,3 +178,24 @@ def test_cli_generate_and_encode_with_states(tiny_models, tmp_path, capsys):
     assert "unknown point 'nope'" in capsys.readouterr().err
     assert main(["generate", "--input", str(inp), "--model", model, "--hidden-states", "layers=0"]) == 2
     assert "needs --save DIR" in capsys.readouterr().err
+
+
+def test_a_step_without_capture_or_steering_builds_no_tap(tiny_models, monkeypatch):
+    """Requests that ask for nothing cost nothing: no plan is built and the model gets no tap."""
+    import tapllm.engine.tap as tap_module
+
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    built = []
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a capture or steering plan was built for a step that needs none")
+
+    real_build = tap_module.StepTap.build
+    monkeypatch.setattr(tap_module, "CapturePlan", refuse)
+    monkeypatch.setattr(tap_module, "SteeringPlan", refuse)
+    monkeypatch.setattr(tap_module.StepTap, "build",
+                        classmethod(lambda cls, *a: built.append(real_build.__func__(cls, *a)) or built[-1]))
+    out = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    assert built and all(t is None for t in built)

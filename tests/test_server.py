@@ -224,6 +224,24 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
     assert "tapllm_hidden_states_bytes_total" in text and "tapllm_requests_waiting" in text
 
 
+
+def test_metrics_prefix_cache(server):
+    def numbers() -> tuple[float, float, float]:
+        return (server.metric("tapllm_prefix_cache_hits_total"), server.metric("tapllm_prefix_cache_queries_total"),
+                server.metric("tapllm_prefix_cache_hit_rate"))
+
+    hits, queries, _ = numbers()
+    body = {"prompt": "the same long prompt again " * 8, "max_tokens": 1}  # a few full KV blocks
+    for _ in range(2):
+        assert server.post("/v1/completions", body)[0] == 200
+    # the engine thread refreshes its numbers after each step and when idle
+    deadline = time.time() + 10
+    while numbers()[0] == hits and time.time() < deadline:
+        time.sleep(0.1)
+    new_hits, new_queries, rate = numbers()
+    assert new_queries > queries and new_hits >= hits + 16  # the second request found the first one's blocks
+    assert rate == pytest.approx(new_hits / new_queries)
+
 def test_steering_extension(server, plain_server, reference):
     from tapllm import Steer
     from tapllm.hidden_states.wire import tensor_to_wire

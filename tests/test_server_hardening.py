@@ -41,6 +41,11 @@ BOOM_PLUGIN = """
 
         def finish(self):
             raise AssertionError("never reached")
+
+
+    class BoomAtStart:
+        def start(self, num_layers, width, device):
+            raise RuntimeError("boom: this reducer fails in start")
 """
 
 
@@ -67,7 +72,8 @@ def plugin_path(tmp_path_factory) -> str:
     dist = root / "tapllm_boom_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tapllm-boom-plugin\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[tapllm.reducers]\nboom = tapllm_boom_plugin:Boom\n")
+    (dist / "entry_points.txt").write_text("[tapllm.reducers]\nboom = tapllm_boom_plugin:Boom\n"
+                                              "boom_at_start = tapllm_boom_plugin:BoomAtStart\n")
     return str(root)
 
 
@@ -270,14 +276,14 @@ def urllib_request(server: Server, path: str, obj: dict) -> bytes:
 
 
 def test_logprobs_of_minus_infinity_are_written_as_vllm_does():
-    from tapllm.server.app import _chat_logprobs, _completion_logprobs
     from tapllm.server.errors import dumps
+    from tapllm.server.formatting import chat_logprobs, completion_logprobs
 
-    llm = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: f"t{ids[0]}"))
+    tokenizer = SimpleNamespace(decode=lambda ids: f"t{ids[0]}")
     entries = [{5: Logprob(-math.inf, 2), 6: Logprob(0.0, 1)}]
-    got = _completion_logprobs([5], entries, llm, 2)
+    got = completion_logprobs([5], entries, tokenizer, 2)
     assert got["token_logprobs"] == [-9999.0] and got["top_logprobs"] == [{"t6": 0.0, "t5": -9999.0}]
-    assert _chat_logprobs([5], entries, llm, 1)[0]["logprob"] == -9999.0
+    assert chat_logprobs([5], entries, tokenizer, 1)[0]["logprob"] == -9999.0
     assert _strict_loads(dumps({"a": [math.nan, math.inf, 1.5]})) == {"a": [None, None, 1.5]}
 
 
@@ -503,6 +509,18 @@ def test_failing_reducer_plugin_fails_alone(hard, alone):
         assert error["type"] == "server_error" and "boom" in error["message"], error
     assert hard.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
 
+
+
+def test_reducer_failing_at_start_fails_alone_at_once(hard, alone):
+    # start() runs as the engine adds the request: it comes back finished, before any step.
+    states = {"layers": [0], "points": ["resid_post"], "positions": "all", "reduce": "boom_at_start"}
+    for stream in (False, True):
+        bad = {"prompt": "Hello there", "max_tokens": 4, "hidden_states": states, "stream": stream}
+        status, resp = _send(hard, "/v1/completions", bad)
+        error = resp[-2]["error"] if stream else resp["error"]
+        assert status == (200 if stream else 500) and error["type"] == "server_error", resp
+        assert "starting the capture failed" in error["message"] and "fails in start" in error["message"], error
+    assert [_text(*_send(hard, *_good(i))) for i in range(8)] == alone
 
 # ---- 4. shutdown under load ---------------------------------------------------------------------
 def _load(server: Server, n_streams: int, n_plain: int) -> tuple[list, threading.Barrier]:

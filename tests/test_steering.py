@@ -44,6 +44,11 @@ class HFSteering:
                         lambda m, args, fn=fn: (fn(args[0]),) + tuple(args[1:])))
                 elif s.point == "resid_post":
                     self.handles.append(block.register_forward_hook(lambda m, i, o, fn=fn: fn(o)))
+                elif s.point == "resid_mid":
+                    # The post-attention norm's input is the residual stream after attention, and the
+                    # same tensor is the residual the MLP's output is added to: steer it in place.
+                    self.handles.append(block.post_attention_layernorm.register_forward_pre_hook(
+                        lambda m, args, fn=fn: (args[0].copy_(fn(args[0])), None)[1]))
                 elif s.point == "attn_out":
                     self.handles.append(block.self_attn.register_forward_hook(
                         lambda m, i, o, fn=fn: (fn(o[0]),) + tuple(o[1:])))
@@ -259,3 +264,28 @@ def _shared_llm(tiny_models) -> LLM:
     if "llm" not in _LLM:
         _LLM["llm"] = LLM(tiny_models["llama"], dtype="float32")
     return _LLM["llm"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_resid_mid_steering_matches_transformers_hooks(arch, tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32).eval()
+    llm = LLM(tiny_models[arch], dtype="float32")
+    steers = [Steer(layers=[0, 2], point="resid_mid", op="add", vector=_vec(7), scale=2.0),
+              Steer(layers=[1], point="resid_mid", op="ablate", vector=_vec(8), positions="prompt")]
+    spec = HiddenStatesSpec(layers="all", points=["resid_pre", "final"], positions="all")
+    prompts = random_prompts([4, 17], seed=9)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, hidden_states=spec),
+                         use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, steering=steers,
+                                                hidden_states=spec), use_tqdm=False)
+    for prompt, out, base in zip(prompts, outs, plain):
+        tokens, hs = hf_steered(model, prompt, steers, NEW)
+        assert out.outputs[0].token_ids == tokens
+        states = out.hidden_states
+        for layer in range(model.config.num_hidden_layers):
+            _close(states["resid_pre"][:, layer], hs[layer])
+        _close(states["final"][:, 0], hs[-1])
+        n = min(len(states.positions), len(base.hidden_states.positions))
+        assert not torch.allclose(states["final"][:n], base.hidden_states["final"][:n])  # the steer did something

@@ -14,9 +14,8 @@ from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.request import Request
 from tapllm.engine.sampler import RowFailure, sample
 from tapllm.engine.scheduler import ScheduledItem
+from tapllm.engine.tap import RowSpan, StepTap
 from tapllm.hidden_states.capture import CopySink
-from tapllm.hidden_states.plan import CaptureEntry, CapturePlan
-from tapllm.steering.plan import SteeringPlan
 from tapllm.layers.attention import AttentionMetadata, PrefillChunk, group_prefills
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
@@ -46,6 +45,17 @@ def _linear_path(device: torch.device, dtype: torch.dtype) -> str:
     if dtype in support.packable:
         return "prepacked for oneDNN"
     return f"plain F.linear ({support.reason or 'no oneDNN packing for ' + str(dtype)})"
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One step's batch tensors, attention metadata, the rows that sample, and the tap's row spans."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[tuple[int, Request]]  # (batch row, request) of each request that samples
+    spans: list[RowSpan]  # chunks of requests that capture or steer
 
 
 @dataclass(slots=True)
@@ -107,16 +117,15 @@ class ModelRunner:
         """
         items = sorted(items, key=lambda it: it.num_tokens != 1)  # decodes first
         self.capture_sink.pending.clear()  # a previous failed step may have left staged copies
-        input_ids, positions, meta, sample_rows, captures, steers = self._prepare(items)
-        plan = CapturePlan(captures, self.device, self.capture_sink) if captures else None
-        steering = SteeringPlan(steers, self.device) if steers else None
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, plan.record if plan else None,
-                            steering if steering else None)
+        batch = self._prepare(items)
+        tap = StepTap.build(batch.spans, self.device, self.capture_sink)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap)
         result = StepResult()
-        if plan is not None:
-            for capture, message in plan.finish().items():
-                req = next(it.request for it in items if it.request.capture is capture)
-                result.failed[req] = RowFailure(message, "server_error")
+        if tap is not None:
+            owner = {span.request.capture: span.request for span in batch.spans}
+            for capture, message in tap.finish().items():
+                result.failed[owner[capture]] = RowFailure(message, "server_error")
+        sample_rows = batch.sample_rows
         if not sample_rows:
             return result
         rows, reqs = zip(*sample_rows)
@@ -131,9 +140,7 @@ class ModelRunner:
                 result.sampled[req] = token
         return result
 
-    def _prepare(
-        self, items: list[ScheduledItem]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, Request]], list[CaptureEntry], list]:
+    def _prepare(self, items: list[ScheduledItem]) -> StepBatch:
         bs = self.ecfg.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -142,8 +149,7 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        captures: list[CaptureEntry] = []
-        steers: list = []
+        spans: list[RowSpan] = []
         for it in items:
             req, start, n = it.request, it.start, it.num_tokens
             row = len(ids)
@@ -161,14 +167,10 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, n, start, used))
             if it.samples and not req.encode_only:
                 sample_rows.append((row + n - 1, req))
-            if req.capture is not None:
-                window = req.capture.window(start, n)
-                if window is not None:
-                    captures.append(CaptureEntry(req.capture, row + window[0] - start, *window))
-            if req.steering:
-                steers.append((req.steering, row, start, n, req.num_prompt_tokens))
+            if req.capture is not None or req.steering:
+                spans.append(RowSpan(req, row, start, n))
         dev = self.device
-        decode_bt = decode_mask = None
+        decode_bt = decode_mask = lens = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
@@ -182,5 +184,6 @@ class ModelRunner:
             decode_mask=decode_mask,
             prefills=alone,
             prefill_groups=groups,
+            decode_lens=lens,
         )
-        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, captures, steers
+        return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans)

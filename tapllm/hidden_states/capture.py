@@ -14,8 +14,8 @@ import torch
 from tapllm.hidden_states.reducers import Reducer, get_reducer
 from tapllm.hidden_states.result import HiddenStates
 from tapllm.hidden_states.spec import DTYPES, PSEUDO_POINTS, HiddenStatesSpec
+from tapllm.models.tap import PSEUDO_LAYER
 
-PSEUDO_LAYER = -1  # the layer key the model uses for "embed" and "final"
 
 
 @dataclass(slots=True)

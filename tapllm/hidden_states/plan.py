@@ -1,20 +1,25 @@
 """The per-step capture plan: which batch rows to record at which (point, layer).
 
-Built by the model runner from the step's scheduled chunks of capturing requests. Its
-``record`` is the recorder the model calls at each named point; per point it gathers the
-rows of every request that wants that point into one step tensor (on the model's device),
-one layer slot per call. After the forward, ``finish`` hands each request its slice
-(projection, reduction and the copy to CPU happen there) and advances its high-water mark.
-A step without capturing requests builds no plan, and the model gets no recorder.
+Built from the step's row spans; each capturing request's ``window`` says which of its
+positions this step captures. The step's tap calls ``record`` at each named point (after
+steering); per point it gathers the rows of every request that wants that point into one
+step tensor (on the model's device), one layer slot per call. After the forward, ``finish``
+hands each request its slice (projection, reduction and the copy to CPU happen there) and
+advances its high-water mark. A step without capturing requests builds no plan.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tapllm.hidden_states.capture import CopySink, RequestCapture
+
+if TYPE_CHECKING:
+    from tapllm.engine.tap import RowSpan
 
 
 @dataclass(slots=True)
@@ -37,17 +42,26 @@ class _PointPlan:
     stage: torch.Tensor | None = field(default=None)
 
 
-class CapturePlan:
-    """Rows and points to record in one step; ``record`` is the model's recorder."""
+Target = tuple[_PointPlan, int]  # the point's stage, and the layer's slot in it
 
-    def __init__(self, entries: list[CaptureEntry], device: torch.device, sink: CopySink) -> None:
+
+class CapturePlan:
+    """Rows and points to record in one step (see the module docstring)."""
+
+    def __init__(self, spans: Sequence[RowSpan], device: torch.device, sink: CopySink) -> None:
+        entries = []
+        for span in spans:
+            capture = span.request.capture
+            window = capture.window(span.start, span.num_tokens) if capture is not None else None
+            if window is not None:
+                entries.append(CaptureEntry(capture, span.row + window[0] - span.start, *window))
         self.entries = entries
         self.sink = sink
         by_point: dict[str, list[CaptureEntry]] = {}
         for e in entries:
             for point in e.capture.sel.points:
                 by_point.setdefault(point, []).append(e)
-        self.targets: dict[tuple[str, int], tuple[_PointPlan, int]] = {}
+        self.targets: dict[tuple[str, int], Target] = {}
         self.points: list[_PointPlan] = []
         for point, es in by_point.items():
             keys = sorted({k for e in es for k in e.capture.sel.layer_keys(point)})
@@ -64,16 +78,14 @@ class CapturePlan:
             for k, i in slot.items():
                 self.targets[(point, k)] = (pp, i)
 
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
     def record(self, point: str, layer: int, t: torch.Tensor) -> None:
-        """Recorder for the model: keep the planned rows of ``t`` ``[tokens, hidden]``."""
+        """Keep the planned rows of ``t`` ``[tokens, hidden]`` at ``point`` of ``layer``."""
         target = self.targets.get((point, layer))
-        if target is None:
-            return
-        pp, slot = target
-        if pp.stage is None:
-            pp.stage = t.new_empty((pp.num_rows, len(pp.keys), t.shape[-1]))
-        src = t[pp.rows] if isinstance(pp.rows, slice) else t.index_select(0, pp.rows)
-        pp.stage[:, slot].copy_(src)
+        if target is not None:
+            record_at(target, t)
 
     def finish(self) -> dict[RequestCapture, str]:
         """Deliver each request's rows, then mark their positions captured.
@@ -101,6 +113,15 @@ class CapturePlan:
             if e.capture not in failed:
                 e.capture.advance(e.a, e.b)
         return failed
+
+
+def record_at(target: Target, t: torch.Tensor) -> None:
+    """Copy the planned rows of ``t`` into ``target``'s slot of its point's stage tensor."""
+    pp, slot = target
+    if pp.stage is None:
+        pp.stage = t.new_empty((pp.num_rows, len(pp.keys), t.shape[-1]))
+    src = t[pp.rows] if isinstance(pp.rows, slice) else t.index_select(0, pp.rows)
+    pp.stage[:, slot].copy_(src)
 
 
 def _rows(entries: list[CaptureEntry], device: torch.device) -> slice | torch.Tensor:

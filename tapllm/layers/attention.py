@@ -7,6 +7,12 @@ cached context (fresh prompts) of similar lengths share one SDPA call over a rig
 short prompts do not cost one call each per layer; a chunk that continues a cached context
 gets its own SDPA call against that context plus itself. The same code runs on CPU and CUDA
 (where SDPA picks its flash or memory-efficient kernels).
+
+Per layer, :class:`AttentionOptions` may add a sliding window (a query at position i sees
+keys i - window < j <= i, as transformers masks it) and logit soft-capping (Gemma-2:
+``tanh(s / cap) * cap`` before the softmax, computed without SDPA, which cannot do it).
+Blocks whose keys have all left every layer's window stay in the cache: the prefix cache may
+still serve them, and a model with global layers needs them anyway.
 """
 
 from __future__ import annotations
@@ -38,6 +44,15 @@ class PrefillGroup:
     rows: torch.Tensor  # [n] batch rows those real slots go back to
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionOptions:
+    """How one layer attends: its score scale, sliding window and logit soft-cap."""
+
+    scale: float
+    window: int | None = None  # a query at position i sees keys i - window < j <= i
+    softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap before the softmax
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """Where each new token's K/V goes and what each query row may attend to."""
@@ -48,6 +63,19 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, max_blocks * block_size]: True where masked
     prefills: list[PrefillChunk]  # chunks attended one by one
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    decode_lens: torch.Tensor | None = None  # [num_decodes] context length of each decode row
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor:
+        """The decode mask, plus keys that left ``window`` (made once per step and window)."""
+        if window is None:
+            return self.decode_mask
+        mask = self._window_masks.get(window)
+        if mask is None:
+            keys = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            old = keys[None, :] <= (self.decode_lens[:, None] - 1 - window)
+            mask = self._window_masks[window] = self.decode_mask | old[:, None, :]
+        return mask
 
 
 # Padding costs attention work (quadratic in the padded length); below this length a prompt's
@@ -92,7 +120,7 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
-    scale: float,
+    opts: AttentionOptions,
 ) -> torch.Tensor:
     """Store the new ``k``/``v`` [T, Hkv, D] in the cache and attend ``q`` [T, H, D]; returns [T, H, D].
 
@@ -107,16 +135,15 @@ def paged_attention(
     v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, _finite(v).transpose(0, 1))
     nd = meta.num_decodes
     if nd == q.shape[0]:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return _decode_attention(q, k_cache, v_cache, meta, opts)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, opts)
     for g in meta.prefill_groups:
         def padded(x: torch.Tensor) -> torch.Tensor:
             return x.index_select(0, g.gather).view(g.count, g.length, x.shape[1], dim).transpose(1, 2)
 
-        og = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale,
-                                            enable_gqa=True)  # [count, H, length, D]
+        og = _attend(padded(q), padded(k), padded(v), 0, opts)  # [count, H, length, D]
         og = og.transpose(1, 2).reshape(g.count * g.length, q.shape[1], dim).index_select(0, g.valid)
         out.index_copy_(0, g.rows, og)
     for chunk in meta.prefills:
@@ -125,21 +152,38 @@ def paged_attention(
         if chunk.context_len == 0:
             kc = k[rows].transpose(0, 1).unsqueeze(0)
             vc = v[rows].transpose(0, 1).unsqueeze(0)
-            oc = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
         else:
             total = chunk.context_len + chunk.length
             table = chunk.block_table.unsqueeze(0)
             kc = _gather(k_cache, table)[:, :, :total].transpose(0, 1)  # [1, Hkv, total, D]
             vc = _gather(v_cache, table)[:, :, :total].transpose(0, 1)
-            qpos = torch.arange(chunk.context_len, total, device=q.device)
-            mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]
-            oc = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = oc.squeeze(0).transpose(0, 1)
+        out[rows] = _attend(qc, kc, vc, chunk.context_len, opts).squeeze(0).transpose(0, 1)
     return out
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, opts: AttentionOptions) -> torch.Tensor:
+    """Causal attention of queries at positions ``context..`` over keys ``0..``: [B, H, n, D] -> [B, H, n, D]."""
+    n, total = q.shape[2], k.shape[2]
+    if opts.softcap is None and context == 0 and opts.window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=opts.scale, enable_gqa=True)
+    qpos = torch.arange(context, context + n, device=q.device)[:, None]
+    keys = torch.arange(total, device=q.device)[None, :]
+    allowed = keys <= qpos
+    if opts.window is not None:
+        allowed &= keys > qpos - opts.window
+    if opts.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=opts.scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * opts.scale
+    scores = torch.tanh(scores / opts.softcap) * opts.softcap
+    probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, opts: AttentionOptions
 ) -> torch.Tensor:
     """One query token per sequence, against its whole cached context; returns [B, H, D].
 
@@ -151,9 +195,11 @@ def _decode_attention(
     kd = _gather(k_cache, meta.decode_block_tables)  # [Hkv, B, S, D], contiguous
     vd = _gather(v_cache, meta.decode_block_tables)
     qg = q.view(b, kv_heads, h // kv_heads, d).transpose(0, 1)  # [Hkv, B, G, D]
-    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale
+    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * opts.scale
+    if opts.softcap is not None:
+        scores = torch.tanh(scores / opts.softcap) * opts.softcap
     # masked_fill, not an added -inf bias: a stale key slot can make its score +inf or NaN.
-    probs = scores.masked_fill_(meta.decode_mask, float("-inf")).softmax(-1).to(q.dtype)
+    probs = scores.masked_fill_(meta.decode_mask_for(opts.window), float("-inf")).softmax(-1).to(q.dtype)
     return torch.matmul(probs, vd).transpose(0, 1).reshape(b, h, d)
 
 

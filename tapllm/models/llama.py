@@ -1,42 +1,41 @@
 """Llama family decoder (Llama 2/3, SmolLM, Mistral, Qwen2/2.5 with qkv bias).
 
-The forward names the residual-stream points explicitly (``resid_pre``, ``attn_out``,
-``resid_mid``, ``mlp_out``, ``resid_post``, ``embed``, ``final``) and hands each to an
-optional recorder: the hidden-state capture path, with no module hooks involved.
+Each block's forward reads like its math and passes every residual-stream point
+(``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``, ``resid_post``; ``embed`` and
+``final`` around the blocks) through the step's tap, which steers and then records the
+rows of the requests that asked: no module hooks involved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tapllm.config import ModelConfig
-from tapllm.layers.attention import AttentionMetadata, paged_attention
+from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import RotaryEmbedding, apply_rotary
+from tapllm.models.tap import PSEUDO_LAYER, Tap, no_tap
 
-# recorder(point, layer, tensor [T, hidden]); layer is -1 for the "embed"/"final" pseudo-layers.
-Recorder = Callable[[str, int, torch.Tensor], None]
-# steerer(point, layer, tensor) modifies the planned rows in place and returns the tensor.
-Steerer = Callable[[str, int, torch.Tensor], torch.Tensor]
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projection and rotary embedding."""
 
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, cfg.dtype)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, cfg.dtype)
-        self.scale = self.head_dim**-0.5
+        window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
+        self.opts = AttentionOptions(scale=self.head_dim**-0.5, window=window)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head normalisation of q and k before rotary; identity in this family."""
@@ -50,7 +49,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv, self.num_kv], dim=1)
         q, k = self.qk_norm(q, k)
         q, k = apply_rotary(q, k, cos_sin)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.opts)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -80,6 +79,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, cfg.dtype)
         self.mlp = mlp
 
+    def forward(self, x: torch.Tensor, i: int, tap: Tap, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = tap("resid_pre", i, x)
+        a = tap("attn_out", i, self.self_attn(self.input_layernorm(x), cos_sin, kv, meta))
+        mid = tap("resid_mid", i, x + a)
+        m = tap("mlp_out", i, self.mlp(self.post_attention_layernorm(mid)))
+        return tap("resid_post", i, mid + m)
+
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM over a paged KV cache."""
@@ -95,8 +102,8 @@ class LlamaForCausalLM(nn.Module):
         mlp_bias = bool(getattr(hf, "mlp_bias", False))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.attention_cls(cfg, qkv_bias, o_bias), MLP(cfg, mlp_bias))
-            for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, self.attention_cls(cfg, i, qkv_bias, o_bias), MLP(cfg, mlp_bias))
+            for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, float(hf.rms_norm_eps), cfg.dtype)
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
@@ -115,42 +122,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-        recorder: Recorder | None = None,
-        steerer: Steerer | None = None,
+        tap: Tap | None = None,
     ) -> torch.Tensor:
         """Run the ragged batch; returns the final-norm hidden states [T, hidden].
 
-        ``steerer`` changes a point's tensor before anything reads it (so recorded states
-        include the steering); ``recorder`` then sees every point.
+        ``tap`` (the step's, or none when no request captures or steers) sees every point.
         """
-        x = self.embed_tokens(input_ids)
+        tap = tap or no_tap
+        x = tap("embed", PSEUDO_LAYER, self.embed_tokens(input_ids))
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        if recorder is not None:
-            recorder("embed", -1, x)
         for i, layer in enumerate(self.layers):
-            if steerer is not None:
-                x = steerer("resid_pre", i, x)
-            attn_out = layer.self_attn(layer.input_layernorm(x), cos_sin, kv_caches[i], meta)
-            if steerer is not None:
-                attn_out = steerer("attn_out", i, attn_out)
-            mid = x + attn_out
-            mlp_out = layer.mlp(layer.post_attention_layernorm(mid))
-            if steerer is not None:
-                mlp_out = steerer("mlp_out", i, mlp_out)
-            out = mid + mlp_out
-            if steerer is not None:
-                out = steerer("resid_post", i, out)
-            if recorder is not None:
-                recorder("resid_pre", i, x)
-                recorder("attn_out", i, attn_out)
-                recorder("resid_mid", i, mid)
-                recorder("mlp_out", i, mlp_out)
-                recorder("resid_post", i, out)
-            x = out
-        x = self.norm(x)
-        if recorder is not None:
-            recorder("final", -1, x)
-        return x
+            x = layer(x, i, tap, cos_sin, kv_caches[i], meta)
+        return tap("final", PSEUDO_LAYER, self.norm(x))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (model dtype) for the given final hidden rows."""

@@ -12,8 +12,8 @@ from tapllm.models.llama import Attention, LlamaForCausalLM
 class Qwen3Attention(Attention):
     """Attention with q_norm/k_norm over each head's dimension."""
 
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool) -> None:
-        super().__init__(cfg, qkv_bias, o_bias)
+    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__(cfg, layer, qkv_bias, o_bias)
         eps = float(cfg.hf_config.rms_norm_eps)
         self.q_norm = RMSNorm(cfg.head_dim, eps, cfg.dtype)
         self.k_norm = RMSNorm(cfg.head_dim, eps, cfg.dtype)

@@ -1,7 +1,7 @@
 """The engine loop of the server: one background thread steps the engine; asyncio handlers await updates.
 
-Handlers validate and tokenize (off the event loop), then hand a request to the engine
-thread through a queue. The thread admits it, steps the engine while anything is in flight,
+Handlers prepare a request (``LLMEngine.prepare``, off the event loop), then hand it to the
+engine thread through a queue. The thread adds it, steps the engine while anything is in flight,
 and after each step pushes every request's new tokens and text to that request's asyncio
 queue (``call_soon_threadsafe``). Aborts (a client gone) travel the same queue.
 
@@ -20,12 +20,10 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
+from tapllm.engine.llm_engine import EngineStats, LLMEngine
 from tapllm.engine.request import Request
-from tapllm.llm import LLM
 from tapllm.outputs import Logprob, RequestOutput
-from tapllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("tapllm")
 
@@ -43,33 +41,40 @@ class Update:
     error_type: str | None = None  # "invalid_request_error" | "server_error" | "service_unavailable"
 
 
+def _failed(message: str, error_type: str) -> Update:
+    return Update("", [], None, True, error=message, error_type=error_type)
+
+
 @dataclass(slots=True)
 class _Stream:
+    """A prepared request on its way through the engine, and where its updates go."""
+
+    request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    request: Request | None = None
     sent_tokens: int = 0
     sent_chars: int = 0
 
 
 @dataclass(slots=True)
-class EngineStats:
-    """Counters the metrics endpoint reads (written by the engine thread only)."""
+class LoopStats:
+    """What ``/metrics`` reads of the engine thread (written by that thread only)."""
 
+    engine: EngineStats  # the engine's latest snapshot (``LLMEngine.stats``), replaced whole
     requests_aborted: int = 0
     step_errors: int = 0
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
 
 
 class AsyncEngine:
-    """Runs an ``LLM``'s engine on a background thread for concurrent asyncio clients."""
+    """Runs an ``LLMEngine`` on a background thread for concurrent asyncio clients.
 
-    def __init__(self, llm: LLM) -> None:
-        self.engine = llm.engine
-        self.stats = EngineStats()
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+    The inbox carries a ``_Stream`` (a prepared ``Request`` to add) or a request id to abort.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.stats = LoopStats(engine.stats())
+        self._inbox: queue.SimpleQueue[_Stream | str] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
@@ -101,27 +106,26 @@ class AsyncEngine:
         self._closed = message
         aborted = 0
         for rid, stream in list(self._active.items()):
-            stream.queue.put_nowait(Update("", [], None, True, error=message, error_type="service_unavailable"))
-            self._inbox.put(("abort", rid))
+            stream.queue.put_nowait(_failed(message, "service_unavailable"))
+            self._inbox.put(rid)
             aborted += 1
         self._active.clear()
         self._wake.set()
         return aborted
 
-    async def generate(
-        self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams, encode: bool = False
-    ) -> AsyncIterator[Update]:
-        """Submit a validated request and yield its updates until it finishes.
+    async def generate(self, request: Request) -> AsyncIterator[Update]:
+        """Add a request made by ``LLMEngine.prepare`` and yield its updates until it finishes.
 
         Leaving the iteration early (client gone, task cancelled) aborts the request, which
         frees its KV blocks and capture buffers.
         """
         if self._closed is not None:
-            yield Update("", [], None, True, error=self._closed, error_type="service_unavailable")
+            yield _failed(self._closed, "service_unavailable")
             return
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._active[request_id] = stream
-        self._inbox.put(("add", (request_id, prompt, token_ids, params, encode, stream)))
+        rid = request.request_id
+        stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
+        self._active[rid] = stream
+        self._inbox.put(stream)
         self._wake.set()
         finished = False
         try:
@@ -132,10 +136,10 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if self._active.get(request_id) is stream:
-                del self._active[request_id]
+            if self._active.get(rid) is stream:
+                del self._active[rid]
             if not finished:
-                self._inbox.put(("abort", request_id))
+                self._inbox.put(rid)
                 self._wake.set()
 
     # ---- engine thread -------------------------------------------------------------------
@@ -145,7 +149,7 @@ class AsyncEngine:
             self._wake.clear()
             self._drain_inbox()
             if not engine.has_unfinished_requests():
-                self._refresh_stats()
+                self.stats.engine = engine.stats()
                 self._wake.wait(timeout=0.5)
                 continue
             try:
@@ -154,67 +158,67 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self.stats.step_errors += 1
                 for rid in list(self._streams):
-                    engine.abort_request(rid)
-                    self._push(self._streams.pop(rid), Update("", [], None, True, error=f"engine error: {exc}",
-                                                              error_type="server_error"))
+                    engine.abort(rid)
+                    self._push(self._streams.pop(rid), _failed(f"engine error: {exc}", "server_error"))
                 continue
-            self._publish()
-            self._refresh_stats()
+            for stream in list(self._streams.values()):
+                self._publish(stream)
+            self.stats.engine = engine.stats()
 
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                rid, prompt, ids, params, encode, stream = payload
-                try:
-                    stream.request = self.engine.add_request(prompt, ids, params, rid, encode=encode)
-                except Exception as exc:  # validated before, so this is unexpected
-                    logger.exception("could not add request %s", rid)
-                    kind = "invalid_request_error" if isinstance(exc, ValueError | TypeError) else "server_error"
-                    self._push(stream, Update("", [], None, True, error=str(exc), error_type=kind))
-                    continue
-                self._streams[rid] = stream
-            elif kind == "abort":
-                if self._streams.pop(payload, None) is not None:
-                    self.engine.abort_request(payload)
-                    self.stats.requests_aborted += 1
-                    logger.info("aborted request %s", payload)
+            if isinstance(item, str):
+                self._abort(item)
+            else:
+                self._add(item)
 
-    def _publish(self) -> None:
-        for rid, stream in list(self._streams.items()):
-            req = stream.request
-            if req is None:
-                continue
-            done = req.finished
-            tokens = req.output_token_ids[stream.sent_tokens :]
-            end = len(req.text)
-            if not done and req.params.stop_strings:
-                # Hold back what could still turn out to be the start of a stop string.
-                end = max(stream.sent_chars, end - (max(len(s) for s in req.params.stop_strings) - 1))
-            if not tokens and end == stream.sent_chars and not done:
-                continue
-            text = req.text[stream.sent_chars : end]
-            logprobs = req.logprobs[stream.sent_tokens :] if req.logprobs is not None else None
-            stream.sent_tokens += len(tokens)
-            stream.sent_chars = end
-            update = Update(text, tokens, logprobs)
-            if done:
-                update.finished = True
-                update.output = self.engine.make_output(req)
-                if req.error is not None:  # this request alone failed; the others go on
-                    update.error = req.error
-                    update.error_type = req.error_type or "server_error"
-                del self._streams[rid]
-            self._push(stream, update)
+    def _add(self, stream: _Stream) -> None:
+        req = stream.request
+        try:
+            self.engine.add(req)
+        except Exception as exc:  # prepared before, so this is unexpected
+            logger.exception("could not add request %s", req.request_id)
+            kind = "invalid_request_error" if isinstance(exc, ValueError | TypeError) else "server_error"
+            self._push(stream, _failed(str(exc), kind))
+            return
+        self._streams[req.request_id] = stream
+        if req.finished:  # it failed alone as it was added (a reducer plugin's start())
+            self._publish(stream)
+
+    def _abort(self, rid: str) -> None:
+        if self._streams.pop(rid, None) is not None:
+            self.engine.abort(rid)
+            self.stats.requests_aborted += 1
+            logger.info("aborted request %s", rid)
+
+    def _publish(self, stream: _Stream) -> None:
+        """Send what the request produced since its last update (its result, once finished)."""
+        req = stream.request
+        done = req.finished
+        tokens = req.output_token_ids[stream.sent_tokens :]
+        end = len(req.text)
+        if not done and req.params.stop_strings:
+            # Hold back what could still turn out to be the start of a stop string.
+            end = max(stream.sent_chars, end - (max(len(s) for s in req.params.stop_strings) - 1))
+        if not tokens and end == stream.sent_chars and not done:
+            return
+        text = req.text[stream.sent_chars : end]
+        logprobs = req.logprobs[stream.sent_tokens :] if req.logprobs is not None else None
+        stream.sent_tokens += len(tokens)
+        stream.sent_chars = end
+        update = Update(text, tokens, logprobs)
+        if done:
+            update.finished = True
+            update.output = self.engine.make_output(req)
+            if req.error is not None:  # this request alone failed; the others go on
+                update.error = req.error
+                update.error_type = req.error_type or "server_error"
+            del self._streams[req.request_id]
+        self._push(stream, update)
 
     def _push(self, stream: _Stream, update: Update) -> None:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, update)
-
-    def _refresh_stats(self) -> None:
-        sched = self.engine.scheduler
-        self.stats.running = len(sched.running)
-        self.stats.waiting = len(sched.waiting)
-        self.stats.kv_usage = self.engine.blocks.usage()

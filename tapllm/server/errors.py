@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from typing import Any
+
+from tapllm._text import check_unicode
 
 logger = logging.getLogger("tapllm")
 
@@ -63,15 +64,12 @@ class APIError(Exception):
         return encode(error_body(self.message, self.type, self.param, self.code))
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
 def check_text(text: str, field: str) -> None:
     """``APIError`` 400 naming ``field`` if ``text`` is not valid Unicode (holds a lone surrogate).
 
-    JSON can carry ``"\\ud800"`` escapes that no UTF-8 text has; searching for them copies nothing.
+    JSON can carry ``"\\ud800"`` escapes that no UTF-8 text has (``tapllm._text.check_unicode``).
     """
-    found = _SURROGATE.search(text)
-    if found is not None:
-        raise APIError(400, f"{field} is not valid Unicode: lone surrogate {found.group()!r} at index "
-                       f"{found.start()}", param=field)
+    try:
+        check_unicode(text, field)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=field) from None

@@ -8,24 +8,30 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tapllm.server.async_engine import AsyncEngine, EngineStats
+from tapllm.server.async_engine import AsyncEngine, LoopStats
 
 
 class _EngineCollector(Collector):
-    """Reads the engine thread's live numbers at scrape time."""
+    """Reads the engine thread's live numbers at scrape time (its latest ``LLMEngine.stats``)."""
 
-    def __init__(self, stats: EngineStats) -> None:
+    def __init__(self, stats: LoopStats) -> None:
         self.stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        s = self.stats
+        s, e = self.stats, self.stats.engine
         yield CounterMetricFamily("tapllm_requests_aborted", "requests aborted (client gone, or shutdown)",
                                   value=s.requests_aborted)
         yield CounterMetricFamily("tapllm_engine_step_errors", "engine steps that raised", value=s.step_errors)
-        yield GaugeMetricFamily("tapllm_requests_running", "requests being computed", value=s.running)
-        yield GaugeMetricFamily("tapllm_requests_waiting", "requests queued (queue depth)", value=s.waiting)
+        yield GaugeMetricFamily("tapllm_requests_running", "requests being computed", value=e.running)
+        yield GaugeMetricFamily("tapllm_requests_waiting", "requests queued (queue depth)", value=e.waiting)
         yield GaugeMetricFamily("tapllm_kv_cache_usage_ratio", "fraction of KV cache blocks in use",
-                                value=s.kv_usage)
+                                value=e.kv_cache_usage)
+        yield CounterMetricFamily("tapllm_prefix_cache_hits", "prompt tokens served from the prefix cache",
+                                  value=e.prefix_cache_hit_tokens)
+        yield CounterMetricFamily("tapllm_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                  value=e.prefix_cache_queried_tokens)
+        yield GaugeMetricFamily("tapllm_prefix_cache_hit_rate", "share of looked-up prompt tokens found in the "
+                                "prefix cache, since start", value=e.prefix_cache_hit_rate)
 
 
 class ServerMetrics:

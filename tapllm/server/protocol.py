@@ -131,6 +131,10 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
+    def num_logprobs(self) -> int | None:
+        """Top log probabilities per token asked for (``None``: no logprobs)."""
+        return self.logprobs
+
     def unsupported(self) -> str | None:
         if self.echo:
             return "echo is not supported"
@@ -170,6 +174,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
+
+    def num_logprobs(self) -> int | None:
+        """Top log probabilities per token asked for (``None``: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self) -> str | None:
         if self.tools:

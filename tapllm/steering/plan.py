@@ -1,20 +1,24 @@
-"""Steering resolved for a request, and the per-step plan the model calls at each point.
+"""Steering resolved for a request, and the per-step plan the step's tap applies at each point.
 
 The plan lists, per (point, block), the batch rows of steered requests and what to do to
-them. The model calls it right after computing each steerable tensor, before that tensor is
-recorded or used, so the rest of the forward (and any captured state) sees the steered
-value. Rows of other requests are never touched; a step without steered requests has no
-plan, and the model gets no steerer.
+them. The tap applies it right after the model computes each steerable tensor, before that
+tensor is recorded or used, so the rest of the forward (and any captured state) sees the
+steered value. Rows of other requests are never touched; a step without steered requests
+has no plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tapllm.steering.spec import Steer
+
+if TYPE_CHECKING:
+    from tapllm.engine.tap import RowSpan
 
 
 @dataclass(slots=True)
@@ -87,44 +91,77 @@ def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int,
     return out
 
 
-class SteeringPlan:
-    """The steering of one step; ``__call__(point, layer, t)`` modifies ``t``'s planned rows in place."""
+@dataclass(slots=True)
+class _AddRows:
+    """Add ``delta`` [n, hidden] to batch rows ``rows`` [n]: every addition at a point, merged."""
 
-    def __init__(self, entries: list[tuple[list[ResolvedSteer], int, int, int, int]], device: torch.device) -> None:
-        # entries: (steers, first batch row, chunk start position, chunk length, prompt length)
-        ops: dict[tuple[str, int], list[tuple[int, int, str, torch.Tensor]]] = {}
-        for steers, row, start, n, num_prompt in entries:
-            for s in steers:
-                w = s.window(num_prompt, start, n)
+    rows: torch.Tensor
+    delta: torch.Tensor
+
+    def apply(self, t: torch.Tensor) -> None:
+        t.index_add_(0, self.rows, self.delta)
+
+
+@dataclass(slots=True)
+class _AddSpan:
+    """Add ``vector`` to the contiguous batch rows ``rows``."""
+
+    rows: slice
+    vector: torch.Tensor
+
+    def apply(self, t: torch.Tensor) -> None:
+        t[self.rows] += self.vector
+
+
+@dataclass(slots=True)
+class _AblateSpan:
+    """Remove the component along the unit ``direction`` (float32) from batch rows ``rows``."""
+
+    rows: slice
+    direction: torch.Tensor
+
+    def apply(self, t: torch.Tensor) -> None:
+        x = t[self.rows].float()
+        t[self.rows] = (x - (x @ self.direction)[:, None] * self.direction).to(t.dtype)
+
+
+SteerOp = _AddRows | _AddSpan | _AblateSpan
+
+
+class SteeringPlan:
+    """The steering of one step: per (point, block), the operations on the planned rows.
+
+    Built from the step's row spans of steered requests; :meth:`apply` modifies a point's
+    tensor in place, on those rows only, in the order the request listed its steers.
+    """
+
+    def __init__(self, spans: Sequence[RowSpan], device: torch.device) -> None:
+        found: dict[tuple[str, int], list[tuple[int, int, ResolvedSteer, torch.Tensor]]] = {}
+        for span in spans:
+            req = span.request
+            for s in req.steering or ():
+                w = s.window(req.num_prompt_tokens, span.start, span.num_tokens)
                 if w is None:
                     continue
-                r0, r1 = row + w[0] - start, row + w[1] - start
+                r0, r1 = span.row + w[0] - span.start, span.row + w[1] - span.start
                 for block, vec in s.vectors.items():
-                    ops.setdefault((s.point, block), []).append((r0, r1, s.op, vec))
-        self.targets: dict[tuple[str, int], list] = {}
-        for key, lst in ops.items():
-            if len(lst) > 1 and all(op == "add" for _, _, op, _ in lst):
+                    found.setdefault((s.point, block), []).append((r0, r1, s, vec))
+        self.ops: dict[tuple[str, int], list[SteerOp]] = {}
+        for key, entries in found.items():
+            if len(entries) > 1 and all(s.op == "add" for _, _, s, _ in entries):
                 # Additions commute: one index_add_ for every steered row at this point.
-                idx = torch.cat([torch.arange(r0, r1, device=device) for r0, r1, _, _ in lst])
-                delta = torch.cat([v.expand(r1 - r0, -1) for r0, r1, _, v in lst])
-                self.targets[key] = [("merged", idx, delta)]
+                rows = torch.cat([torch.arange(r0, r1, device=device) for r0, r1, _, _ in entries])
+                delta = torch.cat([v.expand(r1 - r0, -1) for r0, r1, _, v in entries])
+                self.ops[key] = [_AddRows(rows, delta)]
             else:
-                self.targets[key] = [(op, slice(r0, r1), v) for r0, r1, op, v in lst]
+                self.ops[key] = [_AddSpan(slice(r0, r1), v) if s.op == "add" else _AblateSpan(slice(r0, r1), v)
+                                 for r0, r1, s, v in entries]
 
     def __bool__(self) -> bool:
-        return bool(self.targets)
+        return bool(self.ops)
 
-    def __call__(self, point: str, layer: int, t: torch.Tensor) -> torch.Tensor:
-        """Steer ``t`` ([tokens, hidden]) at ``point`` of block ``layer``; returns it."""
-        ops = self.targets.get((point, layer))
-        if ops is None:
-            return t
-        for op, rows, vec in ops:
-            if op == "merged":
-                t.index_add_(0, rows, vec)
-            elif op == "add":
-                t[rows] += vec
-            else:
-                x = t[rows].float()
-                t[rows] = (x - (x @ vec)[:, None] * vec).to(t.dtype)
+    def apply(self, point: str, layer: int, t: torch.Tensor) -> torch.Tensor:
+        """Steer ``t`` ([tokens, hidden]) at ``point`` of block ``layer`` in place; returns it."""
+        for op in self.ops.get((point, layer), ()):
+            op.apply(t)
         return t

@@ -18,7 +18,7 @@ import torch
 
 from tapllm._options import from_mapping
 
-STEER_POINTS = ("resid_pre", "attn_out", "mlp_out", "resid_post")
+STEER_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 OPS = ("add", "ablate")
 STEER_POSITIONS = ("all", "prompt", "generated")
 
@@ -30,7 +30,7 @@ class Steer:
     Args:
         layers: block indices (negative from the end); may be omitted when ``vector`` is a
             ``{layer: vector}`` dict, whose keys then name the blocks.
-        point: ``resid_pre``, ``attn_out``, ``mlp_out`` or ``resid_post`` (see DESIGN.md).
+        point: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out`` or ``resid_post`` (see DESIGN.md).
         op: ``"add"`` or ``"ablate"``.
         vector: a ``[hidden]`` tensor for every listed block, or ``{layer: [hidden] tensor}``.
         scale: multiplies the vector for ``add``.

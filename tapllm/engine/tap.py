@@ -1,0 +1,72 @@
+"""The step's tap: the one hook the model calls at every named point.
+
+``tap(point, layer, x) -> x`` first steers the planned rows of ``x`` in place (so everything
+after, captured states included, sees the steered value), then records the planned rows for
+capture. It is built from the step's row spans, one per scheduled chunk of a request that
+captures or steers: ``RowSpan(request, row, start, num_tokens)`` says that the chunk's
+positions ``[start, start + num_tokens)`` sit at batch rows ``[row, row + num_tokens)``. The
+capture and steering plans work out from those spans which rows and positions they touch.
+A step where no request captures or steers builds no tap, and the model then calls
+``tapllm.models.tap.no_tap``, which does nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tapllm.engine.request import Request
+from tapllm.hidden_states.capture import CopySink, RequestCapture
+from tapllm.hidden_states.plan import CapturePlan, Target, record_at
+from tapllm.steering.plan import SteeringPlan, SteerOp
+
+
+@dataclass(slots=True)
+class RowSpan:
+    """Positions ``[start, start + num_tokens)`` of ``request`` at batch rows ``[row, row + num_tokens)``."""
+
+    request: Request
+    row: int
+    start: int
+    num_tokens: int
+
+
+class StepTap:
+    """Steering, then capture, at each (point, layer) some request of the step wants."""
+
+    def __init__(self, steering: SteeringPlan | None, capture: CapturePlan | None) -> None:
+        self.capture = capture
+        targets: dict[tuple[str, int], tuple[list[SteerOp], Target | None]] = {}
+        for key, ops in (steering.ops if steering else {}).items():
+            targets[key] = (ops, None)
+        for key, target in (capture.targets if capture else {}).items():
+            targets[key] = (targets.get(key, ([], None))[0], target)
+        self.targets = targets
+
+    @classmethod
+    def build(cls, spans: Sequence[RowSpan], device: torch.device, sink: CopySink) -> StepTap | None:
+        """The tap of a step, or None when no span captures or steers anything this step."""
+        if not spans:
+            return None
+        capture = CapturePlan([s for s in spans if s.request.capture is not None], device, sink)
+        steering = SteeringPlan([s for s in spans if s.request.steering], device)
+        if not capture and not steering:
+            return None
+        return cls(steering if steering else None, capture if capture else None)
+
+    def __call__(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        entry = self.targets.get((point, layer))
+        if entry is None:
+            return x
+        ops, target = entry
+        for op in ops:
+            op.apply(x)
+        if target is not None:
+            record_at(target, x)
+        return x
+
+    def finish(self) -> dict[RequestCapture, str]:
+        """Deliver the captured rows to their requests; returns the captures that failed alone."""
+        return self.capture.finish() if self.capture is not None else {}

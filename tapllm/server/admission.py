@@ -1,0 +1,218 @@
+"""Admission: an HTTP request's prompts checked and prepared for the engine (runs in a worker thread).
+
+Each prompt becomes a ``Request`` through ``LLMEngine.prepare``, which refuses what the
+engine cannot serve with an error naming the field. Around it the server adds its own
+bounds: a string prompt whose UTF-8 length could not fit the context even at the
+vocabulary's longest token is refused without tokenizing it; ``max_tokens`` must fit the
+context with the prompt; and the hidden states of all the prompts of one HTTP request
+together must fit ``--hidden-states-max-bytes``. Every refusal is an ``APIError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tapllm.engine.llm_engine import LLMEngine
+from tapllm.engine.request import Request
+from tapllm.sampling_params import SamplingParams
+from tapllm.server.errors import APIError, check_text
+from tapllm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    HiddenStatesOnlyRequest,
+    PromptInput,
+    _Sampling,
+)
+
+logger = logging.getLogger("tapllm")
+
+
+class Admission:
+    """Turns parsed bodies into prepared ``Request`` objects named ``{request_id}-{i}``."""
+
+    def __init__(self, engine: LLMEngine, served_model_name: str, max_prompts_per_request: int) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.max_prompts_per_request = max_prompts_per_request
+        self.max_len = engine.model_config.max_model_len
+        self.longest_token, self.text_limit = _text_limit(engine.tokenizer, self.max_len)
+        logger.info("prompts over %s bytes of UTF-8 are refused before tokenizing (%d tokens x %d bytes, the "
+                    "longest token)", f"{self.text_limit:,}", self.max_len, self.longest_token)
+
+    # ---- the three bodies ------------------------------------------------------------------
+    def completion(self, body: CompletionRequest, request_id: str) -> list[Request]:
+        """The prompts of a ``/v1/completions`` body."""
+        self._check_common(body)
+        self._check_logprobs(body.logprobs, "logprobs")
+        prompts = _prompt_list(body.prompt, "prompt", self.max_prompts_per_request)
+        max_tokens = body.max_tokens if body.max_tokens is not None else self.max_len
+        params = self._params(body, max_tokens)
+        return self._prepare_all(prompts, params, False, "prompt", request_id)
+
+    def chat(self, body: ChatCompletionRequest, request_id: str) -> Request:
+        """The conversation of a ``/v1/chat/completions`` body, rendered and tokenized once."""
+        self._check_common(body)
+        if body.logprobs:
+            self._check_logprobs(body.top_logprobs, "top_logprobs")
+        try:
+            text = self.engine.render_chat(_conversation(body), body.add_generation_prompt)
+        except (ValueError, TypeError) as exc:  # the template refused these messages
+            raise APIError(400, str(exc), param="messages") from None
+        self._check_prompt_text(text, "messages")
+        # Tokenized here, as prepare would (the default max_tokens needs the length), then prepared as ids.
+        ids = self.engine.tokenizer.encode(text, add_special_tokens=True)
+        max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                          max(1, self.max_len - len(ids)))
+        req = self._prepare(ids, self._params(body, max_tokens), False, f"{request_id}-0", "")
+        req.prompt = text
+        return req
+
+    def hidden_states(self, body: HiddenStatesOnlyRequest, request_id: str) -> list[Request]:
+        """The prompts of a ``/v1/hidden_states`` body (prompt-only, like ``LLM.encode``)."""
+        self._check_common(body)
+        prompts = _prompt_list(body.input, "input", self.max_prompts_per_request)
+        try:
+            params = SamplingParams(max_tokens=1, temperature=0, hidden_states=body.hidden_states.to_spec())
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from None
+        return self._prepare_all(prompts, params, True, "input", request_id)
+
+    # ---- shared checks ------------------------------------------------------------------------
+    def _check_common(self, body: _Sampling | HiddenStatesOnlyRequest) -> None:
+        if body.model is not None and body.model != self.served_model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                           f"{self.served_model_name!r}", code="model_not_found", param="model")
+        config = self.engine.config
+        if isinstance(body, _Sampling) and (problem := body.unsupported()):
+            raise APIError(400, problem)
+        wants_states = isinstance(body, HiddenStatesOnlyRequest) or body.hidden_states is not None
+        if wants_states and not config.enable_hidden_states:
+            raise APIError(400, "this server does not serve hidden states (start it with --enable-hidden-states)",
+                           param="hidden_states")
+        if isinstance(body, _Sampling) and body.steering and not config.enable_steering:
+            raise APIError(400, "this server does not serve steering (start it with --enable-steering)",
+                           param="steering")
+        if isinstance(body, _Sampling):
+            stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+            for i, s in enumerate(stops):
+                check_text(s, "stop" if isinstance(body.stop, str) else f"stop[{i}]")
+
+    def _check_logprobs(self, value: int | None, field: str) -> None:
+        if value is None:
+            return
+        limit = self.engine.config.max_logprobs
+        if value < 0:
+            raise APIError(400, f"{field} must be >= 0, got {value}", param=field)
+        if value > limit:
+            raise APIError(400, f"{field}: {value} requested, more than this server's max_logprobs={limit}",
+                           param=field)
+
+    @staticmethod
+    def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+        try:
+            return body.sampling_params(max_tokens, body.num_logprobs())
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc)) from None
+
+    def _check_prompt_text(self, prompt: str, name: str) -> None:
+        """Refuse text that cannot fit the context without tokenizing it; check it is valid Unicode."""
+        # A character is at least one byte: only a prompt that may fit is encoded to measure it.
+        ascii_only = prompt.isascii()
+        exact = ascii_only or len(prompt) <= self.text_limit
+        size = len(prompt) if ascii_only or not exact else len(prompt.encode("utf-8", "surrogatepass"))
+        if size > self.text_limit:
+            raise APIError(400, f"{name} is {'' if exact else 'at least '}{size:,} bytes of text, more than the "
+                           f"model's context of {self.max_len} tokens can hold (at most {self.longest_token} bytes "
+                           "a token): shorten it", param=name)
+        check_text(prompt, name)
+
+    def _prepare(self, prompt: str | list[int], params: SamplingParams, encode: bool, request_id: str,
+                 prefix: str) -> Request:
+        """``LLMEngine.prepare``, then max_tokens against the context; errors start with ``prefix``."""
+        try:
+            req = self.engine.prepare(prompt, params, encode=encode, request_id=request_id)
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"{prefix}{exc}") from None
+        n = req.num_prompt_tokens
+        if not encode and n + params.max_tokens > self.max_len:
+            raise APIError(400, f"{prefix}max_tokens: the prompt has {n} tokens and max_tokens is "
+                           f"{params.max_tokens}, over the model's context of {self.max_len}; use max_tokens <= "
+                           f"{self.max_len - n}", param="max_tokens")
+        return req
+
+    def _prepare_all(self, prompts: Sequence[str | list[int]], params: SamplingParams, encode: bool, field: str,
+                     request_id: str) -> list[Request]:
+        """Every prompt of one HTTP request; their hidden states together must fit the server's limit."""
+        many = len(prompts) > 1
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            name = f"{field}[{i}]" if many else field
+            if isinstance(prompt, str):
+                self._check_prompt_text(prompt, name)
+            reqs.append(self._prepare(prompt, params, encode, f"{request_id}-{i}", f"{name}: " if many else ""))
+        total = sum(r.max_hidden_states_bytes for r in reqs)
+        limit = self.engine.config.hidden_states_max_bytes_per_request
+        if limit is not None and total > limit:
+            raise APIError(400, f"hidden_states: the {len(reqs)} prompts of this request could capture up to "
+                           f"{total:,} bytes together, over this server's limit of {limit:,} bytes a request "
+                           "(--hidden-states-max-bytes); send fewer prompts per request, or select fewer layers "
+                           "or positions, reduce, project, or use a smaller dtype", param="hidden_states")
+        return reqs
+
+
+def _text_limit(tokenizer: Any, max_len: int) -> tuple[int, int]:
+    """``(longest token in UTF-8 bytes, most bytes of text a prompt of max_len tokens can be)``.
+
+    A token stands for at most as many bytes of text as its longest spelling, in the vocabulary
+    (byte-level, SentencePiece: never shorter than the text) or decoded. A tokenizer with a
+    normalizer may shrink text before splitting it (NFKC, stripped accents), so the limit
+    keeps a margin of 4x there: a heuristic bound; tokenization still has the final word.
+    """
+    vocab = tokenizer.get_vocab()
+    longest = 1
+    for token in vocab:
+        spelled = len(token.encode("utf-8", "surrogatepass"))
+        decoded = len(tokenizer.convert_tokens_to_string([token]).encode("utf-8", "surrogatepass"))
+        longest = max(longest, spelled, decoded)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    margin = 4 if backend is None or backend.normalizer is not None else 1
+    return longest, max_len * longest * margin
+
+
+def _prompt_list(prompt: PromptInput, field: str, limit: int) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, f"{field} is empty", param=field)
+    if all(isinstance(x, int) for x in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if len(prompt) > limit:
+        raise APIError(400, f"{field}: {len(prompt)} prompts in one request, more than this server's limit of "
+                       f"{limit} (--max-prompts-per-request)", param=field)
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _conversation(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as ``{"role", "content"}`` text; ``APIError`` names the faulty field."""
+    if not body.messages:
+        raise APIError(400, "messages is empty", param="messages")
+    conversation = []
+    for i, m in enumerate(body.messages):
+        where = f"messages[{i}]"
+        if not m.role:
+            raise APIError(400, f"{where}.role must be a non-empty string", param=f"{where}.role")
+        check_text(m.role, f"{where}.role")
+        if m.content is None and m.role != "assistant":
+            raise APIError(400, f"{where}.content is required for a {m.role!r} message", param=f"{where}.content")
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) "
+                                   "are supported", param=f"{where}.content")
+                check_text(part["text"], f"{where}.content[{j}].text")
+        elif isinstance(m.content, str):
+            check_text(m.content, f"{where}.content")
+        conversation.append({"role": m.role, "content": m.text()})
+    return conversation
