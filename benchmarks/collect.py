@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from tapllm.collect.run import CollectConfig, collect  # noqa: E402
 from tapllm.collect.writer import Manifest, ShardWriter  # noqa: E402
+from tapllm.config import EngineConfig  # noqa: E402
 from tapllm.loader import resolve_model  # noqa: E402
 
 
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         inp.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
         warm = tmp_path / "warm.jsonl"
         warm.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts[: args.hf_batch]))
-        common = dict(layers=layers, points=["resid_pre"], shard_tokens=args.shard_tokens, dtype=args.dtype,
-                      max_num_seqs=64)
+        common = dict(layers=layers, points=["resid_pre"], shard_tokens=args.shard_tokens,
+                      engine=EngineConfig(dtype=args.dtype, max_num_seqs=64))
         collect(CollectConfig(input=warm, out=tmp_path / "tapllm-warm", **common), show_progress=False)
         meta = collect(CollectConfig(input=inp, out=tmp_path / "tapllm", **common), show_progress=False)
         t_rows, t_sec = meta["num_rows"], meta["seconds"]

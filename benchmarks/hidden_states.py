@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _rss import peak_rss_mib  # noqa: E402
-from throughput import DTYPE_NAMES, REPO_ROOT, Config, build_hf, kv_cache_gb, make_prompts  # noqa: E402
+from throughput import DTYPE_NAMES, REPO_ROOT, Config, build_hf, build_tapllm, make_prompts  # noqa: E402
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -158,16 +158,10 @@ def run_hf(model: Any, prompts: list[list[int]], new: int, layers: list[int]) ->
     return seconds, out.sequences[:, ids.shape[1]:].numel(), result
 
 
-def build_tapllm(folder: Path, cfg: Config) -> LLM:
-    """The engine under test, sized for the batch at full length."""
-    return LLM(str(folder), dtype=DTYPE_NAMES[cfg.dtype], max_num_seqs=cfg.batch,
-               kv_cache_memory_gb=kv_cache_gb(folder, cfg.dtype, [cfg]), enable_prefix_caching=False)
-
-
 def memory_probe(args: argparse.Namespace, folder: Path, cfg: Config, prompts: list[list[int]], three: list[int]) -> None:
     """Subprocess mode: load one engine, run (d) once, print its peak RSS as JSON."""
     if args.memory_probe == "tapllm":
-        llm = build_tapllm(folder, cfg)
+        llm = build_tapllm(folder, cfg.dtype, [cfg])
         spec = HiddenStatesSpec(layers=three, points="resid_pre", positions="all")
         _, n, outs = run_tapllm(llm, prompts, args.new_tokens, spec)
         held = sum(o.hidden_states.nbytes for o in outs)
@@ -201,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"hidden-state capture cost: default model, {cfg.name}, {args.rounds} round(s), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
-    llm = build_tapllm(folder, cfg)
+    llm = build_tapllm(folder, cfg.dtype, [cfg])
     hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
     specs = scenarios(num_layers, hidden)
     names = list(specs)

@@ -206,16 +206,18 @@ def kv_cache_gb(folder: Path, dtype: str, configs: list[Config]) -> float:
 
 
 def build_tapllm(folder: Path, dtype: str, configs: list[Config]) -> Any:
+    """The engine under test, sized for the largest batch of ``configs`` at full length (no prefix cache)."""
     from tapllm import LLM
+    from tapllm.config import EngineConfig
 
-    return LLM(
+    return LLM(config=EngineConfig(
         model=str(folder),
         dtype=DTYPE_NAMES[dtype],
         max_num_seqs=max(c.batch for c in configs),
         max_num_batched_tokens=2048,
         kv_cache_memory_gb=kv_cache_gb(folder, dtype, configs),
         enable_prefix_caching=False,
-    )
+    ))
 
 
 def run_tapllm(llm: Any, prompts: Prompts, new_tokens: int) -> tuple[int, float]:

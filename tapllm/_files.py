@@ -1,9 +1,10 @@
 """Writing files atomically, with the permissions every other tool gives them.
 
-A file is written beside its final name, fsynced, renamed into place, and its folder
-fsynced, so a reader (or a rerun after ``kill -9``) sees either the old file or the whole new
-one. Library writers that create their own temporaries (``tempfile.mkstemp``, safetensors'
-Rust writer) make them ``0600``; the finished file gets ``0666 & ~umask`` instead, as
+A file (or a whole folder) is written beside its final name, fsynced, renamed into place,
+and its parent folder fsynced, so a reader (or a rerun after ``kill -9``) sees either the old
+file or the whole new one; every file tapllm writes goes through :func:`atomic_path`.
+Library writers that create their own temporaries (``tempfile.mkstemp``, safetensors' Rust
+writer) make them ``0600``; the finished file gets ``0666 & ~umask`` instead, as
 ``open(path, "w")`` would give it.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,12 +57,13 @@ def temp_path_for(path: Path) -> Path:
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, folder: bool = False) -> Iterator[Path]:
     """Yield a temporary path to write ``path``'s new content to; commit it on success.
 
-    On a clean exit the temporary is fsynced, given the default mode, renamed onto
-    ``path`` and the folder fsynced. On an exception it is removed and ``path`` is untouched.
-    ``FileNotFoundError`` names a missing folder.
+    With ``folder=True`` the temporary is an empty folder to fill, committed as a whole. On a
+    clean exit the temporary (every file in it, for a folder) is fsynced and given the default
+    mode, renamed onto ``path`` and the parent folder fsynced. On an exception it is removed
+    and ``path`` is untouched. ``FileNotFoundError`` names a missing parent folder.
     """
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
@@ -68,15 +71,30 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise FileNotFoundError(f"cannot write {path}: no such directory: {parent}")
     tmp = temp_path_for(path)
     try:
+        if folder:
+            tmp.mkdir()
         yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, default_file_mode())
+        _seal(tmp)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
         raise
     fsync_dir(parent)
+
+
+def _seal(tmp: Path) -> None:
+    """Make a finished temporary durable with the default mode (a folder's files first, then the folder)."""
+    if tmp.is_dir():
+        for child in sorted(tmp.iterdir()):
+            _seal(child)
+        fsync_dir(tmp)
+        return
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.chmod(tmp, default_file_mode())
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[Path], None]) -> Path:

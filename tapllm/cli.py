@@ -151,6 +151,7 @@ def _run(args: argparse.Namespace) -> int:
     from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
     from tapllm.config import EngineConfig
     from tapllm.hidden_states.summary import summarize
+    from tapllm.inputs import Item, read_jsonl, to_prompt
 
     encode = args.command == "encode"
     if (args.prompt is None) == (args.input is None):
@@ -164,9 +165,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError("--hidden-states with --input needs --save DIR (one safetensors file per prompt)")
     if args.save is not None:
         _check_save_target(args.save, many=args.input is not None)
-    items = [_single_item(args)] if args.input is None else _read_jsonl(args.input, args.chat)
+    items = [Item("text", args.prompt)] if args.input is None else read_jsonl(args.input)
     llm = LLM(config=EngineConfig.from_cli_args(args))
-    prompts = [llm.apply_chat_template(it["messages"]) if "messages" in it else it["prompt"] for it in items]
+    prompts = [to_prompt(it, llm.apply_chat_template, args.chat) for it in items]
     bar = args.input is not None and not args.quiet
     if encode:
         outs = llm.encode(prompts, spec, use_tqdm=bar)
@@ -256,6 +257,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 def _collect(args: argparse.Namespace) -> int:
     from tapllm.collect.run import CollectConfig, collect
+    from tapllm.config import EngineConfig
 
     layers: list[int] | str = args.layers
     if args.layers != "all":
@@ -264,10 +266,9 @@ def _collect(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--layers must be 'all' or comma-separated integers, got {args.layers!r}") from None
     cfg = CollectConfig(
-        input=args.input, out=args.out, model=args.model, layers=layers, points=args.points.split(","),
-        positions=args.positions, max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens,
-        dtype=args.dtype, workers=args.workers, overwrite=args.overwrite, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
+        input=args.input, out=args.out, layers=layers, points=args.points.split(","), positions=args.positions,
+        max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens, workers=args.workers,
+        overwrite=args.overwrite, engine=EngineConfig.from_cli_args(args),
     )
     meta = collect(cfg, ray_address=args.ray_address, show_progress=not args.quiet)
     secs = meta.get("seconds") or 0
@@ -292,39 +293,6 @@ def _check_save_target(path: Path, many: bool) -> None:
         path.mkdir(parents=True, exist_ok=True)
     elif not (path.parent if str(path.parent) else Path(".")).is_dir():
         raise FileNotFoundError(f"--save: no such directory: {path.parent}")
-
-
-def _single_item(args: argparse.Namespace) -> dict[str, Any]:
-    if args.chat:
-        return {"messages": [{"role": "user", "content": args.prompt}]}
-    return {"prompt": args.prompt}
-
-
-def _read_jsonl(path: Path, chat: bool) -> list[dict[str, Any]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"--input: no such file: {path}")
-    items = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}:{n}: each line must be a JSON object")
-        if "messages" in obj:
-            items.append({"messages": obj["messages"]})
-        elif "prompt_token_ids" in obj:
-            items.append({"prompt": obj["prompt_token_ids"]})
-        elif "prompt" in obj or "text" in obj:
-            text = obj.get("prompt", obj.get("text"))
-            items.append({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
-        else:
-            raise ValueError(f"{path}:{n}: needs a 'prompt', 'text', 'messages' or 'prompt_token_ids' field")
-    if not items:
-        raise ValueError(f"--input: {path} holds no prompts")
-    return items
 
 
 def _write_jsonl(rows: list[dict[str, Any]], path: Path | None) -> None:

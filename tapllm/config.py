@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from tapllm.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
+
 logger = logging.getLogger("tapllm")
 
 SUPPORTED_ARCHITECTURES = (
@@ -18,7 +20,6 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -97,22 +98,15 @@ def resolve_dtype(
     elsewhere (emulated bf16 is 2.5-4x slower than float32 there). The choice is logged.
     """
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+        if not is_supported(dtype):
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
         return _warn_if_slow(dtype, device)
     if dtype == "auto":
         return _auto_dtype(raw_config, device)
-    if not isinstance(dtype, str):
-        raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {dtype!r}")
-    if dtype in ("half", "fp16"):
-        dtype = "float16"
-    if dtype in ("bf16",):
-        dtype = "bfloat16"
-    if dtype in ("float", "fp32"):
-        dtype = "float32"
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {dtype!r}")
-    return _warn_if_slow(_DTYPES[dtype], device)
+    resolved = dtype_from_name(dtype, aliases=True)
+    if resolved is None:
+        raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {dtype!r}")
+    return _warn_if_slow(resolved, device)
 
 
 def _on_cpu(device: torch.device | str | None) -> bool:
@@ -124,17 +118,17 @@ def _on_cpu(device: torch.device | str | None) -> bool:
 def _auto_dtype(raw_config: dict[str, Any], device: torch.device | str | None) -> torch.dtype:
     from tapllm.platform import cpu_support, fastest_cpu_dtype
 
-    declared = _DTYPES.get(str(raw_config.get("torch_dtype") or raw_config.get("dtype")))
+    declared = dtype_from_name(str(raw_config.get("torch_dtype") or raw_config.get("dtype")))
     if not _on_cpu(device):
         return declared or torch.float32
     if declared == torch.float32:
         chosen, why = torch.float32, "the checkpoint is float32"
     else:
         chosen = fastest_cpu_dtype()
-        what = f"the checkpoint is {str(declared).removeprefix('torch.')}" if declared else "no dtype declared"
+        what = f"the checkpoint is {dtype_name(declared)}" if declared else "no dtype declared"
         native = "computes bfloat16 natively" if cpu_support().native_bf16 else "has no native bfloat16"
         why = f"{what} and this CPU ({cpu_support().isa}) {native}"
-    logger.info("dtype auto -> %s (%s)", str(chosen).removeprefix("torch."), why)
+    logger.info("dtype auto -> %s (%s)", dtype_name(chosen), why)
     return chosen
 
 
@@ -146,7 +140,7 @@ def _warn_if_slow(dtype: torch.dtype, device: torch.device | str | None) -> torc
         if dtype == torch.bfloat16 and not support.native_bf16 or dtype == torch.float16 and dtype not in support.packable:
             logger.warning(
                 "%s is emulated on this CPU (%s): expect it to be several times slower than float32; "
-                "dtype='auto' picks the fastest", str(dtype).removeprefix("torch."), support.isa,
+                "dtype='auto' picks the fastest", dtype_name(dtype), support.isa,
             )
     return dtype
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tapllm.dtypes import dtype_name
+
 logger = logging.getLogger("tapllm")
 
 _M_TRIM_THRESHOLD = -1
@@ -78,7 +80,7 @@ class CpuSupport:
 
     def describe(self) -> str:
         """One line for the log."""
-        packed = ", ".join(str(d).removeprefix("torch.") for d in sorted(self.packable, key=str)) or "none"
+        packed = ", ".join(dtype_name(d) for d in sorted(self.packable, key=str)) or "none"
         text = f"CPU {self.isa}, native bf16: {'yes' if self.native_bf16 else 'no'}, prepacked linears: {packed}"
         return f"{text} ({self.reason})" if self.reason else text
 
@@ -123,7 +125,7 @@ def _probe() -> CpuSupport:
             if why is None:
                 packable.add(dtype)
             elif dtype != torch.float16:  # fp16 packing is a bonus; its absence is the norm
-                reasons.append(f"{str(dtype).removeprefix('torch.')}: {why}")
+                reasons.append(f"{dtype_name(dtype)}: {why}")
     hw_bf16 = bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
     onednn_bf16 = torch.bfloat16 in packable or _mkldnn_bf16_supported()
     native = hw_bf16 and isa.startswith(("AVX512", "AMX")) and onednn_bf16

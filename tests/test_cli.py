@@ -52,3 +52,31 @@ def test_cli_errors_are_clear(tiny_models, tmp_path):
     assert proc.returncode == 2 and "bad.jsonl:2" in proc.stderr and "prompt" in proc.stderr
     proc = _run("generate", "hi", "--model", str(tmp_path / "missing"), "--quiet")
     assert proc.returncode == 2 and "no such file" in proc.stderr
+
+
+def test_one_jsonl_reader_for_generate_and_collect(tmp_path):
+    import pytest
+
+    from tapllm.collect.inputs import read_items
+    from tapllm.inputs import Item, read_jsonl, to_prompt
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b'\xef\xbb\xbf{"prompt": "p", "text": "t"}\n\n{"messages": null, "prompt": "only"}\n'
+                    b'{"prompt_token_ids": [1, 2], "text": "t"}\n{"messages": [{"role": "user", "content": "m"}]}\n')
+    items = read_jsonl(inp)
+    assert items == [Item("text", "t"), Item("text", "only"), Item("ids", [1, 2]),
+                     Item("messages", [{"role": "user", "content": "m"}])]
+    assert read_items(inp) == items  # collect reads JSONL with the same function
+    chat = lambda msgs: "chat:" + msgs[-1]["content"]  # noqa: E731
+    assert [to_prompt(it, chat) for it in items] == ["t", "only", [1, 2], "chat:m"]
+    assert [to_prompt(it, chat, chat=True) for it in items] == ["chat:t", "chat:only", [1, 2], "chat:m"]
+    for body, message in [(b'{"text": "ok"}\n{"text": "bad \xff"}\n', ":2: not valid UTF-8 (byte 0xff at byte 15"),
+                          (b'{"text": "ok"}\n{"text": \n', ":2: not valid JSON"),
+                          (b'{"text": "ok"}\n[1]\n', ":2: each record must be an object"),
+                          (b'{"nothing": 1}\n', ":1: needs a 'text', 'prompt'"),
+                          (b'\n\n', "holds no records")]:
+        inp.write_bytes(body)
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+            read_jsonl(inp)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        read_jsonl(tmp_path / "missing.jsonl")

@@ -207,15 +207,16 @@ def test_kill_mid_run_then_resume_gives_a_bitwise_identical_dataset(tiny_models,
 def test_ray_workers_produce_the_same_dataset(tiny_models, tmp_path):
     ray = pytest.importorskip("ray")
     from tapllm.collect.run import CollectConfig, collect
+    from tapllm.config import EngineConfig
 
     model = tiny_models["llama"]
     inp = _write_jsonl(tmp_path / "in.jsonl", _records(40, seed=9))
-    base = dict(input=inp, model=str(model), layers=[0, -1], points=["resid_post"], shard_tokens=80,
-                dtype="float32", max_num_seqs=16)
+    base = dict(input=inp, layers=[0, -1], points=["resid_post"], shard_tokens=80,
+                engine=EngineConfig(model=str(model), dtype="float32", max_num_seqs=16))
     collect(CollectConfig(out=tmp_path / "single", **base), show_progress=False)
     slow = _write_jsonl(tmp_path / "slow.jsonl", _slow_records(800))
-    slow_base = {**base, "input": slow, "layers": "all", "points": ["resid_post", "mlp_out"], "max_num_seqs": 4,
-                 "shard_tokens": 300}
+    slow_base = {**base, "input": slow, "layers": "all", "points": ["resid_post", "mlp_out"],
+                 "engine": EngineConfig(model=str(model), dtype="float32", max_num_seqs=4), "shard_tokens": 300}
     try:
         collect(CollectConfig(out=tmp_path / "slow-ray", workers=2, **slow_base), ray_address="local",
                 show_progress=False)

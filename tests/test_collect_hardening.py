@@ -46,12 +46,12 @@ def test_refusals_come_before_the_model_loads(tiny_models, tmp_path, capsys, mon
     assert _run(model, inp, done) == 0
     capsys.readouterr()
 
-    import tapllm.llm
+    from tapllm.engine.llm_engine import LLMEngine
 
     def no_weights(*args, **kwargs):
         raise AssertionError("the model was loaded before the refusal")
 
-    monkeypatch.setattr(tapllm.llm.LLM, "__init__", no_weights)
+    monkeypatch.setattr(LLMEngine, "__init__", no_weights)
 
     def err(out: Path, *extra: str, inp: Path = inp, dtype: str = "float32") -> str:
         assert _run(model, inp, out, *extra, dtype=dtype) == 2
@@ -129,3 +129,27 @@ def test_files_follow_the_umask(tiny_models, tmp_path, umask, fmt):
     assert set(names) == expected | set(shards)
     assert {n: m for n, m in names.items() if m != 0o666 & ~umask} == {}
     assert len(tapllm.datasets.open(out)) == tapllm.datasets.open(out).metadata["num_rows"]
+
+
+def test_atomic_folder_is_whole_or_absent(tmp_path):
+    from tapllm._files import atomic_path
+
+    old = os.umask(0o022)
+    try:
+        with pytest.raises(RuntimeError):
+            with atomic_path(tmp_path / "conv", folder=True) as tmp:
+                (tmp / "model.safetensors").write_bytes(b"half")
+                raise RuntimeError("killed mid-conversion")
+        assert list(tmp_path.iterdir()) == []  # nothing left, not even the temporary
+        with atomic_path(tmp_path / "conv", folder=True) as tmp:
+            (tmp / "config.json").write_text("{}")
+            os.chmod(tmp / "config.json", 0o600)  # as a library's own temporary would be
+    finally:
+        os.umask(old)
+    assert [f.name for f in tmp_path.iterdir()] == ["conv"]
+    assert stat.S_IMODE((tmp_path / "conv" / "config.json").stat().st_mode) == 0o644
+    with pytest.raises(OSError):  # a folder already there (a concurrent conversion won) is kept
+        with atomic_path(tmp_path / "conv", folder=True) as tmp:
+            (tmp / "other").write_text("x")
+    assert [f.name for f in (tmp_path / "conv").iterdir()] == ["config.json"]
+    assert [f.name for f in tmp_path.iterdir()] == ["conv"]

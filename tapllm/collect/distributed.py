@@ -17,8 +17,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tapllm.collect.inputs import Item
-from tapllm.collect.run import CollectConfig, build_llm, check_engine, run_part
+from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
+from tapllm.inputs import Item
 
 logger = logging.getLogger("tapllm")
 MAX_RESTARTS = 2
@@ -29,12 +29,12 @@ class CollectWorker:
 
     def __init__(self, cfg: CollectConfig, run: dict[str, Any], threads: int) -> None:
         self.cfg = cfg
-        self.llm = build_llm(cfg, threads)
-        check_engine(self.llm, run)
+        self.engine = build_engine(cfg, threads)
+        check_engine(self.engine, run)
 
     def run(self, items: list[Item], part: int, start: int, end: int) -> int:
         """Collect input [start, end) as part ``part``; returns the number of shards."""
-        return len(run_part(self.llm, self.cfg, items, part, start, end, show_progress=False))
+        return len(run_part(self.engine, self.cfg, items, part, start, end, show_progress=False))
 
 
 def run_with_ray(cfg: CollectConfig, run: dict[str, Any], items: list[Item], parts: list[tuple[int, int]],

@@ -12,15 +12,16 @@ import errno
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from tapllm._files import atomic_path
+from tapllm._files import atomic_write
+from tapllm.dtypes import ARROW_DTYPES
 
 INDEX_COLUMNS = ("token_id", "request_index", "position")
 SUFFIX = {"safetensors": ".safetensors", "arrow": ".arrow"}
-_ARROW_TYPES = {torch.float32: "float32", torch.float16: "float16"}
 
 
 class DiskFullError(OSError):
@@ -45,15 +46,15 @@ def write_shard(path: Path, columns: dict[str, torch.Tensor], fmt: str) -> tuple
 
     An ``OSError`` names ``path`` (``DiskFullError`` for a full disk or a file size limit).
     """
+    write = _write_safetensors if fmt == "safetensors" else _write_arrow
+    write_file(path, lambda tmp: write(tmp, columns))
+    return path.stat().st_size, sha256_file(path)
+
+
+def write_file(path: Path, data: bytes | str | Callable[[Path], None]) -> None:
+    """``atomic_write`` whose ``OSError`` names ``path`` (``DiskFullError`` for a full disk)."""
     try:
-        with atomic_path(path) as tmp:
-            if fmt == "safetensors":
-                _write_safetensors(tmp, columns)
-            else:
-                _write_arrow(tmp, columns)
-        return path.stat().st_size, sha256_file(path)
-    except DiskFullError:
-        raise
+        atomic_write(path, data)
     except OSError as exc:
         raise write_error(path, exc) from None
 
@@ -94,7 +95,7 @@ def _row_bytes(columns: dict[str, torch.Tensor]) -> int:
 
 def arrow_dtype_ok(dtype: torch.dtype) -> bool:
     """Arrow has no bfloat16."""
-    return dtype in _ARROW_TYPES
+    return dtype in ARROW_DTYPES
 
 
 def read_shard(path: Path, fmt: str) -> dict[str, torch.Tensor]:

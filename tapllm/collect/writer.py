@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tapllm._files import atomic_write
-from tapllm.collect.shards import SUFFIX, write_error, write_shard
+from tapllm.collect.shards import SUFFIX, write_error, write_file, write_shard
 
 
 @dataclass(slots=True)
@@ -66,10 +65,7 @@ class Manifest:
             stray_tmp = f.name.startswith((f".{prefix}", f".{self.path.name}.")) and f.name.endswith(".tmp")
             if stray_tmp or (f.name.startswith(prefix) and f.name not in keep):
                 f.unlink()
-        try:
-            atomic_write(self.path, "".join(json.dumps(asdict(e)) + "\n" for e in entries))
-        except OSError as exc:
-            raise write_error(self.path, exc) from None
+        write_file(self.path, "".join(json.dumps(asdict(e)) + "\n" for e in entries))
 
     def append(self, entry: ShardEntry) -> None:
         """Record a complete shard durably."""
@@ -111,7 +107,6 @@ class ShardWriter:
         self.seq = seq
         self.fmt = fmt
         self.bytes_written = 0
-        self.rows_written = 0
         self.entries: list[ShardEntry] = []
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -164,5 +159,4 @@ class ShardWriter:
         self.manifest.append(entry)
         self.entries.append(entry)
         self.bytes_written += size
-        self.rows_written += rows
         self.seq += 1

@@ -35,11 +35,6 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     dropped: list[Request] = field(default_factory=list)  # can never fit the cache
 
-    @property
-    def num_tokens(self) -> int:
-        """Total tokens in the batch."""
-        return sum(i.num_tokens for i in self.items)
-
 
 class Scheduler:
     """FCFS continuous batching with chunked prefill, prefix-cache hits and preemption.

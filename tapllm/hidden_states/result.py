@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tapllm._files import atomic_write
+from tapllm.dtypes import dtype_name
 
 FORMAT = "tapllm.hidden_states"
 VERSION = "1"
@@ -71,7 +72,7 @@ class HiddenStates(Mapping[str, torch.Tensor]):
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
     def __repr__(self) -> str:
-        shapes = ", ".join(f"{p}: {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for p, t in self.items())
+        shapes = ", ".join(f"{p}: {tuple(t.shape)} {dtype_name(t.dtype)}" for p, t in self.items())
         return f"HiddenStates({shapes}; {len(self.positions)} positions, layers={self.layers}, reduce={self.reduce})"
 
     def save(self, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:

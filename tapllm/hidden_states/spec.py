@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tapllm._options import from_mapping
+from tapllm.dtypes import DTYPES  # re-exported: capture.py reads it from here
 from tapllm.hidden_states.reducers import get_reducer
 
 # TransformerLens-style names; see DESIGN.md for their exact meaning.
@@ -17,7 +18,6 @@ BLOCK_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 PSEUDO_POINTS = ("embed", "final")  # one pseudo-layer each
 POINTS = ("embed", *BLOCK_POINTS, "final")
 POSITION_NAMES = ("prompt", "generated", "all", "last_prompt", "last")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ import textwrap
 
 import torch
 
+from tapllm.dtypes import dtype_name
 from tapllm.hidden_states.result import HiddenStates
 from tapllm.hidden_states.spec import PSEUDO_POINTS
 
@@ -15,7 +16,7 @@ def summarize(hs: HiddenStates) -> str:
     pos = hs.positions.tolist()
     span = f"{pos[0]}..{pos[-1]}" if pos else "none"
     dtype = next(iter(hs.values())).dtype if len(hs) else None
-    head = f"hidden states: {len(pos)} positions ({span}), reduce={hs.reduce}, dtype={str(dtype).removeprefix('torch.')}"
+    head = f"hidden states: {len(pos)} positions ({span}), reduce={hs.reduce}, dtype={dtype_name(dtype)}"
     rows = [("point", "layers", "shape", "mean norm per layer")]
     for point, t in hs.items():
         layers = ["-"] if point in PSEUDO_POINTS else [str(i) for i in hs.layers]

@@ -17,18 +17,16 @@ from typing import Any
 
 import torch
 
+from tapllm.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
 from tapllm.hidden_states.result import HiddenStates
 
 ENCODINGS = ("base64", "list")
-WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 
 
 def tensor_to_wire(t: torch.Tensor, encoding: str) -> dict[str, Any]:
     """One tensor as ``{"shape", "dtype", "data"}``."""
     t = t.detach().cpu().contiguous()
-    name = _NAMES.get(t.dtype)
-    if name is None:
+    if not is_supported(t.dtype):
         raise ValueError(f"cannot encode dtype {t.dtype}")
     if encoding == "list":
         data: Any = t.float().tolist()
@@ -38,16 +36,16 @@ def tensor_to_wire(t: torch.Tensor, encoding: str) -> dict[str, Any]:
         if sys.byteorder != "little":
             array = array.byteswap()
         data = base64.b64encode(array.tobytes()).decode("ascii")
-    return {"shape": list(t.shape), "dtype": name, "data": data}
+    return {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "data": data}
 
 
 def tensor_from_wire(obj: Any, field: str = "tensor") -> torch.Tensor:
     """Inverse of ``tensor_to_wire`` (either encoding); ``ValueError`` names ``field``."""
     if not isinstance(obj, dict) or not {"shape", "dtype", "data"} <= set(obj):
         raise ValueError(f"{field} must be an object with shape, dtype and data")
-    dtype = WIRE_DTYPES.get(obj["dtype"])
+    dtype = dtype_from_name(obj["dtype"])
     if dtype is None:
-        raise ValueError(f"{field}.dtype must be one of {list(WIRE_DTYPES)}, got {obj['dtype']!r}")
+        raise ValueError(f"{field}.dtype must be one of {list(DTYPES)}, got {obj['dtype']!r}")
     try:
         shape = [int(s) for s in obj["shape"]]
     except (TypeError, ValueError):

@@ -11,14 +11,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
+
+from tapllm._files import atomic_path
 
 logger = logging.getLogger("tapllm")
 
@@ -70,16 +70,12 @@ def gguf_to_folder(path: Path) -> Path:
         return target
     logger.info("dequantizing %s once; caching the weights as safetensors in %s", path.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        _convert(path, tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent conversion winning
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_path(target, folder=True) as tmp:
+            _convert(path, tmp)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a concurrent conversion winning
+            raise
     return target
 
 

@@ -1,0 +1,181 @@
+"""One part of a collection run on one engine: the run's settings, its engine, and the loop
+that turns groups of consecutive records into shards.
+
+Used by the driver for a run in one process (``run.collect``) and by each Ray actor for its
+part (``distributed.CollectWorker``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tapllm.collect.writer import Manifest, ShardEntry, ShardWriter
+from tapllm.config import EngineConfig
+from tapllm.dtypes import dtype_name
+from tapllm.engine.llm_engine import LLMEngine
+from tapllm.engine.request import Request
+from tapllm.hidden_states.spec import HiddenStatesSpec
+from tapllm.inputs import Item, to_prompt
+from tapllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CollectConfig:
+    """Everything that defines a collection run, and ``engine``: the engine to run it with
+    (its model, dtype and limits; ``max_num_seqs`` is 64 unless given)."""
+
+    input: Path
+    out: Path
+    layers: list[int] | str = "all"
+    points: list[str] = field(default_factory=lambda: ["resid_post"])
+    positions: str = "prompt"
+    max_tokens: int = 0
+    fmt: str = "safetensors"
+    shard_tokens: int = 65536
+    workers: int = 1
+    overwrite: bool = False
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=64))
+
+    def validate(self) -> None:
+        """``ValueError`` naming the bad setting."""
+        if self.positions not in ("prompt", "all"):
+            raise ValueError(f"--positions must be 'prompt' or 'all', got {self.positions!r}")
+        if self.max_tokens < 0:
+            raise ValueError(f"--max-tokens must be >= 0 (0 = prompts only), got {self.max_tokens}")
+        if self.fmt not in ("safetensors", "arrow"):
+            raise ValueError(f"--format must be 'safetensors' or 'arrow', got {self.fmt!r}")
+        if self.shard_tokens < 1:
+            raise ValueError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+
+    def spec(self) -> HiddenStatesSpec:
+        """What every request captures."""
+        positions = self.positions if self.max_tokens > 0 else "prompt"
+        return HiddenStatesSpec(layers=self.layers, points=self.points, positions=positions)
+
+    def params(self) -> SamplingParams:
+        """Greedy, so a rerun produces the same tokens and so the same dataset."""
+        return SamplingParams(max_tokens=max(1, self.max_tokens), temperature=0, hidden_states=self.spec())
+
+
+def build_engine(cfg: CollectConfig, threads: int | None = None) -> LLMEngine:
+    """The engine a run (or one Ray worker) uses: ``cfg.engine``, with prefix caching off and
+    no limit on captured bytes.
+
+    Prefix caching is off: every request captures from position 0, so the cache could never
+    serve a block to it, and without it nothing carries from one group to the next.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    return LLMEngine.from_config(replace(cfg.engine, enable_prefix_caching=False,
+                                         hidden_states_max_bytes_per_request=None))
+
+
+def check_engine(engine: LLMEngine, run: dict[str, Any]) -> None:
+    """The loaded engine is the one ``run`` was described with (a worker node could resolve
+    ``--dtype auto`` differently from the driver)."""
+    mc = engine.model_config
+    dtype = dtype_name(mc.dtype)
+    if dtype != run["dtype"] or mc.hidden_size != run["hidden_size"]:
+        raise RuntimeError(f"the engine runs {mc.path} in {dtype}, but this run was described as {run['model']} "
+                           f"in {run['dtype']}; pass --dtype explicitly")
+
+
+def plan_groups(engine: LLMEngine, cfg: CollectConfig, items: list[Item], start: int, first: int, end: int
+                ) -> Iterator[tuple[int, int, list[Request]]]:
+    """The groups of records [first, end) as ``(first, end, [prepared request, ...])``, lazily.
+
+    A group ends at the first record where its rows reach ``--shard-tokens``, counting each
+    record's rows from the input alone: its prompt tokens, plus ``max_tokens - 1`` when
+    generated positions are captured (an upper bound; generation may stop early). So the cut
+    after a group depends only on where the group starts, and a run resumed at a group
+    boundary cuts every later group where the uninterrupted run did.
+    """
+    params, encode = cfg.params(), cfg.max_tokens == 0
+    extra = cfg.max_tokens - 1 if cfg.max_tokens > 0 and cfg.spec().positions == "all" else 0
+    group: list[Request] = []
+    g0, rows = first, 0
+    for i in range(first, end):
+        try:
+            prompt = to_prompt(items[i - start], engine.render_chat)
+            req = engine.prepare(prompt, params, encode=encode, request_id=f"collect-{i}")
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"--input record {i}: {exc}") from None
+        group.append(req)
+        rows += req.num_prompt_tokens + extra
+        if rows >= cfg.shard_tokens:
+            yield g0, i + 1, group
+            group, g0, rows = [], i + 1, 0
+    if group:
+        yield g0, end, group
+
+
+def run_part(engine: LLMEngine, cfg: CollectConfig, items: list[Item], part: int, start: int, end: int,
+             show_progress: bool = True) -> list[ShardEntry]:
+    """Collect input indices [start, end) into this part's shards, resuming after its last complete shard.
+
+    ``items`` holds the records of [start, end) (a Ray worker gets only its slice). One group
+    at a time: its requests are admitted (at most ``2 * max_num_seqs`` in flight) and run to
+    the end before the next group starts, while the writer thread writes the previous group.
+    """
+    manifest = Manifest(cfg.out, part)
+    done = manifest.load()
+    manifest.reset_to(done)  # drop a shard written but not recorded, and our temporaries
+    resume = done[-1].requests[1] if done else start
+    writer = ShardWriter(manifest, len(done), cfg.fmt)
+    window = 2 * engine.config.max_num_seqs
+    in_flight: dict[str, int] = {}
+    bar = tqdm(total=end - start, initial=resume - start, desc=f"collecting part {part}" if cfg.workers > 1
+               else "collecting", unit="req", disable=not show_progress, dynamic_ncols=True)
+    t0, rows0 = time.perf_counter(), 0
+    try:
+        for g0, g1, staged in plan_groups(engine, cfg, items, start, resume, end):
+            if engine.has_unfinished_requests():
+                raise RuntimeError("the engine still holds requests at a group boundary")
+            records: list[dict[str, torch.Tensor] | None] = [None] * len(staged)
+            k = 0
+            while k < len(staged) or in_flight:
+                while k < len(staged) and len(in_flight) < window:
+                    engine.add(staged[k])
+                    in_flight[staged[k].request_id] = k
+                    k += 1
+                for req in engine.step():
+                    j = in_flight.pop(req.request_id)
+                    out = engine.make_output(req)
+                    if getattr(out, "error", None) or out.hidden_states is None:
+                        reason = getattr(out, "error", None) or "no hidden states were captured"
+                        raise RuntimeError(f"--input record {g0 + j}: {reason}")
+                    records[j] = _columns(out, g0 + j)
+                    rows0 += len(out.hidden_states.positions)
+                    bar.update(1)
+                    elapsed = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix_str(f"{rows0 / elapsed:.0f} tok/s, {writer.bytes_written / 1e6:.0f} MB written",
+                                        refresh=False)
+            writer.put(g0, g1, records)  # waits for the previous shard; this one is written meanwhile
+        entries = writer.close()
+    except BaseException:
+        for rid in in_flight:
+            engine.abort(rid)
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    return done + entries
+
+
+def _columns(out: Any, index: int) -> dict[str, torch.Tensor]:
+    hs = out.hidden_states
+    seq = torch.tensor(out.prompt_token_ids + (out.outputs[0].token_ids if out.outputs else []), dtype=torch.long)
+    pos = hs.positions
+    cols = {"token_id": seq[pos], "request_index": torch.full((len(pos),), index, dtype=torch.long),
+            "position": pos.clone()}
+    cols.update({p: hs[p] for p in hs.points})
+    return cols
