@@ -6,12 +6,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tapllm.dtypes import DTYPES
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.hidden_states.wire import tensor_from_wire
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.spec import Steer
 
 PromptInput = str | list[int] | list[str | list[int]]
+DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]  # the names of tapllm.dtypes
 
 
 class WireTensor(BaseModel):
@@ -32,7 +34,7 @@ class HiddenStatesRequest(BaseModel):
     positions: str | list[int] = "all"
     reduce: str | None = None
     project: list[list[float]] | WireTensor | None = None
-    dtype: Literal["float32", "float16", "bfloat16"] | None = None
+    dtype: DtypeName | None = None
     encoding: Literal["base64", "list"] = "base64"
 
     def to_spec(self) -> HiddenStatesSpec:
