@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tapllm.config import ModelConfig
 from tapllm.layers.norm import RMSNorm
-from tapllm.models.llama import Attention, LlamaForCausalLM
+from tapllm.models.base import Attention
+from tapllm.models.llama import LlamaForCausalLM
 
 
 class Qwen3Attention(Attention):
     """Attention with q_norm/k_norm over each head's dimension."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool) -> None:
-        super().__init__(cfg, layer, qkv_bias, o_bias)
+    def __init__(self, cfg: ModelConfig, layer: int, **kwargs: Any) -> None:
+        super().__init__(cfg, layer, **kwargs)
         eps = float(cfg.hf_config.rms_norm_eps)
         self.q_norm = RMSNorm(cfg.head_dim, eps, cfg.dtype)
         self.k_norm = RMSNorm(cfg.head_dim, eps, cfg.dtype)
 
-    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
 
 

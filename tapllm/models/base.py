@@ -1,0 +1,202 @@
+"""What every model family shares: the forward loop with its taps, logits, weight loading.
+
+A family is one file: its block (``forward(x, i, tap, ctx, kv, meta)``, straight-line code
+with one ``tap`` per point), its embedding and final norm, and the map from its checkpoint's
+tensor names to its (possibly fused) parameters. :class:`CausalLM` runs the blocks, taps
+``embed`` and ``final`` around them, computes logits, loads and prepacks weights.
+:class:`Attention` is the shared self-attention: fused q/k/v projection, optional q/k norms,
+full or partial rotary (or none), paged attention with the layer's window and soft-cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tapllm.config import ModelConfig
+from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
+from tapllm.layers.linear import Linear, pack_linears, packing_available
+from tapllm.layers.rotary import apply_rotary
+from tapllm.models.tap import PSEUDO_LAYER, Tap, no_tap
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+# A checkpoint tensor's destinations: (parameter name, first row or None for all of it, the tensor).
+Placement = list[tuple[str, int | None, torch.Tensor]]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache.
+
+    ``qkv_proj`` holds q, k and v projections stacked in that order (``[H*D + 2*Hkv*D, hidden]``).
+    ``rotary_dim`` rotates the first dims of each head (``None``: all of them, ``0``: no
+    rotary, e.g. GPT-2's learned positions). Subclasses may normalise q and k: ``norm_qk``
+    sees the flat projections (OLMo-2), ``norm_heads`` the per-head ones (Qwen3, Gemma-3).
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, qkv_bias: bool, o_bias: bool, scale: float | None = None,
+                 softcap: float | None = None, rotary_dim: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, cfg.dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, cfg.dtype)
+        self.rotary_dim = self.head_dim if rotary_dim is None else rotary_dim
+        window = cfg.sliding_windows[layer] if cfg.sliding_windows else None
+        self.opts = AttentionOptions(scale=self.head_dim**-0.5 if scale is None else scale, window=window,
+                                     softcap=softcap)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalise the flat q ``[T, H*D]`` and k ``[T, Hkv*D]`` projections; identity by default."""
+        return q, k
+
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalise q ``[T, H, D]`` and k ``[T, Hkv, D]`` per head, before rotary; identity by default."""
+        return q, k
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, kv: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.norm_qk(q, k)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv, self.head_dim)
+        v = v.reshape(t, self.num_kv, self.head_dim)
+        q, k = self.norm_heads(q, k)
+        if self.rotary_dim == self.head_dim:
+            q, k = apply_rotary(q, k, cos_sin)
+        elif self.rotary_dim:
+            r = self.rotary_dim
+            q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos_sin)
+            q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.opts)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with fused gate/up projection (SwiGLU, GeGLU)."""
+
+    def __init__(self, cfg: ModelConfig, act: Callable[[torch.Tensor], torch.Tensor], bias: bool = False,
+                 intermediate: int | None = None) -> None:
+        super().__init__()
+        inter = int(intermediate if intermediate is not None else cfg.hf_config.intermediate_size)
+        self.inter = inter
+        self.act = act
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias, cfg.dtype)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias, cfg.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over a paged KV cache; subclasses build the modules (see the module docstring).
+
+    Set in a subclass's ``__init__``: ``embed_tokens`` (``nn.Embedding``), ``layers``
+    (blocks), ``norm`` (the final norm), ``lm_head`` (a :class:`Linear`, or ``None`` when
+    tied to the embedding); optionally ``final_logit_softcap``. Override :meth:`embed`,
+    :meth:`block_context` and :meth:`checkpoint_names` where the family differs.
+    """
+
+    final_logit_softcap: float | None = None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tied = bool(getattr(cfg.hf_config, "tie_word_embeddings", False))
+
+    # ---- the forward -------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering block 0 (what ``embed`` captures)."""
+        return self.embed_tokens(input_ids)
+
+    def block_context(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """What every block needs about the step's positions (e.g. rotary cos/sin); None by default."""
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        tap: Tap | None = None,
+    ) -> torch.Tensor:
+        """Run the ragged batch; returns the final-norm hidden states [T, hidden].
+
+        ``tap`` (the step's, or none when no request captures or steers) sees every point.
+        """
+        tap = tap or no_tap
+        x = tap("embed", PSEUDO_LAYER, self.embed(input_ids, positions))
+        ctx = self.block_context(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, tap, ctx, kv_caches[i], meta)
+        return tap("final", PSEUDO_LAYER, self.norm(x))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] (model dtype) for the given final hidden rows."""
+        logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        if self.final_logit_softcap is not None:
+            cap = self.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    # ---- weights -----------------------------------------------------------------------
+    def prepare_for_inference(self, device: torch.device) -> None:
+        """After loading: prepack linear weights where the platform benefits (see layers/linear.py)."""
+        if self.lm_head is None and packing_available(device, self.cfg.dtype):
+            self.lm_head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.cfg.dtype)
+            self.lm_head.weight.data = self.embed_tokens.weight.data
+        pack_linears(self, device, self.cfg.dtype)
+
+    def checkpoint_names(self, name: str, tensor: torch.Tensor) -> Placement:
+        """Where a checkpoint tensor goes: ``[(parameter, first row or None, tensor)]``; ``[]`` skips it.
+
+        By default a leading ``model.`` is dropped and the names of :meth:`fused` map into
+        their fused parameters at their row offsets.
+        """
+        name = name.removeprefix("model.")
+        for src, dst, offset in self.fused():
+            if f".{src}." in name:
+                return [(name.replace(src, dst), offset, tensor)]
+        return [(name, None, tensor)]
+
+    def fused(self) -> list[tuple[str, str, int]]:
+        """``(checkpoint module name, fused parameter's module name, row offset)``; none by default."""
+        return []
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters; ``ValueError`` names a bad shape or a missing tensor."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            for target, offset, value in self.checkpoint_names(name, tensor):
+                if target not in params:
+                    continue  # e.g. lm_head.weight of a tied checkpoint, rotary buffers
+                param = params[target].data
+                dst = param if offset is None else param.narrow(0, offset, value.shape[0])
+                if dst.shape != value.shape:
+                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(value.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                dst.copy_(value)
+                filled[target] = filled.get(target, 0) + value.shape[0]
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        if missing:
+            more = " ..." if len(missing) > 6 else ""
+            raise ValueError(f"checkpoint is missing tensors for: {missing[:6]}{more}")
+
+
+def qkv_fused(cfg: ModelConfig, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj") -> list[tuple[str, str, int]]:
+    """The row offsets of separate q/k/v projections inside ``qkv_proj``."""
+    qs, kvs = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [(q, "qkv_proj", 0), (k, "qkv_proj", qs), (v, "qkv_proj", qs + kvs)]
+
+
+def gate_up_fused(inter: int, gate: str = "gate_proj", up: str = "up_proj") -> list[tuple[str, str, int]]:
+    """The row offsets of separate gate/up projections inside ``gate_up_proj``."""
+    return [(gate, "gate_up_proj", 0), (up, "gate_up_proj", inter)]

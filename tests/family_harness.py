@@ -1,0 +1,244 @@
+"""One parity harness for every model family: tokens, logprobs, every point and steering vs transformers.
+
+A family describes where its transformers model keeps what the harness hooks (an
+:class:`HFLayout`); the harness then checks, in fp32:
+
+* greedy tokens identical and chosen-token logprobs within 1e-4 of transformers, (a) each
+  prompt alone, (b) batched, (c) chunked prefill with a tiny budget, (d) after a prefix-cache
+  hit, (e) through preemption;
+* every point of every block within 1e-4 of the state's scale, from forward hooks
+  (``resid_pre`` = a block's input, ``attn_out``/``mlp_out`` = what the sublayers add to the
+  residual stream, after any post-sublayer norm, ``resid_mid`` = ``resid_pre + attn_out``
+  as TransformerLens defines it, ``resid_post`` = a block's output, ``embed`` =
+  ``output_hidden_states[0]``, ``final`` = the final norm's output);
+* steering at every point kind (an add and an ablate) equals hooks doing the same
+  operation at the same place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from conftest import assert_matches_reference, hf_greedy, random_prompts
+from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
+from tapllm.hidden_states import POINTS
+
+
+@dataclass
+class HFLayout:
+    """Where a transformers model keeps its blocks and the modules whose outputs are the points."""
+
+    blocks: Callable[[nn.Module], Sequence[nn.Module]]
+    attn_out: Callable[[nn.Module], nn.Module]  # block -> module whose output is what attention adds
+    mlp_out: Callable[[nn.Module], nn.Module]  # block -> module whose output is what the MLP adds
+    final_norm: Callable[[nn.Module], nn.Module]
+    skip_steer: set[tuple[str, str]] = field(default_factory=set)  # (point, op) the family cannot express
+
+
+def _first(o: Any) -> torch.Tensor:
+    return o[0] if isinstance(o, tuple) else o
+
+
+def _block_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def hf_points(model: nn.Module, layout: HFLayout, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Every point ``[positions, layers, hidden]`` of one sequence, from forward hooks."""
+    blocks = layout.blocks(model)
+    got: dict[str, list[torch.Tensor]] = {"resid_pre": [], "attn_out": [], "mlp_out": [], "resid_post": []}
+    handles = []
+    for block in blocks:
+        handles.append(block.register_forward_pre_hook(
+            lambda m, a, k: got["resid_pre"].append(_block_input(a, k)[0].clone()), with_kwargs=True))
+        handles.append(block.register_forward_hook(lambda m, i, o: got["resid_post"].append(_first(o)[0].clone())))
+        handles.append(layout.attn_out(block).register_forward_hook(
+            lambda m, i, o: got["attn_out"].append(_first(o)[0].clone())))
+        handles.append(layout.mlp_out(block).register_forward_hook(
+            lambda m, i, o: got["mlp_out"].append(_first(o)[0].clone())))
+    final: list[torch.Tensor] = []
+    handles.append(layout.final_norm(model).register_forward_hook(lambda m, i, o: final.append(_first(o)[0])))
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([token_ids]), output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    stack = {k: torch.stack(v, 1) for k, v in got.items()}
+    stack["resid_mid"] = stack["resid_pre"] + stack["attn_out"]
+    stack["embed"] = out.hidden_states[0][0][:, None]
+    stack["final"] = final[0][:, None]
+    return stack
+
+
+def assert_close_states(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-4) -> None:
+    """Within ``tol`` of the state's scale (largest magnitude, at least 1), per layer."""
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    for li in range(ref.shape[1]):
+        scale = max(1.0, float(ref[:, li].abs().max()))
+        err = float((got[:, li] - ref[:, li]).abs().max())
+        assert err <= tol * scale, f"{what} layer {li}: max error {err:.3g} at scale {scale:.3g}"
+
+
+def check_points(llm: LLM, model: nn.Module, layout: HFLayout, prompts: list[list[int]], new: int) -> None:
+    """Every point at every block and position of a batched generate equals the hooks'."""
+    spec = HiddenStatesSpec(layers="all", points=list(POINTS), positions="all")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, hidden_states=spec),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        seq = prompt + out.outputs[0].token_ids
+        run = len(seq) - 1  # the last sampled token is never run
+        hs = out.hidden_states
+        assert hs.positions.tolist() == list(range(run))
+        ref = hf_points(model, layout, seq[:run])
+        for point in POINTS:
+            assert_close_states(hs[point], ref[point], f"{point} (prompt {len(prompt)} tokens)")
+
+
+def check_situations(folder, model: nn.Module, prompts: list[list[int]], new: int) -> None:
+    """Greedy tokens and logprobs equal transformers alone, batched, chunked, after a cache hit, preempted."""
+    refs = [hf_greedy(model, p, new) for p in prompts]
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=0)
+    llm = LLM(folder, dtype="float32")
+    for p, ref in zip(prompts, refs):  # (a) alone
+        assert_matches_reference(llm.generate([p], params, use_tqdm=False), [ref])
+    others = random_prompts([4, 9, 15], seed=77)
+    outs = llm.generate(others[:2] + prompts + others[2:], params, use_tqdm=False)  # (b) batched with others
+    assert_matches_reference(outs[2:2 + len(prompts)], refs)
+    chunked = LLM(folder, dtype="float32", max_num_batched_tokens=5, enable_prefix_caching=False)
+    assert_matches_reference(chunked.generate(prompts, params, use_tqdm=False), refs)  # (c) chunked
+    cached = LLM(folder, dtype="float32", block_size=4)
+    cached.generate(prompts, params, use_tqdm=False)
+    hits = cached.generate(prompts, params, use_tqdm=False)  # (d) prefix-cache hits
+    assert any(o.metrics["num_cached_tokens"] > 0 for o in hits)
+    assert_matches_reference(hits, refs)
+    # (e) preemption: the cache holds every prompt at once, so growing while decoding must preempt.
+    batch = prompts + others
+    blocks = sum(-(-len(p) // 4) for p in batch)
+    tight = LLM(folder, dtype="float32", block_size=4, kv_cache_blocks=blocks, enable_prefix_caching=False)
+    assert_matches_reference(tight.generate(batch, params, use_tqdm=False)[: len(prompts)], refs)
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+class HFSteering:
+    """Hooks on a transformers model doing a list of steers at the same places as tapllm.
+
+    ``resid_mid`` is steered through the attention output: with the block input x (after any
+    ``resid_pre`` steer), the attention's contribution a becomes ``op(x + a) - x``, so the
+    residual stream after attention is ``op(x + a)`` in sequential and parallel blocks alike.
+    """
+
+    def __init__(self, model: nn.Module, layout: HFLayout, steers: list[Steer], num_prompt: int) -> None:
+        self.start = 0  # absolute position of the first row of the current forward
+        self.num_prompt = num_prompt
+        self.handles = []
+        blocks = layout.blocks(model)
+        n = len(blocks)
+        inputs: dict[int, torch.Tensor] = {}
+        for s in steers:
+            for layer in s.layers:
+                idx = layer % n
+                block = blocks[idx]
+                fn = self._op(s, s.vector_for(layer))
+                if s.point == "resid_pre":
+                    def pre(m, a, k, fn=fn):
+                        if a:
+                            return (fn(a[0]),) + tuple(a[1:]), k
+                        return a, {**k, "hidden_states": fn(k["hidden_states"])}
+                    self.handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+                elif s.point == "resid_post":
+                    self.handles.append(block.register_forward_hook(lambda m, i, o, fn=fn: self._replace(o, fn)))
+                elif s.point == "attn_out":
+                    self.handles.append(layout.attn_out(block).register_forward_hook(
+                        lambda m, i, o, fn=fn: self._replace(o, fn)))
+                elif s.point == "mlp_out":
+                    self.handles.append(layout.mlp_out(block).register_forward_hook(
+                        lambda m, i, o, fn=fn: self._replace(o, fn)))
+                else:  # resid_mid
+                    self.handles.append(block.register_forward_pre_hook(
+                        lambda m, a, k, idx=idx: inputs.__setitem__(idx, _block_input(a, k)), with_kwargs=True))
+                    self.handles.append(layout.attn_out(block).register_forward_hook(
+                        lambda m, i, o, fn=fn, idx=idx: self._replace(o, lambda a: fn(inputs[idx] + a) - inputs[idx])))
+
+    @staticmethod
+    def _replace(o: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        return (fn(o[0]),) + tuple(o[1:]) if isinstance(o, tuple) else fn(o)
+
+    def _op(self, s: Steer, v: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        def apply(x: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(self.start, self.start + x.shape[1])
+            mask = {"all": torch.ones_like(pos, dtype=torch.bool), "prompt": pos < self.num_prompt,
+                    "generated": pos >= self.num_prompt}[s.positions][None, :, None]
+            if s.op == "add":
+                new = x + s.scale * v.to(x.dtype)
+            else:
+                d = (v / v.norm()).to(x.dtype)
+                new = x - (x @ d)[..., None] * d
+            return torch.where(mask, new, x)
+        return apply
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def hf_steered_tokens(model: nn.Module, layout: HFLayout, prompt: list[int], steers: list[Steer], new: int
+                      ) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens under the steering hooks, and the final norm's output over the whole sequence."""
+    hooks = HFSteering(model, layout, steers, len(prompt))
+    final: list[torch.Tensor] = []
+    hooks.handles.append(layout.final_norm(model).register_forward_hook(lambda m, i, o: final.append(_first(o)[0])))
+    try:
+        ids, cache, tokens = torch.tensor([prompt]), None, []
+        with torch.no_grad():
+            for _ in range(new):
+                out = model(input_ids=ids, cache=cache, use_cache=True)
+                cache = out.cache
+                tokens.append(int(out.logits[0, -1].argmax()))
+                hooks.start += ids.shape[1]
+                ids = torch.tensor([[tokens[-1]]])
+            hooks.start = 0
+            final.clear()
+            model(input_ids=torch.tensor([(prompt + tokens)[:-1]]))
+    finally:
+        hooks.remove()
+    return tokens, final[0]
+
+
+def steering_cases(hidden: int, num_layers: int, skip: set[tuple[str, str]]) -> list[list[Steer]]:
+    """One add and one ablate per point kind, each on a middle block, prompt or all positions."""
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for point in ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"):
+        for op, positions in (("add", "all"), ("ablate", "prompt")):
+            if (point, op) in skip:
+                continue
+            v = torch.randn(hidden, generator=g)
+            v = v * (6.0 / v.norm())
+            cases.append([Steer(layers=[num_layers // 2], point=point, op=op, vector=v, scale=2.0,
+                                positions=positions)])
+    return cases
+
+
+def check_steering(folder, model: nn.Module, layout: HFLayout, new: int = 6) -> None:
+    """Each steering case: tokens and final states equal the hooks'; the steer changes something."""
+    llm = LLM(folder, dtype="float32")
+    cfg = llm.engine.model_config
+    prompt = random_prompts([11], seed=21)[0]
+    spec = HiddenStatesSpec(points=["final"], positions="all")
+    base = llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, hidden_states=spec),
+                        use_tqdm=False)[0]
+    for steers in steering_cases(cfg.hidden_size, cfg.num_layers, layout.skip_steer):
+        out = llm.generate([prompt], SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, steering=steers,
+                                                    hidden_states=spec), use_tqdm=False)[0]
+        tokens, final = hf_steered_tokens(model, layout, prompt, steers, new)
+        what = f"{steers[0].point} {steers[0].op}"
+        assert out.outputs[0].token_ids == tokens, what
+        assert_close_states(out.hidden_states["final"], final[:, None], what)
+        n = min(len(base.hidden_states.positions), len(out.hidden_states.positions))
+        assert not torch.allclose(out.hidden_states["final"][:n], base.hidden_states["final"][:n]), what
