@@ -10,16 +10,12 @@ from typing import Any
 
 import torch
 
+from tapllm.models.registry import ARCHITECTURES
+
 from tapllm.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
 
 logger = logging.getLogger("tapllm")
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 
 
 @dataclass(slots=True)
@@ -55,11 +51,11 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ValueError(f"corrupt config file {path / 'config.json'}: {exc}") from exc
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"architectures {archs!r} in {path / 'config.json'} are not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(sorted(ARCHITECTURES))}"
             )
         hf = AutoConfig.from_pretrained(str(path))
         max_len = int(hf.max_position_embeddings)

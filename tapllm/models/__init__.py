@@ -1,18 +1,19 @@
-"""Model families, selected by the checkpoint's ``architectures`` entry."""
+"""Model families, selected by the checkpoint's ``architectures`` entry (see ``registry.py``)."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-from tapllm.config import ModelConfig
+from tapllm.models.registry import ARCHITECTURES, model_class
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from tapllm.config import ModelConfig
+
+__all__ = ["ARCHITECTURES", "build_model"]
 
 
 def build_model(config: ModelConfig) -> nn.Module:
     """Instantiate (uninitialised) the model class for ``config.architecture``."""
-    if config.architecture == "Qwen3ForCausalLM":
-        from tapllm.models.qwen3 import Qwen3ForCausalLM
-
-        return Qwen3ForCausalLM(config)
-    from tapllm.models.llama import LlamaForCausalLM
-
-    return LlamaForCausalLM(config)
+    return model_class(config.architecture)(config)
