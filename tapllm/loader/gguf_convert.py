@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,8 +25,46 @@ from tapllm._files import atomic_path
 
 logger = logging.getLogger("tapllm")
 
-# GGUF tensor name (after "blk.N.") -> Hugging Face parameter name (after "model.layers.N.").
-_BLOCK_NAMES = {
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one llama.cpp architecture's tensors become a Hugging Face checkpoint's.
+
+    ``block`` maps a tensor name after ``blk.N.`` to the Hugging Face name after
+    ``{block_prefix}N.``; ``top`` maps whole names. ``fix(hf_name, array, config)`` undoes
+    what llama.cpp's converter did to a tensor (e.g. Llama's rotary permutation of q/k).
+    """
+
+    block: dict[str, str]
+    top: dict[str, str]
+    block_prefix: str = "model.layers."
+    fix: Callable[[str, np.ndarray, Any], np.ndarray] | None = None
+
+    def hf_name(self, name: str) -> str | None:
+        """The Hugging Face name of GGUF tensor ``name``, or None for tensors without one."""
+        if name in self.top:
+            return self.top[name]
+        if name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest in self.block:
+                return f"{self.block_prefix}{idx}.{self.block[rest]}"
+        return None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary permutation of a q/k projection (rows grouped per head)."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama_fix(name: str, data: np.ndarray, config: Any) -> np.ndarray:
+    if name.endswith("q_proj.weight"):
+        return _unpermute(data, config.num_attention_heads)
+    if name.endswith("k_proj.weight"):
+        return _unpermute(data, config.num_key_value_heads)
+    return data
+
+
+_LLAMA_BLOCK = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -39,12 +80,17 @@ _BLOCK_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_TOP_NAMES = {
+_LLAMA_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+# llama.cpp architecture name -> its mapping. A family adds its entry here.
+GGUF_ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP, fix=_llama_fix),
+    "qwen2": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
+    "qwen3": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
+}
 
 
 def cache_root() -> Path:
@@ -79,12 +125,6 @@ def gguf_to_folder(path: Path) -> Path:
     return target
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's rotary permutation of a q/k projection (rows grouped per head)."""
-    rest = w.shape[1:]
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
 def _convert(path: Path, out: Path) -> None:
     import gguf
     from gguf.quants import dequantize
@@ -97,10 +137,9 @@ def _convert(path: Path, out: Path) -> None:
         raise ValueError(f"corrupt or unreadable GGUF file {path}: {exc}") from exc
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else None
-    if arch not in SUPPORTED_GGUF_ARCHS:
-        raise ValueError(
-            f"GGUF architecture {arch!r} in {path} is not supported; supported: {SUPPORTED_GGUF_ARCHS}"
-        )
+    mapping = GGUF_ARCHS.get(arch)
+    if mapping is None:
+        raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported; supported: {sorted(GGUF_ARCHS)}")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"{path}: GGUF rope frequency factors (llama3 rope scaling) are not supported")
 
@@ -112,32 +151,19 @@ def _convert(path: Path, out: Path) -> None:
     cfg_dict["tie_word_embeddings"] = "output.weight" not in names
     config = AutoConfig.for_model(model_type, **cfg_dict)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
-    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
 
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False):
         data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         data = data.reshape([int(d) for d in reversed(t.shape)]) if data.ndim != len(t.shape) else data
-        name = _hf_name(t.name)
+        name = mapping.hf_name(t.name)
         if name is None:
             continue
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            data = _unpermute(data, n_head)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
-            data = _unpermute(data, n_kv)
+        if mapping.fix is not None:
+            data = mapping.fix(name, data, config)
         tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     config.save_pretrained(out)
 
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.save_pretrained(out)
-
-
-def _hf_name(name: str) -> str | None:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    if name.startswith("blk."):
-        _, idx, rest = name.split(".", 2)
-        if rest in _BLOCK_NAMES:
-            return f"model.layers.{idx}.{_BLOCK_NAMES[rest]}"
-    return None
