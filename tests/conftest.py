@@ -77,6 +77,23 @@ def tiny_models(tmp_path_factory, default_model_folder) -> dict[str, Path]:
     return out
 
 
+def save_tiny_model(folder: Path, config, tokenizer_folder: Path, seed: int = 1234, shard: str = "10GB",
+                    init=None) -> Path:
+    """A random model of ``config`` saved with ``save_pretrained`` (plus the default tokenizer) in ``folder``.
+
+    ``init(model)`` may change weights first (e.g. random biases, non-trivial norm weights).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if init is not None:
+        init(model)
+    model.save_pretrained(folder, max_shard_size=shard)
+    AutoTokenizer.from_pretrained(str(tokenizer_folder)).save_pretrained(folder)
+    return folder
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy decoding with transformers and its KV cache: tokens and their logprobs."""
     ids = torch.tensor([prompt_ids])
