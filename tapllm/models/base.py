@@ -115,8 +115,12 @@ class CausalLM(nn.Module):
         """The residual stream entering block 0 (what ``embed`` captures)."""
         return self.embed_tokens(input_ids)
 
-    def block_context(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
-        """What every block needs about the step's positions (e.g. rotary cos/sin); None by default."""
+    def block_context(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata) -> Any:
+        """What every block needs about the step's rows (e.g. rotary cos/sin); None by default.
+
+        ``meta`` tells which rows belong to one sequence, for families whose rotary depends
+        on a sequence's extent in the step (Phi-3's LongRoPE).
+        """
         return None
 
     def forward(
@@ -133,7 +137,7 @@ class CausalLM(nn.Module):
         """
         tap = tap or no_tap
         x = tap("embed", PSEUDO_LAYER, self.embed(input_ids, positions))
-        ctx = self.block_context(positions, x.dtype)
+        ctx = self.block_context(positions, x.dtype, meta)
         for i, layer in enumerate(self.layers):
             x = layer(x, i, tap, ctx, kv_caches[i], meta)
         return tap("final", PSEUDO_LAYER, self.norm(x))

@@ -66,7 +66,8 @@ class LlamaForCausalLM(CausalLM):
         bias = bool(getattr(self.cfg.hf_config, "attention_bias", False))
         return bias, bias
 
-    def block_context(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_context(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary.cos_sin(positions, dtype)
 
     def fused(self) -> list[tuple[str, str, int]]:
