@@ -45,9 +45,39 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` [T, H, D] and ``k`` [T, Hkv, D] with rows from :meth:`RotaryEmbedding.cos_sin`."""
     cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    # With float32 cos/sin (OLMo-2) the rotation is computed in float32 and cast back, as there.
+    q_rot = (q * cos + _rotate_half(q) * sin).to(q.dtype)
+    return q_rot, (k * cos + _rotate_half(k) * sin).to(k.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LongRopeEmbedding(nn.Module):
+    """LongRoPE (Phi-3's ``longrope``, formerly ``su``): short and long frequency factors.
+
+    transformers rotates a whole forward with the long factors once its positions reach past
+    ``original_max_position_embeddings`` and with the short ones otherwise; the attention
+    factor scales cos/sin in both regimes. :meth:`cos_sin` takes that choice per row, so a
+    ragged batch can hold sequences of both regimes. cos/sin are computed per step (no table:
+    two tables of a 128k context would cost hundreds of MB).
+    """
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        init = ROPE_INIT_FUNCTIONS["longrope"]
+        self.original_max = int(hf_config.rope_parameters["original_max_position_embeddings"])
+        short, self.scale = init(hf_config, torch.device("cpu"))
+        long, _ = init(hf_config, torch.device("cpu"), seq_len=self.original_max + 1)
+        self.register_buffer("inv_freq", torch.stack((short, long)), persistent=False)  # [2, rotary_dim / 2]
+
+    def cos_sin(self, positions: torch.Tensor, long_rows: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[T, 1, rotary_dim]`` for ``positions`` [T], long factors where ``long_rows`` [T] is set."""
+        freqs = positions.float()[:, None] * self.inv_freq[long_rows.long()]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype).unsqueeze(1), (emb.sin() * self.scale).to(dtype).unsqueeze(1)
