@@ -32,12 +32,15 @@ class GGUFArch:
     ``block`` maps a tensor name after ``blk.N.`` to the Hugging Face name after
     ``{block_prefix}N.``; ``top`` maps whole names. ``fix(hf_name, array, config)`` undoes
     what llama.cpp's converter did to a tensor (e.g. Llama's rotary permutation of q/k).
+    ``configure(reader, config_dict)`` adds what transformers' GGUF reader leaves out of the
+    config (e.g. Phi-3's LongRoPE factors, partial rotary and sliding window).
     """
 
     block: dict[str, str]
     top: dict[str, str]
     block_prefix: str = "model.layers."
     fix: Callable[[str, np.ndarray, Any], np.ndarray] | None = None
+    configure: Callable[[Any, dict[str, Any]], None] | None = None
 
     def hf_name(self, name: str) -> str | None:
         """The Hugging Face name of GGUF tensor ``name``, or None for tensors without one."""
@@ -85,11 +88,52 @@ _LLAMA_TOP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Phi-3: llama.cpp keeps the checkpoint's fused [q; k; v] as attn_qkv and [gate; up] as
+# ffn_up, unpermuted (its Phi-3 rotary is the rotate-half kind), so they load as they are.
+_PHI3_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _phi3_configure(reader: Any, config: dict[str, Any]) -> None:
+    """What llama.cpp stores and transformers' reader drops: window, partial rotary, LongRoPE factors."""
+    from gguf.quants import dequantize
+
+    def value(key: str) -> Any:
+        field = reader.fields.get(f"phi3.{key}")
+        return field.contents() if field is not None else None
+
+    if value("attention.sliding_window"):  # 0 means none (Phi-4-mini)
+        config["sliding_window"] = int(value("attention.sliding_window"))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.pop("rope_theta", 10000.0))}
+    dims = value("rope.dimension_count")
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    if dims and int(dims) != head_dim:
+        rope["partial_rotary_factor"] = int(dims) / head_dim
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        original = int(value("rope.scaling.original_context_length"))
+        config["original_max_position_embeddings"] = original
+        rope.update(rope_type="longrope", original_max_position_embeddings=original)
+        for kind in ("long", "short"):
+            t = factors[f"rope_factors_{kind}.weight"]
+            rope[f"{kind}_factor"] = [float(x) for x in np.asarray(dequantize(t.data, t.tensor_type)).reshape(-1)]
+        if value("rope.scaling.attn_factor") is not None:
+            rope["attention_factor"] = float(value("rope.scaling.attn_factor"))
+    config["rope_parameters"] = rope
+
+
 # llama.cpp architecture name -> its mapping. A family adds its entry here.
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP, fix=_llama_fix),
     "qwen2": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
     "qwen3": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
+    "phi3": GGUFArch(_PHI3_BLOCK, _LLAMA_TOP, configure=_phi3_configure),
 }
 
 
@@ -149,6 +193,8 @@ def _convert(path: Path, out: Path) -> None:
     cfg_dict.pop("_model_name_or_path", None)
     names = {t.name for t in reader.tensors}
     cfg_dict["tie_word_embeddings"] = "output.weight" not in names
+    if mapping.configure is not None:
+        mapping.configure(reader, cfg_dict)
     config = AutoConfig.for_model(model_type, **cfg_dict)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
 

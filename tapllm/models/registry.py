@@ -14,6 +14,7 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "tapllm.models.qwen3:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "tapllm.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "tapllm.models.olmo2:Olmo2ForCausalLM",
 }
 
