@@ -23,7 +23,7 @@ from tapllm.steering.spec import steering_digest
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm._text import check_unicode
 from tapllm.sampling_params import SamplingParams
-from tapllm.loader import resolve_model
+from tapllm.loader import resolve_model, resolve_tokenizer
 from tapllm.platform import resolve_device
 from tapllm.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
 
@@ -44,7 +44,7 @@ class LLMEngine:
         self.model_config = model_config
         self.config = engine_config
         self.device = device
-        self.tokenizer = load_tokenizer(model_config.path)
+        self.tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path)
         self.runner = ModelRunner(model_config, engine_config, device)
         self.blocks = BlockManager(
             self.runner.num_blocks, engine_config.block_size, engine_config.enable_prefix_caching
@@ -62,7 +62,19 @@ class LLMEngine:
         """Resolve ``config``'s model, device and dtype, then load the engine."""
         config.validate()
         device = resolve_device(config.device)
-        model_config = ModelConfig.from_folder(resolve_model(config.model), config.dtype, device)
+        folder = resolve_model(config.model, config.revision, config.download_dir)
+        model_config = ModelConfig.from_folder(folder, config.dtype, device)
+        if config.tokenizer is not None:
+            model_config.tokenizer_path = resolve_tokenizer(config.tokenizer, config.tokenizer_revision,
+                                                            config.download_dir)
+        if config.max_model_len is not None:
+            if config.max_model_len > model_config.max_model_len:
+                raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context "
+                                 f"({model_config.max_model_len} positions)")
+            model_config.max_model_len = config.max_model_len
+        if config.gpu_memory_utilization is not None and device.type == "cpu":
+            logger.info("gpu_memory_utilization is ignored on CPU; kv_cache_memory_gb (%.2f) sizes the KV cache",
+                        config.kv_cache_memory_gb)
         return cls(model_config, config, device)
 
     def _fit_context_to_cache(self) -> None:

@@ -104,10 +104,28 @@ class ModelRunner:
         bs = self.ecfg.block_size
         if self.ecfg.kv_cache_blocks is not None:
             return self.ecfg.kv_cache_blocks
-        by_memory = int(self.ecfg.kv_cache_memory_gb * 1e9 // (self.mcfg.kv_bytes_per_token * bs))
+        by_memory = int(self._kv_cache_bytes() // (self.mcfg.kv_bytes_per_token * bs))
         # No point in more than every sequence at full length could use.
         by_need = self.ecfg.max_num_seqs * -(-self.mcfg.max_model_len // bs)
         return max(1, min(by_memory, by_need))
+
+    def _kv_cache_bytes(self) -> float:
+        """The KV cache's memory: ``kv_cache_memory_gb``, or on CUDA with ``gpu_memory_utilization``
+        what that share of the device leaves after the weights and an activation reserve."""
+        util = self.ecfg.gpu_memory_utilization
+        if util is None or self.device.type != "cuda":
+            return self.ecfg.kv_cache_memory_gb * 1e9
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        weights = torch.cuda.memory_allocated(self.device)
+        # Activations of the largest step: a generous multiple of the step's hidden rows and logits.
+        mc = self.mcfg
+        act_bytes = torch.tensor([], dtype=mc.dtype).element_size()
+        reserve = self.ecfg.max_num_batched_tokens * (16 * mc.hidden_size + mc.vocab_size) * act_bytes
+        budget = util * total - weights - reserve
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization={util} leaves no memory for the KV cache "
+                             f"({total / 1e9:.1f} GB device, {weights / 1e9:.1f} GB of weights)")
+        return budget
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem]) -> StepResult:
