@@ -14,6 +14,7 @@ import torch
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.block_manager import BlockManager
 from tapllm.engine.model_runner import ModelRunner, StepResult
+from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem, Scheduler
@@ -145,6 +146,8 @@ class LLMEngine:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             req.generator = torch.Generator().manual_seed(seed)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        if params.prompt_logprobs is not None:
+            req.prompt_lp = PromptLogprobs(req.prompt_token_ids, params.prompt_logprobs)
         self.requests[req.request_id] = req
         if req.selection is not None:
             try:  # a reducer plugin's start() runs here
@@ -206,9 +209,11 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs: {params.logprobs} requested, more than max_logprobs="
-                             f"{self.config.max_logprobs} (the instance's limit)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name}: {value} requested, more than max_logprobs={self.config.max_logprobs} "
+                                 "(the instance's limit)")
 
     def _steering(self, params: SamplingParams) -> list[ResolvedSteer]:
         """Resolve the request's steers against the model and apply the instance policy."""
@@ -341,6 +346,9 @@ class LLMEngine:
                 self._set_error(req, f"hidden_states: finishing the capture failed: {type(exc).__name__}: {exc}",
                                 "server_error")
             req.capture = None  # its buffers are in the result now (or gone with the error)
+        if req.prompt_lp is not None and reason != "error":
+            req.prompt_logprobs = req.prompt_lp.result()
+        req.prompt_lp = None
 
     def _fail(self, req: Request, message: str, error_type: str) -> None:
         """Finish ``req`` alone with an error; its blocks and buffers are released."""
@@ -355,12 +363,17 @@ class LLMEngine:
         req.finish_reason = "error"
         req.hidden_states = None
 
-    def make_output(self, req: Request) -> RequestOutput:
-        """The user-facing result of a request (``outputs`` is empty for an encode request)."""
-        for entry in req.logprobs or ():
-            for tid, lp in entry.items():
+    def _decoded(self, entries: list | None) -> list | None:
+        """Logprob entries with each token's text filled in."""
+        for entry in entries or ():
+            for tid, lp in (entry or {}).items():
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tid])
+        return entries
+
+    def make_output(self, req: Request) -> RequestOutput:
+        """The user-facing result of a request (``outputs`` is empty for an encode request)."""
+        self._decoded(req.logprobs)
         completions = [] if req.encode_only else [CompletionOutput(
             index=0,
             text=req.text,
@@ -378,6 +391,7 @@ class LLMEngine:
             finished=req.finished,
             hidden_states=req.hidden_states,
             metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
+            prompt_logprobs=self._decoded(req.prompt_logprobs),
             error=req.error,
             error_type=req.error_type,
         )

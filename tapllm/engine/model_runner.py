@@ -56,6 +56,7 @@ class StepBatch:
     meta: AttentionMetadata
     sample_rows: list[tuple[int, Request]]  # (batch row, request) of each request that samples
     spans: list[RowSpan]  # chunks of requests that capture or steer
+    prompt_logprob_rows: list[tuple[ScheduledItem, int]]  # chunks (and first rows) of prompt-logprob requests
 
 
 @dataclass(slots=True)
@@ -143,6 +144,17 @@ class ModelRunner:
             owner = {span.request.capture: span.request for span in batch.spans}
             for capture, message in tap.finish().items():
                 result.failed[owner[capture]] = RowFailure(message, "server_error")
+        for it, row in batch.prompt_logprob_rows:
+            req = it.request
+            window = req.prompt_lp.window(it.start, it.num_tokens)
+            if window is None or req in result.failed:
+                continue
+            a, b = window
+            try:
+                req.prompt_lp.consume(hidden[row + a - it.start : row + b - it.start], a, b, self.model.compute_logits)
+            except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                result.failed[req] = RowFailure(f"prompt_logprobs failed: {type(exc).__name__}: {exc}",
+                                                "server_error")
         sample_rows = batch.sample_rows
         if not sample_rows:
             return result
@@ -168,6 +180,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         spans: list[RowSpan] = []
+        prompt_lp_rows: list[tuple[ScheduledItem, int]] = []
         for it in items:
             req, start, n = it.request, it.start, it.num_tokens
             row = len(ids)
@@ -187,6 +200,8 @@ class ModelRunner:
                 sample_rows.append((row + n - 1, req))
             if req.capture is not None or req.steering:
                 spans.append(RowSpan(req, row, start, n))
+            if req.prompt_lp is not None:
+                prompt_lp_rows.append((it, row))
         dev = self.device
         decode_bt = decode_mask = lens = None
         if decode_tables:
@@ -204,4 +219,5 @@ class ModelRunner:
             prefill_groups=groups,
             decode_lens=lens,
         )
-        return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans)
+        return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans,
+                         prompt_lp_rows)
