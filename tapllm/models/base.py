@@ -146,6 +146,11 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def lens_logits(self, point: str, x: torch.Tensor) -> torch.Tensor:
+        """The logit lens: logits from residual-stream states ``[N, hidden]`` (final norm, then unembedding)."""
+        x = x.to(self.cfg.dtype)
+        return self.compute_logits(x if point == "final" else self.norm(x))
+
     # ---- weights -----------------------------------------------------------------------
     def prepare_for_inference(self, device: torch.device) -> None:
         """After loading: prepack linear weights where the platform benefits (see layers/linear.py)."""
