@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tapllm import lens_cli
 from tapllm._files import atomic_write
 
 
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "resid_post at every position)")
     enc.add_argument("--save", type=Path, help="safetensors file for the states (a directory with --input)")
     _add_engine_args(enc)
+    lens_cli.add_parser(sub, _add_engine_args)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -148,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "collect":
             return _collect(args)
+        if args.command == "lens":
+            return lens_cli.run(args)
         return _run(args)
-    except (ValueError, OSError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

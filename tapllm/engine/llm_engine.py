@@ -151,7 +151,8 @@ class LLMEngine:
         self.requests[req.request_id] = req
         if req.selection is not None:
             try:  # a reducer plugin's start() runs here
-                req.capture = RequestCapture(req.selection, params.hidden_states, req.num_prompt_tokens, self.device)
+                req.capture = RequestCapture(req.selection, params.hidden_states, req.num_prompt_tokens, self.device,
+                                             self.runner.model.lens_logits)
             except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                 self._fail(req, f"hidden_states: starting the capture failed: {type(exc).__name__}: {exc}",
                            "server_error")
@@ -231,7 +232,7 @@ class LLMEngine:
         end = p if encode else min(p + max_tokens, mc.max_model_len) - 1
         sel = resolve(
             params.hidden_states, num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
-            num_prompt=p, max_positions=end, encode=encode,
+            num_prompt=p, max_positions=end, encode=encode, vocab_size=mc.vocab_size,
         )
         limit = self.config.hidden_states_max_bytes_per_request
         if limit is not None and sel.max_bytes > limit:

@@ -13,7 +13,8 @@ import torch
 
 from tapllm.hidden_states.reducers import Reducer, get_reducer
 from tapllm.hidden_states.result import HiddenStates
-from tapllm.hidden_states.spec import DTYPES, PSEUDO_POINTS, HiddenStatesSpec
+from tapllm.hidden_states.lens import LensBuffers, LensFn
+from tapllm.hidden_states.spec import DTYPES, LENS_POINTS, PSEUDO_POINTS, HiddenStatesSpec
 from tapllm.models.tap import PSEUDO_LAYER
 
 
@@ -30,6 +31,8 @@ class Selection:
     width: int
     dtype: torch.dtype
     reduce: str | None
+    lens_k: int = 0  # logit lens: top tokens kept per state (0: no lens)
+    lens_targets: int = 0  # logit lens: target tokens reported per state
 
     def layer_keys(self, point: str) -> tuple[int, ...]:
         """The model's layer keys of ``point``: block indices, or the pseudo-layer."""
@@ -45,7 +48,9 @@ class Selection:
         """Upper bound on the bytes of the result."""
         rows = 1 if self.reduce else self.max_positions
         per_row = sum(len(self.layer_keys(p)) for p in self.points) * self.width
-        return rows * per_row * torch.tensor([], dtype=self.dtype).element_size()
+        states = rows * per_row * torch.tensor([], dtype=self.dtype).element_size()
+        lens_layers = sum(len(self.layer_keys(p)) for p in self.points if p in LENS_POINTS)
+        return states + rows * lens_layers * (12 * self.lens_k + 4 * self.lens_targets)  # int64 ids, float32
 
 
 def resolve(
@@ -57,6 +62,7 @@ def resolve(
     num_prompt: int,
     max_positions: int,
     encode: bool,
+    vocab_size: int | None = None,
 ) -> Selection:
     """Check ``spec`` against the model and request; ``ValueError`` names the field.
 
@@ -97,7 +103,11 @@ def resolve(
             )
     width = spec.project.shape[0] if spec.project is not None else hidden_size
     dtype = DTYPES[spec.dtype] if spec.dtype else model_dtype
-    return Selection(tuple(spec.points), layers, lo, hi, last_only, width, dtype, spec.reduce)
+    targets = list(spec.lens_targets or ())
+    if vocab_size is not None and any(t >= vocab_size for t in targets):
+        raise ValueError(f"hidden_states.lens_targets: token ids must be in [0, {vocab_size}), got {targets}")
+    return Selection(tuple(spec.points), layers, lo, hi, last_only, width, dtype, spec.reduce, spec.lens or 0,
+                     len(targets))
 
 
 def _resolve_layers(layers: list[int] | str, n: int) -> tuple[int, ...]:
@@ -118,7 +128,8 @@ def _resolve_layers(layers: list[int] | str, n: int) -> tuple[int, ...]:
 class RequestCapture:
     """One request's capture state: CPU buffers by absolute position, or on-device reducers."""
 
-    def __init__(self, sel: Selection, spec: HiddenStatesSpec, num_prompt: int, device: torch.device) -> None:
+    def __init__(self, sel: Selection, spec: HiddenStatesSpec, num_prompt: int, device: torch.device,
+                 lens_fn: LensFn | None = None) -> None:
         self.sel = sel
         self.spec_dict = spec.to_dict()
         self.device = device
@@ -137,6 +148,12 @@ class RequestCapture:
             else:
                 cap = min(sel.hi - sel.lo, 16)  # generated rows grow by doubling
             self.buffers = {p: self._empty(p, cap) for p in sel.points}
+        self.lens: LensBuffers | None = None
+        if sel.lens_k:
+            if lens_fn is None:
+                raise ValueError("hidden_states.lens: this model gives no lens function")
+            layers = {p: len(sel.layer_keys(p)) for p in sel.points}
+            self.lens = LensBuffers(sel.points, layers, sel.lens_k, spec.lens_targets, lens_fn, device)
 
     def _new_reducer(self, point: str) -> Reducer:
         r = get_reducer(self.sel.reduce)()
@@ -163,6 +180,9 @@ class RequestCapture:
 
     def consume(self, point: str, rows: torch.Tensor, a: int, b: int, sink: CopySink) -> None:
         """Take the rows ``[b - a, layers, hidden]`` (device, model dtype) of positions ``[a, b)``."""
+        if self.lens is not None and self.reducers is None:  # a reduction's lens comes at the end
+            self.lens.consume(point, rows[-1:] if self.sel.last_only else rows,
+                              0 if self.sel.last_only else a - self.sel.lo)
         if self.proj is not None:
             rows = rows.float() @ self.proj.T
         if self.reducers is not None:
@@ -196,19 +216,23 @@ class RequestCapture:
             n = max(0, self.next_pos - sel.lo)
             positions = torch.arange(sel.lo, sel.lo + n, dtype=torch.long)
         tensors: dict[str, torch.Tensor] = {}
+        reduced: dict[str, torch.Tensor] = {}
         for point in sel.points:
             if self.reducers is not None:
-                out = self.reducers[point].finish()
+                out = reduced[point] = self.reducers[point].finish()
             elif sel.reduce:  # positions="last" with a reduction: reduce the one kept row
                 r = self._new_reducer(point)
                 if n:
                     r.update(self.buffers[point][:n].float(), positions)
-                out = r.finish()
+                out = reduced[point] = r.finish()
             else:
                 buf = self.buffers[point]
                 out = buf[:n].clone() if n < buf.shape[0] else buf
             tensors[point] = out.to("cpu", sel.dtype).contiguous()
-        return HiddenStates(tensors, positions, list(sel.layers), sel.reduce, self.spec_dict)
+        lens = None
+        if self.lens is not None:
+            lens = self.lens.of_reduced(reduced) if sel.reduce else self.lens.result(n)
+        return HiddenStates(tensors, positions, list(sel.layers), sel.reduce, self.spec_dict, lens=lens)
 
 
 class CopySink:

@@ -6,12 +6,14 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tapllm._files import atomic_write
+from tapllm.hidden_states.lens import Lens, LensResult
 from tapllm.dtypes import dtype_name
 
 FORMAT = "tapllm.hidden_states"
@@ -41,6 +43,7 @@ class HiddenStates(Mapping[str, torch.Tensor]):
         reduce: str | None = None,
         spec: dict | None = None,
         metadata: dict[str, str] | None = None,
+        lens: Lens | None = None,
     ) -> None:
         self._tensors = tensors
         self.positions = positions
@@ -48,6 +51,7 @@ class HiddenStates(Mapping[str, torch.Tensor]):
         self.reduce = reduce
         self.spec = spec or {}
         self.metadata = metadata or {}
+        self.lens = lens
 
     def __getitem__(self, point: str) -> torch.Tensor:
         try:
@@ -68,12 +72,40 @@ class HiddenStates(Mapping[str, torch.Tensor]):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the captured tensors."""
-        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+        """Bytes held by the captured tensors (the lens's included)."""
+        return sum(t.numel() * t.element_size() for t in self._flat().values())
+
+    def _flat(self) -> dict[str, torch.Tensor]:
+        """Every tensor under a unique name: the points, then ``lens.<point>.<field>``."""
+        flat = dict(self._tensors)
+        for point, res in (self.lens or {}).items():
+            for field in ("token_ids", "logprobs", "target_logprobs"):
+                t = getattr(res, field)
+                if t is not None:
+                    flat[f"lens.{point}.{field}"] = t
+        return flat
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{p}: {tuple(t.shape)} {dtype_name(t.dtype)}" for p, t in self.items())
         return f"HiddenStates({shapes}; {len(self.positions)} positions, layers={self.layers}, reduce={self.reduce})"
+
+    def plot_lens(self, path: str | os.PathLike, tokenizer: Any = None, point: str | None = None,
+                  input_tokens: list[int] | None = None) -> Path:
+        """Write the logit lens as a heatmap: ``.png`` (matplotlib) or ``.html`` (self-contained).
+
+        ``tokenizer`` turns ids into text (ids are shown otherwise); ``input_tokens`` (the
+        request's tokens) label the positions.
+        """
+        from tapllm.hidden_states.plots import save_lens_html, save_lens_png
+
+        save = save_lens_html if str(path).endswith((".html", ".htm")) else save_lens_png
+        return save(self, path, tokenizer, point, input_tokens)
+
+    def plot_norms(self, path: str | os.PathLike, point: str | None = None) -> Path:
+        """Write a PNG of ``point``'s state norm per layer (one line per position, and their mean)."""
+        from tapllm.hidden_states.plots import save_norms_png
+
+        return save_norms_png(self, path, point)
 
     def save(self, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> Path:
         """Write a safetensors file (atomically: a temporary file renamed into place).
@@ -89,12 +121,13 @@ class HiddenStates(Mapping[str, torch.Tensor]):
             "layers": json.dumps(self.layers),
             "reduce": json.dumps(self.reduce),
             "spec": json.dumps(self.spec),
+            "lens_targets": json.dumps(self.lens.targets if self.lens is not None else None),
         }
         for k, v in (metadata or {}).items():
             if k in meta:
                 raise ValueError(f"metadata key {k!r} is reserved")
             meta[str(k)] = str(v)
-        tensors = {p: t.contiguous() for p, t in self._tensors.items()}
+        tensors = {p: t.contiguous() for p, t in self._flat().items()}
         tensors["positions"] = self.positions.contiguous()
         parent = path.parent if str(path.parent) else Path(".")
         if not parent.is_dir():
@@ -115,14 +148,25 @@ class HiddenStates(Mapping[str, torch.Tensor]):
                 points = json.loads(meta["points"])
                 tensors = {p: f.get_tensor(p) for p in points}
                 positions = f.get_tensor("positions")
+                lens = _read_lens({k: f.get_tensor(k) for k in f.keys() if k.startswith("lens.")},
+                                  json.loads(meta.get("lens_targets", "null")))
         except (OSError, KeyError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: unreadable hidden-states file ({exc})") from None
         except Exception as exc:  # safetensors raises its own error type for a corrupt header
             if isinstance(exc, ValueError) and "hidden-states" in str(exc):
                 raise
             raise ValueError(f"{path}: unreadable hidden-states file ({exc})") from None
-        reserved = {"format", "version", "points", "layers", "reduce", "spec"}
+        reserved = {"format", "version", "points", "layers", "reduce", "spec", "lens_targets"}
         extra = {k: v for k, v in meta.items() if k not in reserved}
-        return cls(
-            tensors, positions, json.loads(meta["layers"]), json.loads(meta["reduce"]), json.loads(meta["spec"]), extra
-        )
+        return cls(tensors, positions, json.loads(meta["layers"]), json.loads(meta["reduce"]), json.loads(meta["spec"]),
+                   extra, lens)
+
+
+def _read_lens(flat: dict[str, torch.Tensor], targets: list[int] | None) -> Lens | None:
+    """The lens from ``lens.<point>.<field>`` tensors (None when there are none)."""
+    if not flat:
+        return None
+    points = sorted({k.split(".")[1] for k in flat})
+    results = {p: LensResult(flat[f"lens.{p}.token_ids"], flat[f"lens.{p}.logprobs"],
+                             flat.get(f"lens.{p}.target_logprobs")) for p in points}
+    return Lens(results, targets)

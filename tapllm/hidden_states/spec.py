@@ -18,6 +18,9 @@ BLOCK_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 PSEUDO_POINTS = ("embed", "final")  # one pseudo-layer each
 POINTS = ("embed", *BLOCK_POINTS, "final")
 POSITION_NAMES = ("prompt", "generated", "all", "last_prompt", "last")
+LENS_POINTS = ("embed", "resid_pre", "resid_mid", "resid_post", "final")  # residual-stream points
+MAX_LENS_K = 100
+MAX_LENS_TARGETS = 64
 
 
 @dataclass(slots=True)
@@ -35,6 +38,11 @@ class HiddenStatesSpec:
         project: optional ``[k, hidden]`` directions; states become ``states @ project.T``
             (before any reduction).
         dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``None`` (the model's dtype).
+        lens: logit lens: the top ``lens`` tokens and their logprobs when the model's final
+            norm and unembedding are applied to each captured residual-stream state
+            (``embed``, ``resid_pre``, ``resid_mid``, ``resid_post``; ``final`` is the model's
+            own prediction), computed where the model runs: ``hs.lens``.
+        lens_targets: token ids whose logprob the lens also reports at every state.
 
     Model-independent checks run here; layer range, projection width and the window's fit
     to the sequence are checked when a request is added (they depend on model and prompt).
@@ -46,6 +54,8 @@ class HiddenStatesSpec:
     reduce: str | None = None
     project: torch.Tensor | None = None
     dtype: str | None = None
+    lens: int | None = None
+    lens_targets: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         self.points = _check_points(self.points)
@@ -59,6 +69,28 @@ class HiddenStatesSpec:
             self.project = _check_project(self.project)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"hidden_states.dtype must be one of {list(DTYPES)} or None, got {self.dtype!r}")
+        if self.lens_targets is not None and self.lens is None:
+            self.lens = 1
+        if self.lens is not None:
+            self._check_lens()
+
+    def _check_lens(self) -> None:
+        if isinstance(self.lens, bool) or not isinstance(self.lens, int) or not 1 <= self.lens <= MAX_LENS_K:
+            raise ValueError(f"hidden_states.lens must be an integer in [1, {MAX_LENS_K}] (top tokens), got {self.lens!r}")
+        if self.project is not None:
+            raise ValueError("hidden_states.lens reads the residual stream itself: it cannot be combined with project")
+        if not any(p in LENS_POINTS for p in self.points):
+            raise ValueError(f"hidden_states.lens needs a residual-stream point ({', '.join(LENS_POINTS)}); "
+                             f"got points {list(self.points)}")
+        if self.lens_targets is not None:
+            try:
+                targets = [operator.index(t) for t in self.lens_targets]
+            except TypeError:
+                raise ValueError(f"hidden_states.lens_targets must hold token ids, got {self.lens_targets!r}") from None
+            if not 1 <= len(targets) <= MAX_LENS_TARGETS or any(t < 0 for t in targets):
+                raise ValueError(f"hidden_states.lens_targets must hold 1 to {MAX_LENS_TARGETS} token ids >= 0, "
+                                 f"got {self.lens_targets!r}")
+            self.lens_targets = targets
 
     @classmethod
     def from_any(cls, value: HiddenStatesSpec | Mapping[str, Any]) -> HiddenStatesSpec:
@@ -88,9 +120,14 @@ class HiddenStatesSpec:
                     kwargs[key] = val
             elif key in ("reduce", "dtype"):
                 kwargs[key] = None if val == "none" else val
+            elif key == "lens":
+                kwargs[key] = _int(val, "lens")
+            elif key == "lens_targets":
+                kwargs[key] = [_int(v, "lens_targets") for v in val.split(",")]
             else:
                 raise ValueError(
-                    f"--hidden-states: unknown key {key!r}; use layers, points, positions, reduce, dtype"
+                    f"--hidden-states: unknown key {key!r}; use layers, points, positions, reduce, dtype, lens, "
+                    "lens_targets"
                 )
         return cls(**kwargs)
 
@@ -103,6 +140,8 @@ class HiddenStatesSpec:
             "reduce": self.reduce,
             "project": list(self.project.shape) if self.project is not None else None,
             "dtype": self.dtype,
+            "lens": self.lens,
+            "lens_targets": list(self.lens_targets) if self.lens_targets is not None else None,
         }
 
 

@@ -6,7 +6,9 @@ layout::
     {"positions": [...], "layers": [...], "reduce": null,
      "points": {"resid_post": {"shape": [P, L, H], "dtype": "float32", "data": "<base64>"}}}
 
-With ``encoding="list"`` each point's ``data`` is a nested list of floats instead.
+With ``encoding="list"`` each point's ``data`` is a nested list of floats instead. A logit
+lens adds ``"lens": {"targets": [...], "points": {point: {"token_ids": <int64 tensor>,
+"logprobs": <tensor>, "target_logprobs": <tensor> | null}}}``.
 """
 
 from __future__ import annotations
@@ -18,34 +20,41 @@ from typing import Any
 import torch
 
 from tapllm.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
+from tapllm.hidden_states.lens import Lens, LensResult
 from tapllm.hidden_states.result import HiddenStates
 
 ENCODINGS = ("base64", "list")
+_INDEX_DTYPES = {"int64": torch.int64}  # token ids (the logit lens); not a compute dtype
+
+
+def _wire_dtype(name: Any) -> torch.dtype | None:
+    return _INDEX_DTYPES.get(name) if isinstance(name, str) and name in _INDEX_DTYPES else dtype_from_name(name)
 
 
 def tensor_to_wire(t: torch.Tensor, encoding: str) -> dict[str, Any]:
     """One tensor as ``{"shape", "dtype", "data"}``."""
     t = t.detach().cpu().contiguous()
-    if not is_supported(t.dtype):
+    index = t.dtype == torch.int64
+    if not index and not is_supported(t.dtype):
         raise ValueError(f"cannot encode dtype {t.dtype}")
     if encoding == "list":
-        data: Any = t.float().tolist()
+        data: Any = t.tolist() if index else t.float().tolist()
     else:
         raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t  # numpy has no bfloat16
         array = raw.numpy()
         if sys.byteorder != "little":
             array = array.byteswap()
         data = base64.b64encode(array.tobytes()).decode("ascii")
-    return {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "data": data}
+    return {"shape": list(t.shape), "dtype": "int64" if index else dtype_name(t.dtype), "data": data}
 
 
 def tensor_from_wire(obj: Any, field: str = "tensor") -> torch.Tensor:
     """Inverse of ``tensor_to_wire`` (either encoding); ``ValueError`` names ``field``."""
     if not isinstance(obj, dict) or not {"shape", "dtype", "data"} <= set(obj):
         raise ValueError(f"{field} must be an object with shape, dtype and data")
-    dtype = dtype_from_name(obj["dtype"])
+    dtype = _wire_dtype(obj["dtype"])
     if dtype is None:
-        raise ValueError(f"{field}.dtype must be one of {list(DTYPES)}, got {obj['dtype']!r}")
+        raise ValueError(f"{field}.dtype must be one of {list(DTYPES) + list(_INDEX_DTYPES)}, got {obj['dtype']!r}")
     try:
         shape = [int(s) for s in obj["shape"]]
     except (TypeError, ValueError):
@@ -69,7 +78,7 @@ def tensor_from_wire(obj: Any, field: str = "tensor") -> torch.Tensor:
             flat = flat.view(-1, elem).flip(1).reshape(-1)
         return flat.view(dtype).reshape(shape).clone()
     try:
-        return torch.tensor(data, dtype=torch.float32).reshape(shape).to(dtype)
+        return torch.tensor(data, dtype=torch.float64 if dtype == torch.int64 else torch.float32).reshape(shape).to(dtype)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{field}.data must be base64 or a nested list of numbers of shape {shape}") from None
 
@@ -78,12 +87,19 @@ def hidden_states_to_wire(hs: HiddenStates, encoding: str = "base64") -> dict[st
     """A request's ``HiddenStates`` as a JSON-ready dict."""
     if encoding not in ENCODINGS:
         raise ValueError(f"hidden_states.encoding must be one of {list(ENCODINGS)}, got {encoding!r}")
-    return {
+    out = {
         "positions": hs.positions.tolist(),
         "layers": list(hs.layers),
         "reduce": hs.reduce,
         "points": {p: tensor_to_wire(t, encoding) for p, t in hs.items()},
     }
+    if hs.lens is not None:
+        out["lens"] = {"targets": hs.lens.targets, "points": {
+            p: {"token_ids": tensor_to_wire(r.token_ids, encoding), "logprobs": tensor_to_wire(r.logprobs, encoding),
+                "target_logprobs": tensor_to_wire(r.target_logprobs, encoding) if r.target_logprobs is not None
+                else None}
+            for p, r in hs.lens.items()}}
+    return out
 
 
 def hidden_states_from_wire(obj: dict[str, Any]) -> HiddenStates:
@@ -92,4 +108,14 @@ def hidden_states_from_wire(obj: dict[str, Any]) -> HiddenStates:
         raise ValueError("hidden_states must be an object with points, positions and layers")
     tensors = {p: tensor_from_wire(v, f"hidden_states.points.{p}") for p, v in obj["points"].items()}
     positions = torch.tensor(obj.get("positions", []), dtype=torch.long)
-    return HiddenStates(tensors, positions, list(obj.get("layers", [])), obj.get("reduce"))
+    lens = None
+    if obj.get("lens"):
+        results = {}
+        for p, r in obj["lens"]["points"].items():
+            where = f"hidden_states.lens.points.{p}"
+            target = r.get("target_logprobs")
+            results[p] = LensResult(tensor_from_wire(r["token_ids"], f"{where}.token_ids"),
+                                    tensor_from_wire(r["logprobs"], f"{where}.logprobs"),
+                                    tensor_from_wire(target, f"{where}.target_logprobs") if target else None)
+        lens = Lens(results, obj["lens"].get("targets"))
+    return HiddenStates(tensors, positions, list(obj.get("layers", [])), obj.get("reduce"), lens=lens)

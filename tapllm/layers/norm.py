@@ -1,8 +1,9 @@
-"""RMSNorm, computed in float32 like the reference implementation."""
+"""RMSNorm, computed in float32 like the reference implementation; LayerNorm with bias."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -19,6 +20,22 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Layer norm over the last dimension with a learned scale and (optionally) bias (GPT-2, GPT-NeoX).
+
+    Computed by ``F.layer_norm`` in the input's dtype, as ``torch.nn.LayerNorm`` does.
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class RMSNormScaledInFloat32(RMSNorm):

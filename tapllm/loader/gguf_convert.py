@@ -32,15 +32,19 @@ class GGUFArch:
     ``block`` maps a tensor name after ``blk.N.`` to the Hugging Face name after
     ``{block_prefix}N.``; ``top`` maps whole names. ``fix(hf_name, array, config)`` undoes
     what llama.cpp's converter did to a tensor (e.g. Llama's rotary permutation of q/k).
-    ``configure(reader, config_dict)`` adds what transformers' GGUF reader leaves out of the
-    config (e.g. Phi-3's LongRoPE factors, partial rotary and sliding window).
+    ``architecture`` is the Hugging Face ``architectures`` entry when it is not the config
+    class's name with ``ForCausalLM`` (GPT-2's ``GPT2LMHeadModel``); ``config(values,
+    reader)`` completes the config values transformers' reader gave, from the GGUF file
+    (its metadata and tensors), where that reader leaves some out (GPT-2's positions and
+    MLP width; Phi-3's sliding window, partial rotary and LongRoPE factors).
     """
 
     block: dict[str, str]
     top: dict[str, str]
     block_prefix: str = "model.layers."
     fix: Callable[[str, np.ndarray, Any], np.ndarray] | None = None
-    configure: Callable[[Any, dict[str, Any]], None] | None = None
+    architecture: str | None = None
+    config: Callable[[dict[str, Any], Any], None] | None = None
 
     def hf_name(self, name: str) -> str | None:
         """The Hugging Face name of GGUF tensor ``name``, or None for tensors without one."""
@@ -88,6 +92,50 @@ _LLAMA_TOP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+_GPT2_BLOCK = {
+    "attn_norm.weight": "ln_1.weight",
+    "attn_norm.bias": "ln_1.bias",
+    "attn_qkv.weight": "attn.c_attn.weight",
+    "attn_qkv.bias": "attn.c_attn.bias",
+    "attn_output.weight": "attn.c_proj.weight",
+    "attn_output.bias": "attn.c_proj.bias",
+    "ffn_norm.weight": "ln_2.weight",
+    "ffn_norm.bias": "ln_2.bias",
+    "ffn_up.weight": "mlp.c_fc.weight",
+    "ffn_up.bias": "mlp.c_fc.bias",
+    "ffn_down.weight": "mlp.c_proj.weight",
+    "ffn_down.bias": "mlp.c_proj.bias",
+}
+_GPT2_TOP = {
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _gpt2_fix(name: str, data: np.ndarray, config: Any) -> np.ndarray:
+    """llama.cpp stores GPT-2's Conv1D projections transposed to ``[out, in]``; Conv1D keeps ``[in, out]``."""
+    if data.ndim == 2 and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+        return data.T
+    return data
+
+
+def _shapes(reader: Any) -> dict[str, tuple[int, ...]]:
+    """Each GGUF tensor's shape in ``[out, in]`` order."""
+    return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+
+
+def _gpt2_config(values: dict[str, Any], reader: Any) -> None:
+    """Positions and MLP width from the tensors (the reader keeps GPT-2's defaults, 1024 and 4 x hidden)."""
+    shapes = _shapes(reader)
+    values["n_positions"] = shapes["position_embd.weight"][0]
+    values["n_inner"] = shapes["blk.0.ffn_up.weight"][0]
+    values.pop("feed_forward_length", None)
+
+
 # Phi-3: llama.cpp keeps the checkpoint's fused [q; k; v] as attn_qkv and [gate; up] as
 # ffn_up, unpermuted (its Phi-3 rotary is the rotate-half kind), so they load as they are.
 _PHI3_BLOCK = {
@@ -100,7 +148,7 @@ _PHI3_BLOCK = {
 }
 
 
-def _phi3_configure(reader: Any, config: dict[str, Any]) -> None:
+def _phi3_config(config: dict[str, Any], reader: Any) -> None:
     """What llama.cpp stores and transformers' reader drops: window, partial rotary, LongRoPE factors."""
     from gguf.quants import dequantize
 
@@ -133,7 +181,10 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP, fix=_llama_fix),
     "qwen2": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
     "qwen3": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
-    "phi3": GGUFArch(_PHI3_BLOCK, _LLAMA_TOP, configure=_phi3_configure),
+    "gpt2": GGUFArch(_GPT2_BLOCK, _GPT2_TOP, block_prefix="transformer.h.", fix=_gpt2_fix,
+                     architecture="GPT2LMHeadModel", config=_gpt2_config),
+    # gpt_neox (Pythia): transformers' GGUF reader does not support the architecture.
+    "phi3": GGUFArch(_PHI3_BLOCK, _LLAMA_TOP, config=_phi3_config),
 }
 
 
@@ -193,10 +244,10 @@ def _convert(path: Path, out: Path) -> None:
     cfg_dict.pop("_model_name_or_path", None)
     names = {t.name for t in reader.tensors}
     cfg_dict["tie_word_embeddings"] = "output.weight" not in names
-    if mapping.configure is not None:
-        mapping.configure(reader, cfg_dict)
+    if mapping.config is not None:
+        mapping.config(cfg_dict, reader)
     config = AutoConfig.for_model(model_type, **cfg_dict)
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [mapping.architecture or type(config).__name__.replace("Config", "ForCausalLM")]
 
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False):

@@ -94,6 +94,44 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class MLP(nn.Module):
+    """``down(act(up(x)))``, ungated (GPT-2, GPT-NeoX)."""
+
+    def __init__(self, cfg: ModelConfig, act: Callable[[torch.Tensor], torch.Tensor], bias: bool,
+                 intermediate: int) -> None:
+        super().__init__()
+        self.act = act
+        self.up_proj = Linear(cfg.hidden_size, intermediate, bias, cfg.dtype)
+        self.down_proj = Linear(intermediate, cfg.hidden_size, bias, cfg.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+# transformers' activation names (``hidden_act``, GPT-2's ``activation_function``) -> the function.
+# gelu_new, gelu_fast and gelu_pytorch_tanh are all the tanh approximation of GELU.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu, "gelu_new": _gelu_tanh, "gelu_fast": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh,
+    "quick_gelu": _quick_gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation transformers calls ``name``; ``ValueError`` for one not supported."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"activation {name!r} is not supported; supported: {', '.join(sorted(ACTIVATIONS))}") from None
+
+
 class CausalLM(nn.Module):
     """A decoder-only LM over a paged KV cache; subclasses build the modules (see the module docstring).
 
@@ -149,6 +187,11 @@ class CausalLM(nn.Module):
             cap = self.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def lens_logits(self, point: str, x: torch.Tensor) -> torch.Tensor:
+        """The logit lens: logits from residual-stream states ``[N, hidden]`` (final norm, then unembedding)."""
+        x = x.to(self.cfg.dtype)
+        return self.compute_logits(x if point == "final" else self.norm(x))
 
     # ---- weights -----------------------------------------------------------------------
     def prepare_for_inference(self, device: torch.device) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tapllm.config import ModelConfig
@@ -18,7 +17,7 @@ from tapllm.layers.attention import AttentionMetadata
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNormScaledInFloat32
 from tapllm.layers.rotary import RotaryEmbedding
-from tapllm.models.base import Attention, CausalLM, GatedMLP, KVCache, gate_up_fused, qkv_fused
+from tapllm.models.base import Attention, CausalLM, GatedMLP, KVCache, activation, gate_up_fused, qkv_fused
 from tapllm.models.tap import Tap
 
 
@@ -44,7 +43,7 @@ class Olmo2DecoderLayer(nn.Module):
         bias = bool(getattr(cfg.hf_config, "attention_bias", False))
         self.self_attn = Olmo2Attention(cfg, layer, qkv_bias=bias, o_bias=bias)
         self.post_attention_layernorm = RMSNormScaledInFloat32(cfg.hidden_size, eps, cfg.dtype)
-        self.mlp = GatedMLP(cfg, F.silu)
+        self.mlp = GatedMLP(cfg, activation(cfg.hf_config.hidden_act))
         self.post_feedforward_layernorm = RMSNormScaledInFloat32(cfg.hidden_size, eps, cfg.dtype)
 
     def forward(self, x: torch.Tensor, i: int, tap: Tap, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: KVCache,
@@ -62,8 +61,6 @@ class Olmo2ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         hf = cfg.hf_config
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"OLMo-2 with hidden_act {hf.hidden_act!r} is not supported (only silu)")
         self.rotary = RotaryEmbedding(hf, cfg.head_dim, cfg.max_model_len)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
         self.layers = nn.ModuleList(Olmo2DecoderLayer(cfg, i) for i in range(cfg.num_layers))

@@ -13,7 +13,6 @@ they were computed with, exactly as in a transformers forward over its KV cache.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tapllm.config import ModelConfig
@@ -21,7 +20,7 @@ from tapllm.layers.attention import AttentionMetadata
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import LongRopeEmbedding, RotaryEmbedding
-from tapllm.models.base import Attention, CausalLM, GatedMLP
+from tapllm.models.base import Attention, CausalLM, GatedMLP, activation
 from tapllm.models.llama import DecoderLayer
 
 
@@ -50,8 +49,6 @@ class Phi3ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         hf = cfg.hf_config
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"Phi-3 with hidden_act {hf.hidden_act!r} is not supported (only silu)")
         rope = hf.rope_parameters
         rotary_dim = int(cfg.head_dim * rope.get("partial_rotary_factor", 1.0))
         if rope.get("rope_type", "default") == "longrope":
@@ -62,7 +59,7 @@ class Phi3ForCausalLM(CausalLM):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, Attention(cfg, i, qkv_bias=False, o_bias=False, rotary_dim=rotary_dim),
-                         GatedMLP(cfg, F.silu))
+                         GatedMLP(cfg, activation(cfg.hf_config.hidden_act)))
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, eps, cfg.dtype)

@@ -14,6 +14,8 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "tapllm.models.qwen3:Qwen3ForCausalLM",
+    "GPT2LMHeadModel": "tapllm.models.gpt2:GPT2LMHeadModel",
+    "GPTNeoXForCausalLM": "tapllm.models.gpt_neox:GPTNeoXForCausalLM",
     "Phi3ForCausalLM": "tapllm.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "tapllm.models.olmo2:Olmo2ForCausalLM",
 }

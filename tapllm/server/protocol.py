@@ -35,6 +35,8 @@ class HiddenStatesRequest(BaseModel):
     reduce: str | None = None
     project: list[list[float]] | WireTensor | None = None
     dtype: DtypeName | None = None
+    lens: int | None = None
+    lens_targets: list[int] | None = None
     encoding: Literal["base64", "list"] = "base64"
 
     def to_spec(self) -> HiddenStatesSpec:
@@ -49,7 +51,7 @@ class HiddenStatesRequest(BaseModel):
             positions = tuple(positions)
         return HiddenStatesSpec(
             layers=self.layers, points=self.points, positions=positions, reduce=self.reduce, project=project,
-            dtype=self.dtype,
+            dtype=self.dtype, lens=self.lens, lens_targets=self.lens_targets,
         )
 
 
