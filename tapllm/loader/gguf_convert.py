@@ -32,12 +32,17 @@ class GGUFArch:
     ``block`` maps a tensor name after ``blk.N.`` to the Hugging Face name after
     ``{block_prefix}N.``; ``top`` maps whole names. ``fix(hf_name, array, config)`` undoes
     what llama.cpp's converter did to a tensor (e.g. Llama's rotary permutation of q/k).
+    ``configure(config_dict, metadata)`` completes the config transformers' GGUF reader made,
+    from the file's ``{arch}.*`` metadata (keys without the prefix), before the config is built.
+    ``architecture`` is the Hugging Face architecture where the config class does not name it.
     """
 
     block: dict[str, str]
     top: dict[str, str]
     block_prefix: str = "model.layers."
     fix: Callable[[str, np.ndarray, Any], np.ndarray] | None = None
+    configure: Callable[[dict[str, Any], dict[str, Any]], None] | None = None
+    architecture: str | None = None
 
     def hf_name(self, name: str) -> str | None:
         """The Hugging Face name of GGUF tensor ``name``, or None for tensors without one."""
@@ -85,11 +90,62 @@ _LLAMA_TOP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+def _gemma_fix(name: str, data: np.ndarray, config: Any) -> np.ndarray:
+    # llama.cpp stores Gemma's RMSNorm scales as 1 + weight (q/k norms too); the checkpoint has weight.
+    return data - 1 if name.endswith("norm.weight") else data
+
+
+# The 27B models (by block count, as llama.cpp tells model sizes apart) scale queries by
+# (hidden / heads) ** -0.5, every other size by head_dim ** -0.5 (llama.cpp's rule; the
+# files do not store query_pre_attn_scalar).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_configure(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], None]:
+    def configure(cfg: dict[str, Any], meta: dict[str, Any]) -> None:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        big = int(cfg["num_hidden_layers"]) == _GEMMA_27B_LAYERS[arch]
+        cfg["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # absent: the config's defaults
+            if key in meta:
+                cfg[key] = float(meta[key])
+        if meta.get("rope.scaling.type") == "linear":  # Gemma-3 4B+: on the global layers
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta["rope.scaling.factor"])}
+        pattern = meta.get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per layer: True where the layer slides
+            cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        elif pattern:
+            cfg["sliding_window_pattern"] = int(pattern)
+
+    return configure
+
+
+_GEMMA_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
 # llama.cpp architecture name -> its mapping. A family adds its entry here.
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP, fix=_llama_fix),
     "qwen2": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
     "qwen3": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
+    "gemma2": GGUFArch(_GEMMA_BLOCK, _LLAMA_TOP, fix=_gemma_fix, configure=_gemma_configure("gemma2")),
+    "gemma3": GGUFArch(_GEMMA_BLOCK, _LLAMA_TOP, fix=_gemma_fix, configure=_gemma_configure("gemma3"),
+                       architecture="Gemma3ForCausalLM"),  # config class Gemma3TextConfig
 }
 
 
@@ -149,8 +205,12 @@ def _convert(path: Path, out: Path) -> None:
     cfg_dict.pop("_model_name_or_path", None)
     names = {t.name for t in reader.tensors}
     cfg_dict["tie_word_embeddings"] = "output.weight" not in names
+    if mapping.configure is not None:
+        prefix = f"{arch}."
+        mapping.configure(cfg_dict, {k[len(prefix):]: f.contents() for k, f in reader.fields.items()
+                                     if k.startswith(prefix)})
     config = AutoConfig.for_model(model_type, **cfg_dict)
-    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [mapping.architecture or type(config).__name__.replace("Config", "ForCausalLM")]
 
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False):

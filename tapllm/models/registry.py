@@ -14,6 +14,7 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "tapllm.models.qwen3:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "tapllm.models.gemma2:Gemma2ForCausalLM",
 }
 
 
