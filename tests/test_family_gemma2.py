@@ -83,47 +83,71 @@ def test_situations_points_and_steering(gemma2):
     check_steering(folder, model, LAYOUT)
 
 
-def test_gguf_written_in_llama_cpp_layout_loads_and_matches(gemma2, tmp_path):
-    """A GGUF in llama.cpp's gemma2 layout (norm weights + 1, soft-caps and window in metadata) equals the folder."""
+# Hugging Face module names -> llama.cpp's tensor names (gguf's MODEL_TENSORS for gemma2/gemma3).
+GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+              "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_tensors(folder) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as llama.cpp's converter writes them: its names, every norm weight + 1."""
     from safetensors.torch import load_file
 
-    from gguf_writer import write_gguf
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, w in load_file(f).items():
+            if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+                cpp = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
+                       "lm_head.weight": "output"}[name]
+            else:
+                _, _, i, module = name.removesuffix(".weight").split(".", 3)
+                cpp = f"blk.{i}.{GGUF_BLOCK[module]}"
+            out[f"{cpp}.weight"] = w + 1 if cpp.endswith("norm") else w
+    return out
 
-    folder, model = gemma2
-    cfg = model.config
-    sd = {}
-    for f in folder.glob("*.safetensors"):
-        sd.update(load_file(f))
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
-             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
-    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"] + 1}
-    for i in range(cfg.num_hidden_layers):
-        for hf_name, cpp in names.items():
-            w = sd[f"model.layers.{i}.{hf_name}.weight"]
-            tensors[f"blk.{i}.{cpp}.weight"] = w + 1 if cpp.endswith("norm") else w  # llama.cpp stores 1 + w
+
+def gguf_metadata(cfg) -> dict:
+    """The ``{arch}.*`` keys llama.cpp's converter writes for Gemma-2 and Gemma-3."""
     kv = {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
           "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
           "attention.head_count": cfg.num_attention_heads, "attention.head_count_kv": cfg.num_key_value_heads,
           "attention.key_length": cfg.head_dim, "attention.value_length": cfg.head_dim,
-          "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps), "attention.sliding_window": WINDOW,
-          "attn_logit_softcapping": float(cfg.attn_logit_softcapping),
-          "final_logit_softcapping": float(cfg.final_logit_softcapping)}
-    path = write_gguf(tmp_path / "tiny-gemma2.gguf", "gemma2", kv, tensors)
+          "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps), "attention.sliding_window": cfg.sliding_window}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key, None) is not None:
+            kv[key] = float(getattr(cfg, key))
+    return kv
+
+
+def gguf_reference(model, prompts: list[list[int]], new: int) -> list:
+    """Greedy references with llama.cpp's query scale, head_dim ** -0.5 (the files keep no query_pre_attn_scalar)."""
+    layers = model.model.layers
+    saved = [layer.self_attn.scaling for layer in layers]
+    for layer in layers:
+        layer.self_attn.scaling = model.config.head_dim**-0.5
+    try:
+        return [hf_greedy(model, p, new) for p in prompts]
+    finally:
+        for layer, scale in zip(layers, saved):
+            layer.self_attn.scaling = scale
+
+
+def test_gguf_written_in_llama_cpp_layout_loads_and_matches(gemma2, tmp_path):
+    """A GGUF in llama.cpp's gemma2 layout (norm weights + 1, soft-caps and window in metadata) equals the folder."""
+    from gguf_writer import write_gguf
+
+    folder, model = gemma2
+    tensors = gguf_tensors(folder)
+    assert "output.weight" not in tensors  # tied
+    path = write_gguf(tmp_path / "tiny-gemma2.gguf", "gemma2", gguf_metadata(model.config), tensors)
     llm = LLM(path, dtype="float32")
     got = llm.engine.model_config
     assert got.architecture == "Gemma2ForCausalLM" and got.sliding_windows == (WINDOW, None, WINDOW, None)
-    # llama.cpp derives the query scale from the head size (query_pre_attn_scalar is not in the file).
-    for layer in model.model.layers:
-        layer.self_attn.scaling = cfg.head_dim**-0.5
-    try:
-        prompts = random_prompts([5, 3 * WINDOW], seed=41)
-        refs = [hf_greedy(model, p, 6) for p in prompts]
-    finally:
-        for layer in model.model.layers:
-            layer.self_attn.scaling = cfg.query_pre_attn_scalar**-0.5
+    assert got.hf_config.final_logit_softcapping == 4.0 and got.hf_config.attn_logit_softcapping == 10.0
+    prompts = random_prompts([5, 3 * WINDOW], seed=41)
+    refs = gguf_reference(model, prompts, 6)
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
     assert_matches_reference(outs, refs)

@@ -99,7 +99,9 @@ def _gemma_fix(name: str, data: np.ndarray, config: Any) -> np.ndarray:
 
 # The 27B models (by block count, as llama.cpp tells model sizes apart) scale queries by
 # (hidden / heads) ** -0.5, every other size by head_dim ** -0.5 (llama.cpp's rule; the
-# files do not store query_pre_attn_scalar).
+# files do not store query_pre_attn_scalar). Like llama.cpp, the local/global layer pattern
+# is the config's default (every 2nd layer global in Gemma-2, every 6th in Gemma-3), and
+# Gemma-3's local rope base is its default 10k.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
@@ -114,11 +116,6 @@ def _gemma_configure(arch: str) -> Callable[[dict[str, Any], dict[str, Any]], No
                 cfg[key] = float(meta[key])
         if meta.get("rope.scaling.type") == "linear":  # Gemma-3 4B+: on the global layers
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta["rope.scaling.factor"])}
-        pattern = meta.get("attention.sliding_window_pattern")
-        if isinstance(pattern, list):  # per layer: True where the layer slides
-            cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
-        elif pattern:
-            cfg["sliding_window_pattern"] = int(pattern)
 
     return configure
 
