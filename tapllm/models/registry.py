@@ -15,6 +15,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "tapllm.models.qwen3:Qwen3ForCausalLM",
     "Gemma2ForCausalLM": "tapllm.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "tapllm.models.gemma3:Gemma3ForCausalLM",
 }
 
 
