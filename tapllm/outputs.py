@@ -39,6 +39,7 @@ class RequestOutput:
     finished: bool = False
     hidden_states: Any = None
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's form: None first
     # Set when this request alone failed while others in its batch went on: the message, and
     # "invalid_request_error" (its own input caused it) or "server_error" (e.g. a plugin raised).
     error: str | None = None

@@ -29,7 +29,9 @@ class SamplingParams:
     of what else shares its batch. ``top_k`` 0 or -1 disables top-k. ``stop`` strings end generation
     and are not included in the text; ``stop_token_ids`` (and EOS unless ``ignore_eos``)
     end it too. ``logprobs=N`` returns, per generated token, the chosen token's logprob
-    plus the top ``N`` alternatives (``0`` returns only the chosen token's).
+    plus the top ``N`` alternatives (``0`` returns only the chosen token's); ``prompt_logprobs=N``
+    does the same for every prompt token after the first (``RequestOutput.prompt_logprobs``, as
+    in vLLM: its first entry is ``None``).
     ``hidden_states`` (a ``HiddenStatesSpec`` or a dict of its fields) asks for activations
     with the text; they arrive in ``RequestOutput.hidden_states``. ``steering`` (a list of
     ``Steer`` or dicts of its fields) adds or ablates directions in this request's residual
@@ -46,6 +48,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     hidden_states: HiddenStatesSpec | dict[str, Any] | None = None
     steering: list[Steer | dict[str, Any]] | None = None
@@ -88,6 +91,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise ValueError("stop must hold non-empty strings")
         for s in self._stop:

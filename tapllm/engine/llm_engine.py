@@ -14,6 +14,7 @@ import torch
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.block_manager import BlockManager
 from tapllm.engine.model_runner import ModelRunner, StepResult
+from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem, Scheduler
@@ -23,7 +24,7 @@ from tapllm.steering.spec import steering_digest
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm._text import check_unicode
 from tapllm.sampling_params import SamplingParams
-from tapllm.loader import resolve_model
+from tapllm.loader import resolve_model, resolve_tokenizer
 from tapllm.platform import resolve_device
 from tapllm.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
 
@@ -44,7 +45,7 @@ class LLMEngine:
         self.model_config = model_config
         self.config = engine_config
         self.device = device
-        self.tokenizer = load_tokenizer(model_config.path)
+        self.tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path)
         self.runner = ModelRunner(model_config, engine_config, device)
         self.blocks = BlockManager(
             self.runner.num_blocks, engine_config.block_size, engine_config.enable_prefix_caching
@@ -62,7 +63,19 @@ class LLMEngine:
         """Resolve ``config``'s model, device and dtype, then load the engine."""
         config.validate()
         device = resolve_device(config.device)
-        model_config = ModelConfig.from_folder(resolve_model(config.model), config.dtype, device)
+        folder = resolve_model(config.model, config.revision, config.download_dir)
+        model_config = ModelConfig.from_folder(folder, config.dtype, device)
+        if config.tokenizer is not None:
+            model_config.tokenizer_path = resolve_tokenizer(config.tokenizer, config.tokenizer_revision,
+                                                            config.download_dir)
+        if config.max_model_len is not None:
+            if config.max_model_len > model_config.max_model_len:
+                raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context "
+                                 f"({model_config.max_model_len} positions)")
+            model_config.max_model_len = config.max_model_len
+        if config.gpu_memory_utilization is not None and device.type == "cpu":
+            logger.info("gpu_memory_utilization is ignored on CPU; kv_cache_memory_gb (%.2f) sizes the KV cache",
+                        config.kv_cache_memory_gb)
         return cls(model_config, config, device)
 
     def _fit_context_to_cache(self) -> None:
@@ -133,6 +146,8 @@ class LLMEngine:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             req.generator = torch.Generator().manual_seed(seed)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        if params.prompt_logprobs is not None:
+            req.prompt_lp = PromptLogprobs(req.prompt_token_ids, params.prompt_logprobs)
         self.requests[req.request_id] = req
         if req.selection is not None:
             try:  # a reducer plugin's start() runs here
@@ -194,9 +209,11 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs: {params.logprobs} requested, more than max_logprobs="
-                             f"{self.config.max_logprobs} (the instance's limit)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name}: {value} requested, more than max_logprobs={self.config.max_logprobs} "
+                                 "(the instance's limit)")
 
     def _steering(self, params: SamplingParams) -> list[ResolvedSteer]:
         """Resolve the request's steers against the model and apply the instance policy."""
@@ -329,6 +346,9 @@ class LLMEngine:
                 self._set_error(req, f"hidden_states: finishing the capture failed: {type(exc).__name__}: {exc}",
                                 "server_error")
             req.capture = None  # its buffers are in the result now (or gone with the error)
+        if req.prompt_lp is not None and reason != "error":
+            req.prompt_logprobs = req.prompt_lp.result()
+        req.prompt_lp = None
 
     def _fail(self, req: Request, message: str, error_type: str) -> None:
         """Finish ``req`` alone with an error; its blocks and buffers are released."""
@@ -343,12 +363,17 @@ class LLMEngine:
         req.finish_reason = "error"
         req.hidden_states = None
 
-    def make_output(self, req: Request) -> RequestOutput:
-        """The user-facing result of a request (``outputs`` is empty for an encode request)."""
-        for entry in req.logprobs or ():
-            for tid, lp in entry.items():
+    def _decoded(self, entries: list | None) -> list | None:
+        """Logprob entries with each token's text filled in."""
+        for entry in entries or ():
+            for tid, lp in (entry or {}).items():
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tid])
+        return entries
+
+    def make_output(self, req: Request) -> RequestOutput:
+        """The user-facing result of a request (``outputs`` is empty for an encode request)."""
+        self._decoded(req.logprobs)
         completions = [] if req.encode_only else [CompletionOutput(
             index=0,
             text=req.text,
@@ -366,6 +391,7 @@ class LLMEngine:
             finished=req.finished,
             hidden_states=req.hidden_states,
             metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
+            prompt_logprobs=self._decoded(req.prompt_logprobs),
             error=req.error,
             error_type=req.error_type,
         )

@@ -56,6 +56,7 @@ class StepBatch:
     meta: AttentionMetadata
     sample_rows: list[tuple[int, Request]]  # (batch row, request) of each request that samples
     spans: list[RowSpan]  # chunks of requests that capture or steer
+    prompt_logprob_rows: list[tuple[ScheduledItem, int]]  # chunks (and first rows) of prompt-logprob requests
 
 
 @dataclass(slots=True)
@@ -104,10 +105,28 @@ class ModelRunner:
         bs = self.ecfg.block_size
         if self.ecfg.kv_cache_blocks is not None:
             return self.ecfg.kv_cache_blocks
-        by_memory = int(self.ecfg.kv_cache_memory_gb * 1e9 // (self.mcfg.kv_bytes_per_token * bs))
+        by_memory = int(self._kv_cache_bytes() // (self.mcfg.kv_bytes_per_token * bs))
         # No point in more than every sequence at full length could use.
         by_need = self.ecfg.max_num_seqs * -(-self.mcfg.max_model_len // bs)
         return max(1, min(by_memory, by_need))
+
+    def _kv_cache_bytes(self) -> float:
+        """The KV cache's memory: ``kv_cache_memory_gb``, or on CUDA with ``gpu_memory_utilization``
+        what that share of the device leaves after the weights and an activation reserve."""
+        util = self.ecfg.gpu_memory_utilization
+        if util is None or self.device.type != "cuda":
+            return self.ecfg.kv_cache_memory_gb * 1e9
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        weights = torch.cuda.memory_allocated(self.device)
+        # Activations of the largest step: a generous multiple of the step's hidden rows and logits.
+        mc = self.mcfg
+        act_bytes = torch.tensor([], dtype=mc.dtype).element_size()
+        reserve = self.ecfg.max_num_batched_tokens * (16 * mc.hidden_size + mc.vocab_size) * act_bytes
+        budget = util * total - weights - reserve
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization={util} leaves no memory for the KV cache "
+                             f"({total / 1e9:.1f} GB device, {weights / 1e9:.1f} GB of weights)")
+        return budget
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem]) -> StepResult:
@@ -125,6 +144,17 @@ class ModelRunner:
             owner = {span.request.capture: span.request for span in batch.spans}
             for capture, message in tap.finish().items():
                 result.failed[owner[capture]] = RowFailure(message, "server_error")
+        for it, row in batch.prompt_logprob_rows:
+            req = it.request
+            window = req.prompt_lp.window(it.start, it.num_tokens)
+            if window is None or req in result.failed:
+                continue
+            a, b = window
+            try:
+                req.prompt_lp.consume(hidden[row + a - it.start : row + b - it.start], a, b, self.model.compute_logits)
+            except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                result.failed[req] = RowFailure(f"prompt_logprobs failed: {type(exc).__name__}: {exc}",
+                                                "server_error")
         sample_rows = batch.sample_rows
         if not sample_rows:
             return result
@@ -150,6 +180,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         spans: list[RowSpan] = []
+        prompt_lp_rows: list[tuple[ScheduledItem, int]] = []
         for it in items:
             req, start, n = it.request, it.start, it.num_tokens
             row = len(ids)
@@ -169,6 +200,8 @@ class ModelRunner:
                 sample_rows.append((row + n - 1, req))
             if req.capture is not None or req.steering:
                 spans.append(RowSpan(req, row, start, n))
+            if req.prompt_lp is not None:
+                prompt_lp_rows.append((it, row))
         dev = self.device
         decode_bt = decode_mask = lens = None
         if decode_tables:
@@ -186,4 +219,5 @@ class ModelRunner:
             prefill_groups=groups,
             decode_lens=lens,
         )
-        return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans)
+        return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans,
+                         prompt_lp_rows)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.hidden_states.capture import RequestCapture, Selection
 from tapllm.outputs import Logprob
 from tapllm.sampling_params import SamplingParams
@@ -51,6 +52,8 @@ class Request:
     detokenizer: object | None = None
     selection: Selection | None = None  # the resolved hidden-state spec (see LLMEngine.prepare)
     capture: RequestCapture | None = None
+    prompt_lp: PromptLogprobs | None = None  # prompt logprobs being gathered (params.prompt_logprobs)
+    prompt_logprobs: list | None = None  # their result, made when the request finishes
     hidden_states: object | None = None  # the HiddenStates result, made when the request finishes
     steering: list | None = None  # ResolvedSteer list
     steering_digest: bytes = b""  # hash of the request's steers (see block_salt)
@@ -72,6 +75,19 @@ class Request:
         first = index * block_size
         return self.cache_salt + steering_block_salt(self.steering, self.steering_digest, self.num_prompt_tokens,
                                                      first, block_size)
+
+    def first_needed(self) -> int:
+        """The first position this request must run itself, not read from the prefix cache.
+
+        Positions it still has to capture or to compute prompt logprobs for are recomputed;
+        the rest of its prefix may come from the cache (the last token is always run).
+        """
+        first = self.num_tokens - 1
+        if self.capture is not None:
+            first = min(first, self.capture.first_needed(self.num_tokens))
+        if self.prompt_lp is not None:
+            first = min(first, self.prompt_lp.first_needed())
+        return first
 
     @property
     def max_hidden_states_bytes(self) -> int:

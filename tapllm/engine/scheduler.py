@@ -87,9 +87,9 @@ class Scheduler:
         ):
             req = self.waiting[0]
             cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-            if cached and req.capture is not None:
-                # Positions it still has to capture are recomputed for it, not read from the cache.
-                cached = cached[: req.capture.first_needed(req.num_tokens) // self.blocks.block_size]
+            if cached:
+                # Positions it still has to capture (states, prompt logprobs) are recomputed for it.
+                cached = cached[: req.first_needed() // self.blocks.block_size]
             start = req.num_computed_tokens + len(cached) * self.blocks.block_size
             n = min(req.num_tokens - start, budget)
             if not self.blocks.allocate(req, n, cached):

@@ -1,5 +1,5 @@
 """Finding, converting and reading checkpoints."""
 
-from tapllm.loader.checkpoint import default_model_path, resolve_model
+from tapllm.loader.checkpoint import default_model_path, resolve_model, resolve_tokenizer
 
-__all__ = ["default_model_path", "resolve_model"]
+__all__ = ["default_model_path", "resolve_model", "resolve_tokenizer"]

