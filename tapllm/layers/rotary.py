@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 
-def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def _inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:  # rope parameters per layer type (Gemma-3: local and global layers)
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
@@ -20,15 +22,19 @@ def _inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ValueError(f"rope_type {rope_type!r} is not supported")
     # transformers' own implementation of each scaling, so results match it exactly.
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position.
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    ``layer_type`` picks one entry of a ``rope_parameters`` given per layer type (Gemma-3).
+    """
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scale = _inv_freq(hf_config, head_dim)
+        inv_freq, scale = _inv_freq(hf_config, head_dim, layer_type)
         pos = torch.arange(max_positions, dtype=torch.float)
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

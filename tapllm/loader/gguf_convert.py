@@ -33,10 +33,13 @@ class GGUFArch:
     ``{block_prefix}N.``; ``top`` maps whole names. ``fix(hf_name, array, config)`` undoes
     what llama.cpp's converter did to a tensor (e.g. Llama's rotary permutation of q/k).
     ``architecture`` is the Hugging Face ``architectures`` entry when it is not the config
-    class's name with ``ForCausalLM`` (GPT-2's ``GPT2LMHeadModel``); ``config(values,
-    reader)`` completes the config values transformers' reader gave, from the GGUF file
-    (its metadata and tensors), where that reader leaves some out (GPT-2's positions and
-    MLP width; Phi-3's sliding window, partial rotary and LongRoPE factors).
+    class's name with ``ForCausalLM`` (GPT-2's ``GPT2LMHeadModel``, Gemma-3's
+    ``Gemma3ForCausalLM``). ``configure(config_values, metadata, shapes)`` completes the config
+    values transformers' GGUF reader made, where it leaves some out, from the file's
+    ``{arch}.*`` metadata (keys without the prefix) and its tensors' shapes (``{name: shape}``,
+    ``[out, in]`` order), before the config is built. ``config_tensors`` names small tensors
+    that hold configuration (Phi-3's LongRoPE factors): their values join the metadata
+    under their tensor names, as lists.
     """
 
     block: dict[str, str]
@@ -44,7 +47,8 @@ class GGUFArch:
     block_prefix: str = "model.layers."
     fix: Callable[[str, np.ndarray, Any], np.ndarray] | None = None
     architecture: str | None = None
-    config: Callable[[dict[str, Any], Any], None] | None = None
+    configure: Callable[[dict[str, Any], dict[str, Any], dict[str, tuple[int, ...]]], None] | None = None
+    config_tensors: tuple[str, ...] = ()
 
     def hf_name(self, name: str) -> str | None:
         """The Hugging Face name of GGUF tensor ``name``, or None for tensors without one."""
@@ -123,19 +127,56 @@ def _gpt2_fix(name: str, data: np.ndarray, config: Any) -> np.ndarray:
     return data
 
 
-def _shapes(reader: Any) -> dict[str, tuple[int, ...]]:
-    """Each GGUF tensor's shape in ``[out, in]`` order."""
-    return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-
-
-def _gpt2_config(values: dict[str, Any], reader: Any) -> None:
+def _gpt2_configure(values: dict[str, Any], meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
     """Positions and MLP width from the tensors (the reader keeps GPT-2's defaults, 1024 and 4 x hidden)."""
-    shapes = _shapes(reader)
     values["n_positions"] = shapes["position_embd.weight"][0]
     values["n_inner"] = shapes["blk.0.ffn_up.weight"][0]
     values.pop("feed_forward_length", None)
 
 
+def _gemma_fix(name: str, data: np.ndarray, config: Any) -> np.ndarray:
+    # llama.cpp stores Gemma's RMSNorm scales as 1 + weight (q/k norms too); the checkpoint has weight.
+    return data - 1 if name.endswith("norm.weight") else data
+
+
+# The 27B models (by block count, as llama.cpp tells model sizes apart) scale queries by
+# (hidden / heads) ** -0.5, every other size by head_dim ** -0.5 (llama.cpp's rule; the
+# files do not store query_pre_attn_scalar). Like llama.cpp, the local/global layer pattern
+# is the config's default (every 2nd layer global in Gemma-2, every 6th in Gemma-3), and
+# Gemma-3's local rope base is its default 10k.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_configure(arch: str) -> Callable[[dict[str, Any], dict[str, Any], dict[str, tuple[int, ...]]], None]:
+    def configure(cfg: dict[str, Any], meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        big = int(cfg["num_hidden_layers"]) == _GEMMA_27B_LAYERS[arch]
+        cfg["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # absent: the config's defaults
+            if key in meta:
+                cfg[key] = float(meta[key])
+        if meta.get("rope.scaling.type") == "linear":  # Gemma-3 4B+: on the global layers
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(meta["rope.scaling.factor"])}
+
+    return configure
+
+
+_GEMMA_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
 # Phi-3: llama.cpp keeps the checkpoint's fused [q; k; v] as attn_qkv and [gate; up] as
 # ffn_up, unpermuted (its Phi-3 rotary is the rotate-half kind), so they load as they are.
 _PHI3_BLOCK = {
@@ -148,32 +189,23 @@ _PHI3_BLOCK = {
 }
 
 
-def _phi3_config(config: dict[str, Any], reader: Any) -> None:
-    """What llama.cpp stores and transformers' reader drops: window, partial rotary, LongRoPE factors."""
-    from gguf.quants import dequantize
-
-    def value(key: str) -> Any:
-        field = reader.fields.get(f"phi3.{key}")
-        return field.contents() if field is not None else None
-
-    if value("attention.sliding_window"):  # 0 means none (Phi-4-mini)
-        config["sliding_window"] = int(value("attention.sliding_window"))
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(config.pop("rope_theta", 10000.0))}
-    dims = value("rope.dimension_count")
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    if dims and int(dims) != head_dim:
-        rope["partial_rotary_factor"] = int(dims) / head_dim
-    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
-    if factors:
-        original = int(value("rope.scaling.original_context_length"))
-        config["original_max_position_embeddings"] = original
-        rope.update(rope_type="longrope", original_max_position_embeddings=original)
-        for kind in ("long", "short"):
-            t = factors[f"rope_factors_{kind}.weight"]
-            rope[f"{kind}_factor"] = [float(x) for x in np.asarray(dequantize(t.data, t.tensor_type)).reshape(-1)]
-        if value("rope.scaling.attn_factor") is not None:
-            rope["attention_factor"] = float(value("rope.scaling.attn_factor"))
-    config["rope_parameters"] = rope
+def _phi3_configure(cfg: dict[str, Any], meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """What llama.cpp stores and transformers' reader drops: sliding window, partial rotary, LongRoPE."""
+    if meta.get("attention.sliding_window"):  # 0 means none (Phi-4-mini)
+        cfg["sliding_window"] = int(meta["attention.sliding_window"])
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.pop("rope_theta", 10000.0))}
+    head_dim = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    dims = int(meta.get("rope.dimension_count") or head_dim)
+    if dims != head_dim:
+        rope["partial_rotary_factor"] = dims / head_dim
+    if "rope_factors_long.weight" in meta:
+        original = int(meta["rope.scaling.original_context_length"])
+        cfg["original_max_position_embeddings"] = original
+        rope.update(rope_type="longrope", original_max_position_embeddings=original,
+                    long_factor=meta["rope_factors_long.weight"], short_factor=meta["rope_factors_short.weight"])
+        if "rope.scaling.attn_factor" in meta:
+            rope["attention_factor"] = float(meta["rope.scaling.attn_factor"])
+    cfg["rope_parameters"] = rope
 
 
 # llama.cpp architecture name -> its mapping. A family adds its entry here.
@@ -182,9 +214,13 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "qwen2": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
     "qwen3": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
     "gpt2": GGUFArch(_GPT2_BLOCK, _GPT2_TOP, block_prefix="transformer.h.", fix=_gpt2_fix,
-                     architecture="GPT2LMHeadModel", config=_gpt2_config),
+                     architecture="GPT2LMHeadModel", configure=_gpt2_configure),
     # gpt_neox (Pythia): transformers' GGUF reader does not support the architecture.
-    "phi3": GGUFArch(_PHI3_BLOCK, _LLAMA_TOP, config=_phi3_config),
+    "gemma2": GGUFArch(_GEMMA_BLOCK, _LLAMA_TOP, fix=_gemma_fix, configure=_gemma_configure("gemma2")),
+    "gemma3": GGUFArch(_GEMMA_BLOCK, _LLAMA_TOP, fix=_gemma_fix, configure=_gemma_configure("gemma3"),
+                       architecture="Gemma3ForCausalLM"),  # config class Gemma3TextConfig
+    "phi3": GGUFArch(_PHI3_BLOCK, _LLAMA_TOP, configure=_phi3_configure,
+                     config_tensors=("rope_factors_long.weight", "rope_factors_short.weight")),
 }
 
 
@@ -244,8 +280,13 @@ def _convert(path: Path, out: Path) -> None:
     cfg_dict.pop("_model_name_or_path", None)
     names = {t.name for t in reader.tensors}
     cfg_dict["tie_word_embeddings"] = "output.weight" not in names
-    if mapping.config is not None:
-        mapping.config(cfg_dict, reader)
+    if mapping.configure is not None:
+        prefix = f"{arch}."
+        values = {k[len(prefix):]: f.contents() for k, f in reader.fields.items() if k.startswith(prefix)}
+        for t in reader.tensors:
+            if t.name in mapping.config_tensors:
+                values[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1).tolist()
+        mapping.configure(cfg_dict, values, {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors})
     config = AutoConfig.for_model(model_type, **cfg_dict)
     config.architectures = [mapping.architecture or type(config).__name__.replace("Config", "ForCausalLM")]
 

@@ -16,6 +16,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "tapllm.models.qwen3:Qwen3ForCausalLM",
     "GPT2LMHeadModel": "tapllm.models.gpt2:GPT2LMHeadModel",
     "GPTNeoXForCausalLM": "tapllm.models.gpt_neox:GPTNeoXForCausalLM",
+    "Gemma2ForCausalLM": "tapllm.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "tapllm.models.gemma3:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "tapllm.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "tapllm.models.olmo2:Olmo2ForCausalLM",
 }
