@@ -113,3 +113,18 @@ def test_tokenizer_from_another_folder(tiny_models, tmp_path):
         LLM(weights, dtype="float32")
     llm = LLM(weights, tokenizer=str(tok), dtype="float32")
     assert _tokens(llm) == _tokens(LLM(tiny_models["llama"], dtype="float32"))
+
+
+def test_pytorch_bin_checkpoints_load(tiny_models, tmp_path):
+    """Older checkpoints (a training run's intermediate revisions) ship pytorch_model.bin only."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "bin-only"
+    shutil.copytree(tiny_models["llama"], folder)
+    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    assert _tokens(LLM(folder, dtype="float32")) == _tokens(LLM(tiny_models["llama"], dtype="float32"))
+    (folder / "pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="corrupt checkpoint file .*pytorch_model.bin"):
+        LLM(folder, dtype="float32")

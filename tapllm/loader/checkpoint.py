@@ -54,8 +54,8 @@ def resolve_model(model: str | Path | None, revision: str | None = None, downloa
         return gguf_to_folder(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model: {path} has no config.json")
-    if not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(f"model: {path} has no *.safetensors weights")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        raise FileNotFoundError(f"model: {path} has no *.safetensors (or pytorch_model*.bin) weights")
     return path
 
 

@@ -32,13 +32,13 @@ def snapshot(repo_id: str, revision: str | None = None, cache_dir: str | Path | 
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    patterns = patterns or MODEL_FILES
+    patterns = patterns if patterns is not None else MODEL_FILES
     cache = str(cache_dir) if cache_dir is not None else constants.HF_HUB_CACHE
     try:
-        folder = snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns,
-                                   local_files_only=True)
+        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns,
+                                        local_files_only=True))
         logger.info("%s %s (%s) found in the Hugging Face cache %s", what, repo_id, revision or "main", cache)
-        return Path(folder)
+        return folder
     except LocalEntryNotFoundError:
         pass
     except Exception as exc:  # a malformed id or revision, a broken cache entry
@@ -49,7 +49,12 @@ def snapshot(repo_id: str, revision: str | None = None, cache_dir: str | Path | 
                                 "where the Hub is reachable, or give a local folder or .gguf file")
     logger.info("downloading %s %s (%s) into %s", what, repo_id, revision or "main", cache)
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns))
+        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns))
+        if patterns is MODEL_FILES and not any(folder.glob("*.safetensors")):
+            # An older checkpoint (e.g. a training run's intermediate revision): PyTorch weights only.
+            folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,
+                                            allow_patterns=[*patterns, "pytorch_model*.bin*"]))
+        return folder
     except Exception as exc:  # network errors, unknown repositories, gated models
         raise FileNotFoundError(f"{where}, and downloading it failed ({type(exc).__name__}: {exc}); set "
                                 "HF_HUB_OFFLINE=1 to stop trying, or give a local folder or .gguf file") from None

@@ -1,4 +1,9 @@
-"""Stream tensors out of a folder's safetensors files (sharded or not)."""
+"""Stream tensors out of a folder's safetensors files (sharded or not), or its PyTorch ``.bin`` files.
+
+Older checkpoints (e.g. the intermediate revisions of a training run) ship only
+``pytorch_model*.bin``; those are read with ``torch.load(weights_only=True)``, which
+unpickles tensors and plain containers only, never arbitrary objects.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,11 @@ from safetensors import SafetensorError, safe_open
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, following the shard index when there is one."""
+    """The weight files of a checkpoint (safetensors preferred), following a shard index when there is one."""
+    if not (folder / "model.safetensors.index.json").is_file() and not any(folder.glob("*.safetensors")):
+        bins = _indexed(folder, "pytorch_model.bin.index.json") or sorted(folder.glob("pytorch_model*.bin"))
+        if bins:
+            return bins
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -25,8 +34,29 @@ def weight_files(folder: Path) -> list[Path]:
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+        raise FileNotFoundError(f"no *.safetensors (or pytorch_model*.bin) weights in {folder}")
     return files
+
+
+def _indexed(folder: Path, name: str) -> list[Path]:
+    index = folder / name
+    if not index.is_file():
+        return []
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ValueError(f"corrupt shard index {index}: {exc}") from exc
+    return [folder / n for n in names]
+
+
+def _iter_bin(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # unpickling errors of several kinds
+        raise ValueError(f"corrupt checkpoint file {file}: {exc}") from exc
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint file {file} does not hold a state dict")
+    yield from state.items()
 
 
 def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -38,6 +68,9 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     bf16 model) to the load-time memory peak.
     """
     for file in weight_files(folder):
+        if file.suffix == ".bin":
+            yield from _iter_bin(file)
+            continue
         try:
             with safe_open(str(file), framework="pt") as f:
                 names = list(f.keys())
