@@ -177,6 +177,7 @@ _GEMMA_BLOCK = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+
 # Phi-3: llama.cpp keeps the checkpoint's fused [q; k; v] as attn_qkv and [gate; up] as
 # ffn_up, unpermuted (its Phi-3 rotary is the rotate-half kind), so they load as they are.
 _PHI3_BLOCK = {
