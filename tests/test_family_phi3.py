@@ -107,37 +107,29 @@ def test_longrope_crossing_while_decoding_keeps_cached_keys(phi3):
     assert_matches_reference(LLM(folder, dtype="float32").generate(prompts, params, use_tqdm=False), refs)
 
 
-def _hf_chunked_greedy(model, prompt: list[int], chunk: int, new: int) -> tuple[list[int], list[float]]:
-    """transformers fed the prompt chunk by chunk over its cache, then greedy decoding."""
-    cache, tokens, lps = None, [], []
-    with torch.no_grad():
-        for s in range(0, len(prompt), chunk):
-            out = model(input_ids=torch.tensor([prompt[s:s + chunk]]), cache=cache, use_cache=True)
-            cache = out.cache
-        for _ in range(new):
-            logp = out.logits[0, -1].log_softmax(-1)
-            tokens.append(int(logp.argmax()))
-            lps.append(float(logp[tokens[-1]]))
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
-            cache = out.cache
-    return tokens, lps
+def test_longrope_does_not_depend_on_scheduling(phi3):
+    """A prompt past the limit gives the same results prefilled in chunks, preempted or served from the cache.
 
-
-def test_longrope_chunked_prompt_keeps_earlier_chunks_short(phi3):
-    """A prompt past the limit, prefilled in chunks: chunks ending under the limit use the short factors.
-
-    Each step is one transformers forward over the cache; one forward over the whole prompt
-    would rotate every key with the long factors instead, so the results differ from it.
+    The factors depend on the request alone (its prompt is longer than the limit), so every
+    schedule equals one transformers forward over the whole prompt; the prefix cache keeps the
+    regimes apart.
     """
     folder, model = phi3["longrope"]
-    prompt = random_prompts([40], seed=54)[0]
-    llm = LLM(folder, dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=False)
-    out = llm.generate([prompt], GREEDY, use_tqdm=False)
-    assert_matches_reference(out, [_hf_chunked_greedy(model, prompt, 16, 6)])
-    one_forward = hf_greedy(model, prompt, 6)
-    got = out[0].outputs[0]
-    first_lp = got.logprobs[0][got.token_ids[0]].logprob
-    assert got.token_ids != one_forward[0] or abs(first_lp - one_forward[1][0]) > 1e-3
+    long_prompt = random_prompts([40], seed=54)[0]
+    short = long_prompt[:30]  # a prefix under the limit: the short factors, the same tokens
+    refs = [hf_greedy(model, long_prompt, 6), hf_greedy(model, short, 6)]
+    chunked = LLM(folder, dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert_matches_reference(chunked.generate([long_prompt], GREEDY, use_tqdm=False), refs[:1])
+    cached = LLM(folder, dtype="float32", block_size=4)
+    assert_matches_reference(cached.generate([short], GREEDY, use_tqdm=False), refs[1:])
+    again = cached.generate([long_prompt], GREEDY, use_tqdm=False)  # must not reuse the short-regime blocks
+    assert again[0].metrics["num_cached_tokens"] == 0
+    assert_matches_reference(again, refs[:1])
+    tight = LLM(folder, dtype="float32", block_size=4, kv_cache_blocks=27, enable_prefix_caching=False)
+    batch = [long_prompt, short, long_prompt[:35]]
+    outs = tight.generate(batch, GREEDY, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert_matches_reference(outs[:2], refs)
 
 
 def _phi3_gguf(folder, model, path):

@@ -122,7 +122,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         room = self.model_config.max_model_len - len(token_ids)
         max_tokens = 1 if encode else (params.max_tokens if params.max_tokens is not None else room)
-        req = Request(rid, -1, text, token_ids, params, None, encode_only=encode, max_tokens=max_tokens)
+        req = Request(rid, -1, text, token_ids, params, None, encode_only=encode, max_tokens=max_tokens,
+                      cache_salt=self.runner.model.prompt_salt(len(token_ids)))
         if params.hidden_states is not None:
             req.selection = self._selection(token_ids, params, encode, max_tokens)
         if params.steering:

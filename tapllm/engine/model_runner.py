@@ -218,6 +218,8 @@ class ModelRunner:
             prefills=alone,
             prefill_groups=groups,
             decode_lens=lens,
+            prompt_lens=torch.tensor([it.request.num_prompt_tokens for it in items for _ in range(it.num_tokens)],
+                                     device=dev) if self.model.needs_prompt_lengths else None,
         )
         return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans,
                          prompt_lp_rows)

@@ -64,6 +64,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]  # chunks attended one by one
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     decode_lens: torch.Tensor | None = None  # [num_decodes] context length of each decode row
+    prompt_lens: torch.Tensor | None = None  # [T] prompt length of each row's request (models that ask)
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask_for(self, window: int | None) -> torch.Tensor:

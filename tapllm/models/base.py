@@ -142,6 +142,7 @@ class CausalLM(nn.Module):
     """
 
     final_logit_softcap: float | None = None
+    needs_prompt_lengths = False  # True: the runner fills AttentionMetadata.prompt_lens each step
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -152,6 +153,10 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The residual stream entering block 0 (what ``embed`` captures)."""
         return self.embed_tokens(input_ids)
+
+    def prompt_salt(self, num_prompt: int) -> bytes:
+        """What besides the tokens a request's KV depends on because of its prompt length (b"" by default)."""
+        return b""
 
     def block_context(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata) -> Any:
         """What every block needs about the step's rows (e.g. rotary cos/sin); None by default.

@@ -3,11 +3,13 @@
 The checkpoint already stores ``qkv_proj`` as [q; k; v] and ``gate_up_proj`` as [gate; up],
 our own layouts, so its tensors load as they are. Rotary may be partial
 (``partial_rotary_factor``, Phi-4-mini) and may be LongRoPE (``rope_type`` "longrope", the
-128k models): transformers rotates a whole forward with the long factors once its positions
-reach past ``original_max_position_embeddings``. Here a step plays the part of that
-forward, sequence by sequence: a row takes the long factors when its sequence's last
-position in this step is at or past the limit. Keys already in the cache keep the factors
-they were computed with, exactly as in a transformers forward over its KV cache.
+128k models): transformers rotates a forward with the long factors once the sequence it
+covers is longer than ``original_max_position_embeddings``. Here the choice depends on the
+request alone, never on how it was scheduled: a position takes the long factors when its
+request's prompt is longer than the limit or the position itself is at or past it. That is
+exactly transformers running the whole prompt in one forward and then decoding over its KV
+cache, and it stays the same under chunked prefill, batching and preemption; the prefix
+cache keeps the two regimes apart (``prompt_salt``).
 """
 
 from __future__ import annotations
@@ -22,25 +24,6 @@ from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import LongRopeEmbedding, RotaryEmbedding
 from tapllm.models.base import Attention, CausalLM, GatedMLP, activation
 from tapllm.models.llama import DecoderLayer
-
-
-def sequence_last_positions(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """For each row of the step, the last position its sequence reaches in this step.
-
-    A sequence's rows are contiguous with consecutive positions. A new sequence starts at
-    each decode row (rows ``[0, num_decodes)``, one sequence each), at the first row after
-    them, at each chunk that continues a cached context (``meta.prefills``), and wherever
-    the position is 0 (a fresh prompt, alone or in a group).
-    """
-    t = positions.shape[0]
-    first = positions == 0
-    first[: meta.num_decodes + 1] = True
-    for chunk in meta.prefills:
-        first[chunk.start] = True
-    seq = first.long().cumsum(0) - 1
-    last = torch.zeros(t, dtype=positions.dtype, device=positions.device)
-    last = last.scatter_reduce(0, seq, positions, reduce="amax", include_self=False)
-    return last[seq]
 
 
 class Phi3ForCausalLM(CausalLM):
@@ -65,9 +48,21 @@ class Phi3ForCausalLM(CausalLM):
         self.norm = RMSNorm(cfg.hidden_size, eps, cfg.dtype)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
 
+    @property
+    def needs_prompt_lengths(self) -> bool:
+        """LongRoPE picks its factors from each row's prompt length (``AttentionMetadata.prompt_lens``)."""
+        return isinstance(self.rotary, LongRopeEmbedding)
+
+    def prompt_salt(self, num_prompt: int) -> bytes:
+        """KV computed under the long factors is never shared with a request under the short ones."""
+        if isinstance(self.rotary, LongRopeEmbedding) and num_prompt > self.rotary.original_max:
+            return b"longrope:long"
+        return b""
+
     def block_context(self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(self.rotary, LongRopeEmbedding):
-            long_rows = sequence_last_positions(positions, meta) >= self.rotary.original_max
+            limit = self.rotary.original_max
+            long_rows = (positions >= limit) | (meta.prompt_lens > limit)
             return self.rotary.cos_sin(positions, long_rows, dtype)
         return self.rotary.cos_sin(positions, dtype)
