@@ -115,9 +115,9 @@ def test_unknown_architecture(tiny_models, tmp_path):
     folder = tmp_path / "m"
     shutil.copytree(tiny_models["llama"], folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    cfg["architectures"] = ["MambaForCausalLM"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*not supported"):
+    with pytest.raises(ValueError, match=r"MambaForCausalLM.*not supported; supported: .*GPT2LMHeadModel.*Gemma2ForCausalLM"):
         LLM(folder)
 
 
