@@ -11,6 +11,10 @@ A family describes where its transformers model keeps what the harness hooks (an
   residual stream, after any post-sublayer norm, ``resid_mid`` = ``resid_pre + attn_out``
   as TransformerLens defines it, ``resid_post`` = a block's output, ``embed`` =
   ``output_hidden_states[0]``, ``final`` = the final norm's output);
+* the points inside attention and the MLP: ``k``/``v`` equal transformers' KV cache,
+  ``attn_pattern`` its ``output_attentions`` (eager attention), ``z`` the output projection's
+  input, ``mlp_post`` the down projection's input, and ``q`` reproduces the pattern with
+  the captured keys (transformers keeps no post-rotary queries);
 * steering at every point kind (an add and an ablate) equals hooks doing the same
   operation at the same place.
 """
@@ -26,7 +30,7 @@ from torch import nn
 
 from conftest import assert_matches_reference, hf_greedy, random_prompts
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
-from tapllm.hidden_states import POINTS
+from tapllm.hidden_states import HIDDEN_POINTS as POINTS
 
 
 @dataclass
@@ -85,6 +89,75 @@ def assert_close_states(got: torch.Tensor, ref: torch.Tensor, what: str, tol: fl
         assert err <= tol * scale, f"{what} layer {li}: max error {err:.3g} at scale {scale:.3g}"
 
 
+_ATTN_O = ("self_attn.o_proj", "attn.c_proj", "attention.dense")
+_MLP_DOWN = ("mlp.down_proj", "mlp.c_proj", "mlp.dense_4h_to_h")
+
+
+def _submodule(block: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    found = dict(block.named_modules())
+    return next(found[n] for n in names if n in found)
+
+
+def hf_head_points(model: nn.Module, layout: HFLayout, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """k, v (the KV cache), attn_pattern (eager ``output_attentions``), z and mlp_post (hooks): per layer lists."""
+    blocks = layout.blocks(model)
+    got: dict[str, list[torch.Tensor]] = {"z": [], "mlp_post": []}
+    handles = []
+    for block in blocks:
+        handles.append(_submodule(block, _ATTN_O).register_forward_pre_hook(
+            lambda m, a: got["z"].append(a[0][0].clone())))
+        handles.append(_submodule(block, _MLP_DOWN).register_forward_pre_hook(
+            lambda m, a: got["mlp_post"].append(a[0][0].clone())))
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([token_ids]), output_attentions=True, use_cache=True)
+    finally:
+        model.set_attn_implementation(previous)
+        for h in handles:
+            h.remove()
+    layers = out.cache.layers
+    return {"k": [layer.keys[0].transpose(0, 1) for layer in layers],  # [T', Hkv, D] (T' < T past a window)
+            "v": [layer.values[0].transpose(0, 1) for layer in layers],
+            "attn_pattern": [a[0].transpose(0, 1) for a in out.attentions],  # [T, H, T]
+            "z": got["z"], "mlp_post": got["mlp_post"]}
+
+
+def check_head_points(llm: LLM, model: nn.Module, layout: HFLayout, prompts: list[list[int]], new: int) -> None:
+    """q, k, v, z, attn_pattern and mlp_post of every block and position equal transformers'."""
+    from tapllm.models.base import Attention
+
+    spec = HiddenStatesSpec(layers="all", points=["q", "k", "v", "z", "attn_pattern", "mlp_post"], positions="all")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, hidden_states=spec),
+                        use_tqdm=False)
+    opts = [next(m for m in layer.modules() if isinstance(m, Attention)).opts
+            for layer in llm.engine.runner.model.layers]
+    for prompt, out in zip(prompts, outs):
+        seq = (prompt + out.outputs[0].token_ids)[:-1]
+        n = len(seq)
+        hs = out.hidden_states
+        ref = hf_head_points(model, layout, seq)
+        what = f"(prompt {len(prompt)} tokens)"
+        for i in range(len(opts)):
+            for point in ("k", "v"):
+                tail = ref[point][i]
+                assert_close_states(hs[point][-len(tail):, i].flatten(1)[:, None], tail.flatten(1)[:, None],
+                                    f"{point} block {i} {what}")
+            for point in ("z", "mlp_post"):
+                assert_close_states(hs[point][:, i].flatten(1)[:, None], ref[point][i].flatten(1)[:, None],
+                                    f"{point} block {i} {what}")
+            pattern = hs["attn_pattern"][:, i]
+            assert pattern.shape == (n, ref["attn_pattern"][i].shape[1], n)
+            assert float((pattern - ref["attn_pattern"][i]).abs().max()) < 1e-4, f"attn_pattern block {i} {what}"
+            # q: with the captured keys it gives transformers' pattern back
+            from tapllm.layers.attention import attention_probs
+
+            keys = hs["k"][:, i].transpose(0, 1)  # [Hkv, T, D]
+            again = attention_probs(hs["q"][:, i], keys, 0, opts[i])
+            assert float((again - ref["attn_pattern"][i]).abs().max()) < 1e-4, f"q block {i} {what}"
+
+
 def check_points(llm: LLM, model: nn.Module, layout: HFLayout, prompts: list[list[int]], new: int) -> None:
     """Every point at every block and position of a batched generate equals the hooks'."""
     spec = HiddenStatesSpec(layers="all", points=list(POINTS), positions="all")
@@ -98,6 +171,7 @@ def check_points(llm: LLM, model: nn.Module, layout: HFLayout, prompts: list[lis
         ref = hf_points(model, layout, seq[:run])
         for point in POINTS:
             assert_close_states(hs[point], ref[point], f"{point} (prompt {len(prompt)} tokens)")
+    check_head_points(llm, model, layout, prompts, new)
 
 
 def check_situations(folder, model: nn.Module, prompts: list[list[int]], new: int) -> None:

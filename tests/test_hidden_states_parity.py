@@ -7,7 +7,7 @@ import torch
 
 from conftest import random_prompts
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
-from tapllm.hidden_states import POINTS
+from tapllm.hidden_states import HIDDEN_POINTS as POINTS
 
 ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3"]
 NEW = 6

@@ -53,6 +53,7 @@ def describe(cfg: CollectConfig, mc: Any, input_sha256: str) -> dict[str, Any]:
     """The run's identity (``run.json``) from the model's config: model, settings, resolved
     layers, input hash. ``ValueError`` for a layer or point the model lacks, or Arrow + bf16."""
     sel = resolve(cfg.spec(), num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
+                  point_shapes=mc.point_shapes(),
                   num_prompt=1, max_positions=1, encode=True)
     if cfg.fmt == "arrow" and not arrow_dtype_ok(mc.dtype):
         raise ValueError(f"--format arrow cannot store {mc.dtype} (Arrow has no bfloat16); "

@@ -234,13 +234,14 @@ class LLMEngine:
         sel = resolve(
             params.hidden_states, num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
             num_prompt=p, max_positions=end, encode=encode, vocab_size=mc.vocab_size,
+            point_shapes=mc.point_shapes(),
         )
         limit = self.config.hidden_states_max_bytes_per_request
         if limit is not None and sel.max_bytes > limit:
             raise ValueError(
                 f"hidden_states: this request could capture up to {sel.max_bytes:,} bytes "
-                f"({sel.max_positions} positions x {sum(len(sel.layer_keys(q)) for q in sel.points)} point-layers "
-                f"x width {sel.width} x {sel.dtype}), over hidden_states_max_bytes_per_request={limit:,}; "
+                f"({sel.max_positions} positions x {sum(sel.row_size(q) for q in sel.points):,} numbers a position "
+                f"x {sel.dtype}), over hidden_states_max_bytes_per_request={limit:,}; "
                 "select fewer layers or positions, reduce, project, or use a smaller dtype"
             )
         return sel

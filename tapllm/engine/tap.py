@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tapllm.layers.attention import AttentionOptions
+
 from tapllm.engine.request import Request
 from tapllm.hidden_states.capture import CopySink, RequestCapture
 from tapllm.hidden_states.plan import CapturePlan, Target, record_at
@@ -66,6 +68,14 @@ class StepTap:
         if target is not None:
             record_at(target, x)
         return x
+
+    def wants_pattern(self, layer: int) -> bool:
+        """True when some request of the step captures block ``layer``'s attention pattern."""
+        return self.capture is not None and self.capture.wants_pattern(layer)
+
+    def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: AttentionOptions) -> None:
+        """Compute the attention patterns of block ``layer`` for the requests that asked."""
+        self.capture.pattern(layer, q, k_cache, opts)
 
     def finish(self) -> dict[RequestCapture, str]:
         """Deliver the captured rows to their requests; returns the captures that failed alone."""

@@ -7,6 +7,7 @@ the cache, ends with exactly one row per position.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,25 +15,27 @@ import torch
 from tapllm.hidden_states.reducers import Reducer, get_reducer
 from tapllm.hidden_states.result import HiddenStates
 from tapllm.hidden_states.lens import LensBuffers, LensFn
-from tapllm.hidden_states.spec import DTYPES, LENS_POINTS, PSEUDO_POINTS, HiddenStatesSpec
+from tapllm.hidden_states.spec import (DTYPES, HIDDEN_POINTS, LENS_POINTS, PSEUDO_POINTS, QUERY_HEAD_POINTS,
+                                       HiddenStatesSpec)
 from tapllm.models.tap import PSEUDO_LAYER
 
 
 
 @dataclass(slots=True)
 class Selection:
-    """What one request captures, resolved: points, block indices, positions, width, dtype."""
+    """What one request captures, resolved: points, block indices, positions, shapes, dtype."""
 
     points: tuple[str, ...]
     layers: tuple[int, ...]
     lo: int  # first position captured
     hi: int  # one past the last position the request can reach (an upper bound)
     last_only: bool  # positions="last": only the latest computed position is kept
-    width: int
+    shapes: dict[str, tuple[int, ...]]  # per point, the shape of one layer's row (after heads / project)
     dtype: torch.dtype
     reduce: str | None
     lens_k: int = 0  # logit lens: top tokens kept per state (0: no lens)
     lens_targets: int = 0  # logit lens: target tokens reported per state
+    heads: tuple[int, ...] | None = None  # query heads kept for q, z and attn_pattern (None: all)
 
     def layer_keys(self, point: str) -> tuple[int, ...]:
         """The model's layer keys of ``point``: block indices, or the pseudo-layer."""
@@ -43,12 +46,15 @@ class Selection:
         """Most positions this request can capture."""
         return 1 if self.last_only else self.hi - self.lo
 
+    def row_size(self, point: str) -> int:
+        """Numbers in one position's row of ``point`` (all its layers)."""
+        return len(self.layer_keys(point)) * math.prod(self.shapes[point])
+
     @property
     def max_bytes(self) -> int:
         """Upper bound on the bytes of the result."""
         rows = 1 if self.reduce else self.max_positions
-        per_row = sum(len(self.layer_keys(p)) for p in self.points) * self.width
-        states = rows * per_row * torch.tensor([], dtype=self.dtype).element_size()
+        states = rows * sum(self.row_size(p) for p in self.points) * torch.tensor([], dtype=self.dtype).element_size()
         lens_layers = sum(len(self.layer_keys(p)) for p in self.points if p in LENS_POINTS)
         return states + rows * lens_layers * (12 * self.lens_k + 4 * self.lens_targets)  # int64 ids, float32
 
@@ -63,12 +69,15 @@ def resolve(
     max_positions: int,
     encode: bool,
     vocab_size: int | None = None,
+    point_shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> Selection:
     """Check ``spec`` against the model and request; ``ValueError`` names the field.
 
     ``max_positions`` is how many positions the request can run through the model: the
     prompt for encode; the prompt plus up to ``max_tokens - 1`` generated tokens otherwise
-    (the last sampled token is never run).
+    (the last sampled token is never run). ``point_shapes`` gives the model's row shape of
+    the points inside attention and the MLP (``q``/``z`` ``(heads, head_dim)``, ``k``/``v``
+    ``(kv_heads, head_dim)``, ``mlp_post`` ``(d_mlp,)``).
     """
     layers = _resolve_layers(spec.layers, num_layers)
     if all(p in PSEUDO_POINTS for p in spec.points):
@@ -101,13 +110,44 @@ def resolve(
                 f"hidden_states.positions: window [{lo}, {hi}) lies outside the sequence: {what} "
                 f"(prompt of {p} tokens), so the window must end at or before {end}"
             )
-    width = spec.project.shape[0] if spec.project is not None else hidden_size
+    shapes, heads = _point_shapes(spec, hidden_size, point_shapes or {}, hi)
     dtype = DTYPES[spec.dtype] if spec.dtype else model_dtype
     targets = list(spec.lens_targets or ())
     if vocab_size is not None and any(t >= vocab_size for t in targets):
         raise ValueError(f"hidden_states.lens_targets: token ids must be in [0, {vocab_size}), got {targets}")
-    return Selection(tuple(spec.points), layers, lo, hi, last_only, width, dtype, spec.reduce, spec.lens or 0,
-                     len(targets))
+    return Selection(tuple(spec.points), layers, lo, hi, last_only, shapes, dtype, spec.reduce, spec.lens or 0,
+                     len(targets), heads)
+
+
+def _point_shapes(spec: HiddenStatesSpec, hidden: int, model_shapes: dict[str, tuple[int, ...]], hi: int
+                  ) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...] | None]:
+    """Each point's row shape, after the head selection and the projection."""
+    heads = None
+    if spec.heads is not None:
+        n = model_shapes.get("q", (0,))[0]
+        bad = [h for h in spec.heads if not -n <= h < n]
+        if bad:
+            raise ValueError(f"hidden_states.heads: head {bad[0]} is out of range for {n} query heads")
+        heads = tuple(h % n for h in spec.heads)
+        if len(set(heads)) != len(heads):
+            raise ValueError(f"hidden_states.heads names a head twice: {list(spec.heads)}")
+    shapes = {}
+    for point in spec.points:
+        if point in HIDDEN_POINTS:
+            shapes[point] = (spec.project.shape[0],) if spec.project is not None else (hidden,)
+            continue
+        if spec.project is not None:
+            raise ValueError(f"hidden_states.project applies to hidden-size points only, not {point!r}")
+        if point == "attn_pattern":
+            n = model_shapes["q"][0]
+            shapes[point] = (len(heads) if heads is not None else n, hi)
+        elif point not in model_shapes:
+            raise ValueError(f"hidden_states.points: this model does not expose {point!r}")
+        elif point in QUERY_HEAD_POINTS and heads is not None:
+            shapes[point] = (len(heads), *model_shapes[point][1:])
+        else:
+            shapes[point] = model_shapes[point]
+    return shapes, heads
 
 
 def _resolve_layers(layers: list[int] | str, n: int) -> tuple[int, ...]:
@@ -136,6 +176,7 @@ class RequestCapture:
         self.next_pos = 0  # every position below this has been captured (or is not selected)
         self.last_pos = -1  # positions="last": the position held in the one-row buffer
         self.proj = spec.project.to(device) if spec.project is not None else None
+        self.heads = torch.tensor(sel.heads, device=device) if sel.heads is not None else None
         self.reducers: dict[str, Reducer] | None = None
         if sel.reduce and not sel.last_only:
             self.reducers = {p: self._new_reducer(p) for p in sel.points}
@@ -157,11 +198,14 @@ class RequestCapture:
 
     def _new_reducer(self, point: str) -> Reducer:
         r = get_reducer(self.sel.reduce)()
-        r.start(len(self.sel.layer_keys(point)), self.sel.width, self.device)
+        r.start(len(self.sel.layer_keys(point)), math.prod(self.sel.shapes[point]), self.device)
         return r
 
     def _empty(self, point: str, rows: int) -> torch.Tensor:
-        return torch.empty((rows, len(self.sel.layer_keys(point)), self.sel.width), dtype=self.sel.dtype)
+        shape = (rows, len(self.sel.layer_keys(point)), *self.sel.shapes[point])
+        # attention patterns leave the keys past each row's position zero: allocate zeros
+        return torch.zeros(shape, dtype=self.sel.dtype) if point == "attn_pattern" else \
+            torch.empty(shape, dtype=self.sel.dtype)
 
     def first_needed(self, num_tokens: int) -> int:
         """The first position this request still has to run to capture what it asked for."""
@@ -179,15 +223,23 @@ class RequestCapture:
         return (a, b) if a < b else None
 
     def consume(self, point: str, rows: torch.Tensor, a: int, b: int, sink: CopySink) -> None:
-        """Take the rows ``[b - a, layers, hidden]`` (device, model dtype) of positions ``[a, b)``."""
+        """Take the rows ``[b - a, layers, *shape]`` (device, model dtype) of positions ``[a, b)``.
+
+        Per-head points arrive with every head; the request's ``heads`` are kept here.
+        An ``attn_pattern`` row holds the keys the step computed; the rest stay zero.
+        """
         if self.lens is not None and self.reducers is None:  # a reduction's lens comes at the end
             self.lens.consume(point, rows[-1:] if self.sel.last_only else rows,
                               0 if self.sel.last_only else a - self.sel.lo)
+        if self.heads is not None and point in QUERY_HEAD_POINTS:
+            rows = rows.index_select(2, self.heads)
         if self.proj is not None:
             rows = rows.float() @ self.proj.T
+        if point == "attn_pattern" and rows.shape[-1] < self.sel.shapes[point][-1]:
+            rows = torch.nn.functional.pad(rows, (0, self.sel.shapes[point][-1] - rows.shape[-1]))
         if self.reducers is not None:
             positions = torch.arange(a, b, device=rows.device)
-            self.reducers[point].update(rows.float(), positions)
+            self.reducers[point].update(rows.float().reshape(*rows.shape[:2], -1), positions)
             return
         if self.sel.last_only:
             sink.write(self.buffers[point], rows[-1:])
@@ -218,16 +270,21 @@ class RequestCapture:
         tensors: dict[str, torch.Tensor] = {}
         reduced: dict[str, torch.Tensor] = {}
         for point in sel.points:
+            layers, shape = len(sel.layer_keys(point)), sel.shapes[point]
             if self.reducers is not None:
                 out = reduced[point] = self.reducers[point].finish()
             elif sel.reduce:  # positions="last" with a reduction: reduce the one kept row
                 r = self._new_reducer(point)
                 if n:
-                    r.update(self.buffers[point][:n].float(), positions)
+                    r.update(self.buffers[point][:n].float().reshape(n, layers, -1), positions)
                 out = reduced[point] = r.finish()
             else:
                 buf = self.buffers[point]
                 out = buf[:n].clone() if n < buf.shape[0] else buf
+            if sel.reduce and out.dim() == 2 and len(shape) > 1:  # [layers, prod(shape)] -> [layers, *shape]
+                out = out.reshape(layers, *shape)
+            if point == "attn_pattern" and not sel.reduce:  # keys 0..last captured position
+                out = out[..., : int(positions[-1]) + 1 if n else 0]
             tensors[point] = out.to("cpu", sel.dtype).contiguous()
         lens = None
         if self.lens is not None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tapllm.hidden_states.capture import CopySink, RequestCapture
+from tapllm.layers.attention import AttentionOptions, attention_probs, gather_keys
 
 if TYPE_CHECKING:
     from tapllm.engine.tap import RowSpan
@@ -30,6 +31,16 @@ class CaptureEntry:
     row: int
     a: int
     b: int
+    block_table: list[int] = field(default_factory=list)  # the request's KV blocks (for attention patterns)
+
+
+@dataclass(slots=True)
+class _PatternPlan:
+    """One entry's attention patterns: filled layer by layer during the forward, delivered at ``finish``."""
+
+    entry: CaptureEntry
+    slots: dict[int, int]  # block -> its slot in the entry's own layers
+    stage: torch.Tensor | None = None  # [b - a, layers, heads, b] float32
 
 
 @dataclass(slots=True)
@@ -54,12 +65,22 @@ class CapturePlan:
             capture = span.request.capture
             window = capture.window(span.start, span.num_tokens) if capture is not None else None
             if window is not None:
-                entries.append(CaptureEntry(capture, span.row + window[0] - span.start, *window))
+                entries.append(CaptureEntry(capture, span.row + window[0] - span.start, *window,
+                                            block_table=span.request.block_table))
         self.entries = entries
         self.sink = sink
+        self.patterns: dict[int, list[_PatternPlan]] = {}  # block -> the entries wanting its pattern
+        self._pattern_plans: list[_PatternPlan] = []
         by_point: dict[str, list[CaptureEntry]] = {}
         for e in entries:
             for point in e.capture.sel.points:
+                if point == "attn_pattern":
+                    layers = e.capture.sel.layer_keys(point)
+                    pp_ = _PatternPlan(e, {k: i for i, k in enumerate(layers)})
+                    self._pattern_plans.append(pp_)
+                    for k in layers:
+                        self.patterns.setdefault(k, []).append(pp_)
+                    continue
                 by_point.setdefault(point, []).append(e)
         self.targets: dict[tuple[str, int], Target] = {}
         self.points: list[_PointPlan] = []
@@ -81,11 +102,31 @@ class CapturePlan:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
+    def wants_pattern(self, layer: int) -> bool:
+        """True when some entry captures block ``layer``'s attention pattern."""
+        return layer in self.patterns
+
     def record(self, point: str, layer: int, t: torch.Tensor) -> None:
         """Keep the planned rows of ``t`` ``[tokens, hidden]`` at ``point`` of ``layer``."""
         target = self.targets.get((point, layer))
         if target is not None:
             record_at(target, t)
+
+    def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: AttentionOptions) -> None:
+        """Attention patterns of block ``layer`` for the entries that want them (after the layer's attention).
+
+        ``q`` ``[T, heads, head_dim]`` are the step's queries, ``k_cache`` the layer's key
+        cache, holding every key up to this step's positions.
+        """
+        for pp in self.patterns.get(layer, ()):
+            e = pp.entry
+            n = e.b - e.a
+            keys = gather_keys(k_cache, e.block_table, e.b)  # [Hkv, b, D]
+            rows = q[e.row : e.row + n]
+            probs = attention_probs(rows, keys, e.a, opts)  # [n, heads, b]
+            if pp.stage is None:
+                pp.stage = probs.new_zeros((n, len(pp.slots), *probs.shape[1:]))
+            pp.stage[:, pp.slots[layer]] = probs
 
     def finish(self) -> dict[RequestCapture, str]:
         """Deliver each request's rows, then mark their positions captured.
@@ -96,7 +137,16 @@ class CapturePlan:
         for pp in self.points:
             if pp.stage is None:
                 raise RuntimeError(f"the model never recorded point {pp.point!r}")
+        for pat in self._pattern_plans:
+            if pat.stage is None:
+                raise RuntimeError("the model never computed an attention pattern")
         failed: dict[RequestCapture, str] = {}
+        for pat in self._pattern_plans:
+            e = pat.entry
+            try:
+                e.capture.consume("attn_pattern", pat.stage, e.a, e.b, self.sink)
+            except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                failed[e.capture] = f"hidden_states: capturing 'attn_pattern' failed: {type(exc).__name__}: {exc}"
         for pp in self.points:
             for e, offset, subset in pp.entries:
                 if e.capture in failed:
@@ -119,7 +169,7 @@ def record_at(target: Target, t: torch.Tensor) -> None:
     """Copy the planned rows of ``t`` into ``target``'s slot of its point's stage tensor."""
     pp, slot = target
     if pp.stage is None:
-        pp.stage = t.new_empty((pp.num_rows, len(pp.keys), t.shape[-1]))
+        pp.stage = t.new_empty((pp.num_rows, len(pp.keys), *t.shape[1:]))
     src = t[pp.rows] if isinstance(pp.rows, slice) else t.index_select(0, pp.rows)
     pp.stage[:, slot].copy_(src)
 

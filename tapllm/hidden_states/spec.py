@@ -14,9 +14,16 @@ from tapllm.dtypes import DTYPES  # re-exported: capture.py reads it from here
 from tapllm.hidden_states.reducers import get_reducer
 
 # TransformerLens-style names; see DESIGN.md for their exact meaning.
-BLOCK_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+RESIDUAL_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 PSEUDO_POINTS = ("embed", "final")  # one pseudo-layer each
-POINTS = ("embed", *BLOCK_POINTS, "final")
+HIDDEN_POINTS = ("embed", *RESIDUAL_POINTS, "final")  # rows of hidden_size numbers
+# Inside attention and the MLP: q/k after norms and rotary, per query head (q) or KV head (k, v);
+# z the per-head attention output before the output projection; attn_pattern the softmax
+# weights per query head over the keys; mlp_post the neurons (times the gate in gated MLPs).
+HEAD_POINTS = ("q", "k", "v", "z", "attn_pattern", "mlp_post")
+QUERY_HEAD_POINTS = ("q", "z", "attn_pattern")  # what ``heads`` selects
+BLOCK_POINTS = (*RESIDUAL_POINTS, *HEAD_POINTS)
+POINTS = ("embed", *RESIDUAL_POINTS, "final", *HEAD_POINTS)
 POSITION_NAMES = ("prompt", "generated", "all", "last_prompt", "last")
 LENS_POINTS = ("embed", "resid_pre", "resid_mid", "resid_post", "final")  # residual-stream points
 MAX_LENS_K = 100
@@ -43,6 +50,8 @@ class HiddenStatesSpec:
             (``embed``, ``resid_pre``, ``resid_mid``, ``resid_post``; ``final`` is the model's
             own prediction), computed where the model runs: ``hs.lens``.
         lens_targets: token ids whose logprob the lens also reports at every state.
+        heads: query heads kept for ``q``, ``z`` and ``attn_pattern`` (``None``: all of them;
+            ``k`` and ``v`` always hold every KV head).
 
     Model-independent checks run here; layer range, projection width and the window's fit
     to the sequence are checked when a request is added (they depend on model and prompt).
@@ -56,6 +65,7 @@ class HiddenStatesSpec:
     dtype: str | None = None
     lens: int | None = None
     lens_targets: Sequence[int] | None = None
+    heads: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         self.points = _check_points(self.points)
@@ -69,6 +79,15 @@ class HiddenStatesSpec:
             self.project = _check_project(self.project)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"hidden_states.dtype must be one of {list(DTYPES)} or None, got {self.dtype!r}")
+        if self.heads is not None:
+            if isinstance(self.heads, int):
+                self.heads = [self.heads]
+            try:
+                self.heads = [operator.index(h) for h in self.heads]
+            except TypeError:
+                raise ValueError(f"hidden_states.heads must hold head indices, got {self.heads!r}") from None
+            if not self.heads:
+                raise ValueError("hidden_states.heads is empty: give head indices or leave it out")
         if self.lens_targets is not None and self.lens is None:
             self.lens = 1
         if self.lens is not None:
@@ -142,6 +161,7 @@ class HiddenStatesSpec:
             "dtype": self.dtype,
             "lens": self.lens,
             "lens_targets": list(self.lens_targets) if self.lens_targets is not None else None,
+            "heads": list(self.heads) if self.heads is not None else None,
         }
 
 

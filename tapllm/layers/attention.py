@@ -204,6 +204,29 @@ def _decode_attention(
     return torch.matmul(probs, vd).transpose(0, 1).reshape(b, h, d)
 
 
+def gather_keys(k_cache: torch.Tensor, block_table: list[int], length: int) -> torch.Tensor:
+    """One sequence's first ``length`` cached keys ``[Hkv, length, D]``, from its block table."""
+    bs = k_cache.shape[2]
+    table = torch.tensor(block_table[: -(-length // bs)], device=k_cache.device)
+    return _gather(k_cache, table[None])[:, 0, :length]
+
+
+def attention_probs(q: torch.Tensor, keys: torch.Tensor, first: int, opts: AttentionOptions) -> torch.Tensor:
+    """Softmax attention weights (float32) of queries ``q`` ``[n, H, D]`` at positions ``first..`` over
+    ``keys`` ``[Hkv, S, D]`` (positions ``0..S-1``), masked as the layer masks them: ``[n, H, S]``."""
+    n, h, _ = q.shape
+    keys = keys.repeat_interleave(h // keys.shape[0], dim=0)  # one key head per query head
+    scores = torch.einsum("nhd,hkd->nhk", q.float(), keys.float()) * opts.scale
+    if opts.softcap is not None:
+        scores = torch.tanh(scores / opts.softcap) * opts.softcap
+    qpos = torch.arange(first, first + n, device=q.device)[:, None]
+    kpos = torch.arange(keys.shape[1], device=q.device)[None, :]
+    allowed = kpos <= qpos
+    if opts.window is not None:
+        allowed &= kpos > qpos - opts.window
+    return scores.masked_fill_(~allowed[:, None, :], float("-inf")).softmax(-1)
+
+
 def _finite(v: torch.Tensor) -> torch.Tensor:
     """``v`` with NaN and infinities replaced by 0 (``v`` itself when all are finite)."""
     return torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)

@@ -59,7 +59,9 @@ class Attention(nn.Module):
         return q, k
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, kv: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
+        """Attention of block ``i``; ``q``/``k`` (after norms and rotary), ``v`` and ``z`` (the
+        per-head output before ``o_proj``) pass through ``tap``."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.norm_qk(q, k)
@@ -73,8 +75,11 @@ class Attention(nn.Module):
             r = self.rotary_dim
             q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos_sin)
             q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.opts)
-        return self.o_proj(o.reshape(t, self.q_size))
+        q, k, v = tap("q", i, q), tap("k", i, k), tap("v", i, v)
+        z = tap("z", i, paged_attention(q, k, v, kv[0], kv[1], meta, self.opts))
+        if tap.wants_pattern(i):
+            tap.pattern(i, q, kv[0], self.opts)
+        return self.o_proj(z.reshape(t, self.q_size))
 
 
 class GatedMLP(nn.Module):
@@ -89,9 +94,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias, cfg.dtype)
         self.down_proj = Linear(inter, cfg.hidden_size, bias, cfg.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(tap("mlp_post", i, self.act(gate) * up))
 
 
 class MLP(nn.Module):
@@ -101,11 +106,12 @@ class MLP(nn.Module):
                  intermediate: int) -> None:
         super().__init__()
         self.act = act
+        self.inter = intermediate
         self.up_proj = Linear(cfg.hidden_size, intermediate, bias, cfg.dtype)
         self.down_proj = Linear(intermediate, cfg.hidden_size, bias, cfg.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+    def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
+        return self.down_proj(tap("mlp_post", i, self.act(self.up_proj(x))))
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +184,7 @@ class CausalLM(nn.Module):
 
         ``tap`` (the step's, or none when no request captures or steers) sees every point.
         """
-        tap = tap or no_tap
+        tap = no_tap if tap is None else tap
         x = tap("embed", PSEUDO_LAYER, self.embed(input_ids, positions))
         ctx = self.block_context(positions, x.dtype, meta)
         for i, layer in enumerate(self.layers):

@@ -56,10 +56,10 @@ class GemmaBlock(nn.Module):
     def forward(self, x: torch.Tensor, i: int, tap: Tap, cos_sin: list[tuple[torch.Tensor, torch.Tensor]],
                 kv: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x = tap("resid_pre", i, x)
-        a = tap("attn_out", i, self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin[i], kv,
-                                                                            meta)))
+        a = tap("attn_out", i, self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), cos_sin[i], kv, meta, tap, i)))
         mid = tap("resid_mid", i, x + a)
-        m = tap("mlp_out", i, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(mid))))
+        m = tap("mlp_out", i, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(mid), tap, i)))
         return tap("resid_post", i, mid + m)
 
 

@@ -46,9 +46,9 @@ class GPT2Block(nn.Module):
     def forward(self, x: torch.Tensor, i: int, tap: Tap, ctx: None, kv: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = tap("resid_pre", i, x)
-        a = tap("attn_out", i, self.attn(self.ln_1(x), None, kv, meta))
+        a = tap("attn_out", i, self.attn(self.ln_1(x), None, kv, meta, tap, i))
         mid = tap("resid_mid", i, x + a)
-        m = tap("mlp_out", i, self.mlp(self.ln_2(mid)))
+        m = tap("mlp_out", i, self.mlp(self.ln_2(mid), tap, i))
         return tap("resid_post", i, mid + m)
 
 

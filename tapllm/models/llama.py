@@ -33,9 +33,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, i: int, tap: Tap, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = tap("resid_pre", i, x)
-        a = tap("attn_out", i, self.self_attn(self.input_layernorm(x), cos_sin, kv, meta))
+        a = tap("attn_out", i, self.self_attn(self.input_layernorm(x), cos_sin, kv, meta, tap, i))
         mid = tap("resid_mid", i, x + a)
-        m = tap("mlp_out", i, self.mlp(self.post_attention_layernorm(mid)))
+        m = tap("mlp_out", i, self.mlp(self.post_attention_layernorm(mid), tap, i))
         return tap("resid_post", i, mid + m)
 
 

@@ -1,21 +1,46 @@
-"""What a model sees of capture and steering: one callable, the tap.
+"""What a model sees of capture and steering: the tap.
 
-A model calls ``x = tap(point, layer, x)`` on every named point of its forward (block
-points with the block index, ``embed`` and ``final`` with :data:`PSEUDO_LAYER`) and goes on
-with what the tap returns. The engine's tap (``tapllm.engine.tap.StepTap``) steers and
-records the rows of the requests that asked; :func:`no_tap` is used when none did.
+A model calls ``x = tap(point, layer, x)`` on every named point of its forward (block points
+with the block index, ``embed`` and ``final`` with :data:`PSEUDO_LAYER`; inside attention
+``q``, ``k``, ``v`` ``[T, heads, head_dim]`` and ``z``, inside the MLP ``mlp_post``) and goes on
+with what the tap returns. Attention also asks ``tap.wants_pattern(layer)``: when some
+request of the step captures ``attn_pattern`` there, it hands the tap its queries and the
+layer's key cache (``tap.pattern``). The engine's tap (``tapllm.engine.tap.StepTap``) steers
+and records the rows of the requests that asked; :data:`no_tap` is used when none did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
-Tap = Callable[[str, int, torch.Tensor], torch.Tensor]
 PSEUDO_LAYER = -1  # the layer of the "embed" and "final" points
 
 
-def no_tap(point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+class Tap(Protocol):
+    """The hook a model calls at each point (see the module docstring)."""
+
+    def __call__(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor: ...
+
+    def wants_pattern(self, layer: int) -> bool: ...
+
+    def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: Any) -> None: ...
+
+
+class _NoTap:
     """The tap of a step where nobody captures or steers: returns ``x`` untouched."""
-    return x
+
+    __slots__ = ()
+
+    def __call__(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def wants_pattern(self, layer: int) -> bool:
+        return False
+
+    def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: Any) -> None:
+        return None
+
+
+no_tap: Tap = _NoTap()
