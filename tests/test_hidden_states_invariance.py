@@ -25,6 +25,8 @@ def _others(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
         None,
         HiddenStatesSpec(points="final", positions="last"),
         HiddenStatesSpec(layers=[0, 2], points="mlp_out", positions="last_prompt", dtype="bfloat16"),
+        HiddenStatesSpec(layers=[1], points=["attn_pattern", "q"], positions=(2, 12), heads=[1]),
+        HiddenStatesSpec(layers=[2], points=["k", "mlp_post"], positions="all", reduce="mean"),
     ]
     prompts = random_prompts([5 + 7 * i for i in range(n)], seed=11)
     return prompts, [_params(specs[i % len(specs)]) for i in range(n)]
@@ -132,3 +134,43 @@ def test_states_belong_to_their_request(tiny_models):
         assert e.outputs == [] and e.hidden_states["resid_post"].shape == (len(p), 3, 64)
         a, b = o.hidden_states["resid_post"], e.hidden_states["resid_post"]
         assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(a.abs().max()))
+
+
+HEADS = HiddenStatesSpec(layers=[0, 2], points=["q", "k", "v", "z", "attn_pattern", "mlp_post"], positions="all",
+                         heads=[3, 0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma-like-window"])
+def test_head_points_are_the_same_in_every_situation(arch, tiny_models, tmp_path):
+    """The points inside attention and the MLP (patterns included) do not depend on the schedule."""
+    import json
+    import shutil
+
+    path = tiny_models["llama" if arch == "llama" else "mistral"]
+    if arch != "llama":  # a sliding window, so the pattern's mask is not plain causal
+        path = tmp_path / "windowed"
+        shutil.copytree(tiny_models["mistral"], path)
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["sliding_window"] = 8
+        (path / "config.json").write_text(json.dumps(cfg))
+    target = random_prompts([29], seed=6)[0]
+    alone = LLM(path, dtype="float32").generate([target], _params(HEADS), use_tqdm=False)[0]
+    hs = alone.hidden_states
+    n = 29 + NEW - 1
+    assert hs["attn_pattern"].shape == (n, 2, 2, n) and hs["q"].shape == (n, 2, 2, 16)
+    assert hs["k"].shape == (n, 2, 2, 16) and hs["mlp_post"].shape == (n, 2, 128)
+    prompts, params = _others(9)
+    situations = {
+        "batched": LLM(path, dtype="float32"),
+        "chunked": LLM(path, dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False),
+        "preempted": LLM(path, dtype="float32", block_size=4, kv_cache_blocks=40, enable_prefix_caching=False),
+    }
+    for what, llm in situations.items():
+        out = llm.generate(prompts[:4] + [target] + prompts[4:], params[:4] + [_params(HEADS)] + params[4:],
+                           use_tqdm=False)[4]
+        _assert_same(out, alone, what)
+    assert situations["preempted"].engine.scheduler.num_preemptions > 0
+    cached = LLM(path, dtype="float32", block_size=4)
+    cached.generate([target], _params(None), use_tqdm=False)
+    hit = cached.generate([target], _params(HEADS), use_tqdm=False)[0]
+    _assert_same(hit, alone, "after a prefix-cache hit")

@@ -231,7 +231,7 @@ def test_control_vector_files(tiny_models, tmp_path):
         (dict(layers=[0], vector=torch.full((64,), float("nan"))), r"steering\.vector holds NaN or infinite values"),
         (dict(layers=[0], vector=_vec(1), point="embed"), r"steering\.point: unknown point 'embed'"),
         (dict(layers=[0], vector=torch.zeros(64), op="ablate"), r"is zero: there is no direction to ablate"),
-        (dict(layers=[0], vector=_vec(1), op="scale"), r"steering\.op must be one of"),
+        (dict(layers=[0], vector=_vec(1), op="multiply"), r"steering\.op must be one of"),
         (dict(layers=[0], vector=_vec(1), colour=1), r"steering: unknown key\(s\) \['colour'\]"),
         (dict(vector=_vec(1)), r"steering\.layers is required"),
     ],

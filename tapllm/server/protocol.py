@@ -56,15 +56,20 @@ class HiddenStatesRequest(BaseModel):
 
 
 class SteerRequest(BaseModel):
-    """One entry of the ``steering`` extension; vectors as ``{"shape", "dtype", "data"}`` or lists."""
+    """One entry of the ``steering`` extension (``Steer``'s fields); tensors as ``{"shape", "dtype", "data"}``
+    or nested lists."""
 
     model_config = ConfigDict(extra="forbid")
     layers: list[int] | None = None
     point: str = "resid_post"
     op: str = "add"
-    vector: WireTensor | list[float] | dict[str, WireTensor | list[float]]
+    vector: WireTensor | list[float] | list[list[float]] | dict[str, WireTensor | list[float]] | None = None
     scale: float = 1.0
-    positions: str = "all"
+    positions: str | list[int] = "all"
+    value: float = 0.0
+    values: WireTensor | list[Any] | None = None
+    heads: list[int] | None = None
+    neurons: list[int] | None = None
 
     def to_steer(self) -> Steer:
         """The engine-side ``Steer``; ``ValueError`` names the field."""
@@ -73,8 +78,12 @@ class SteerRequest(BaseModel):
             vector = vector.model_dump()
         elif isinstance(vector, dict):
             vector = {k: v.model_dump() if isinstance(v, WireTensor) else v for k, v in vector.items()}
+        values: Any = self.values
+        if isinstance(values, WireTensor):
+            values = tensor_from_wire(values.model_dump(), "steering.values")
         return Steer(layers=self.layers, point=self.point, op=self.op, vector=vector, scale=self.scale,
-                     positions=self.positions)
+                     positions=self.positions, value=self.value, values=values, heads=self.heads,
+                     neurons=self.neurons)
 
 
 class _Sampling(BaseModel):

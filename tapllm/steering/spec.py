@@ -1,7 +1,15 @@
-"""``Steer``: add or ablate a direction in the residual stream of one request.
+"""``Steer``: change one request's activations at a named point — steer, ablate, patch.
 
-``add`` adds ``scale * vector``; ``ablate`` removes the component along the unit direction,
-``x - (x . d) d`` (``scale`` is ignored). Several steers of a request compose in order.
+Operations, applied in place to the selected positions (and heads or neurons):
+
+* ``add``: ``x + scale * vector``;
+* ``ablate``: remove the component along the unit direction, ``x - (x . d) d``;
+* ``clamp``: set that component to ``value``, ``x + (value - x . d) d`` (SAE feature steering);
+* ``scale``: ``scale * x``;
+* ``set``: replace the state by given ``values`` (activation patching: clean -> corrupted),
+  e.g. straight from another request's ``RequestOutput.hidden_states``.
+
+Several steers of a request compose in order.
 """
 
 from __future__ import annotations
@@ -18,23 +26,39 @@ import torch
 
 from tapllm._options import from_mapping
 
-STEER_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-OPS = ("add", "ablate")
+RESIDUAL_STEER_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+HEAD_STEER_POINTS = ("q", "k", "v", "z")  # per head: q/z per query head, k/v per KV head
+STEER_POINTS = (*RESIDUAL_STEER_POINTS, *HEAD_STEER_POINTS, "mlp_post")
+OPS = ("add", "ablate", "clamp", "scale", "set")
 STEER_POSITIONS = ("all", "prompt", "generated")
 
 
 @dataclass(slots=True)
 class Steer:
-    """One steering operation.
+    """One operation on a request's activations.
 
     Args:
         layers: block indices (negative from the end); may be omitted when ``vector`` is a
-            ``{layer: vector}`` dict, whose keys then name the blocks.
-        point: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out`` or ``resid_post`` (see DESIGN.md).
-        op: ``"add"`` or ``"ablate"``.
-        vector: a ``[hidden]`` tensor for every listed block, or ``{layer: [hidden] tensor}``.
-        scale: multiplies the vector for ``add``.
-        positions: ``"all"``, ``"prompt"`` or ``"generated"``.
+            ``{layer: vector}`` dict, whose keys then name the blocks, or when ``values`` is a
+            ``HiddenStates`` (its layers then).
+        point: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``, ``resid_post`` (see
+            DESIGN.md), ``q``, ``k``, ``v``, ``z`` (per head) or ``mlp_post`` (per neuron).
+        op: ``"add"``, ``"ablate"``, ``"clamp"``, ``"scale"`` or ``"set"`` (see the module docstring).
+        vector: the direction of ``add``/``ablate``/``clamp``: a tensor of the point's last
+            dimension (``[hidden]``; ``[head_dim]`` for a per-head point, applied to every selected
+            head, or ``[heads, head_dim]``; ``[d_mlp]`` or ``[len(neurons)]`` for ``mlp_post``), or
+            ``{layer: tensor}``.
+        scale: multiplies the vector for ``add``; the factor of ``scale``.
+        value: the coefficient ``clamp`` sets along the direction.
+        values: what ``set`` writes: a ``HiddenStates`` holding this point (its positions and
+            layers are used), or a tensor ``[len(positions), *row]`` (every layer) or
+            ``[len(positions), len(layers), *row]``, where ``row`` is the point's row shape after
+            ``heads``/``neurons``.
+        positions: ``"all"``, ``"prompt"``, ``"generated"`` or a list of absolute positions
+            (required for ``set`` unless ``values`` is a ``HiddenStates``).
+        heads: for ``q``/``k``/``v``/``z``, the heads to change (query heads for q/z, KV heads
+            for k/v); ``None``: all.
+        neurons: for ``mlp_post``, the neurons to change; ``None``: all.
     """
 
     layers: Sequence[int] | None = None
@@ -42,19 +66,45 @@ class Steer:
     op: str = "add"
     vector: Any = None
     scale: float = 1.0
-    positions: str = "all"
+    positions: str | Sequence[int] = "all"
+    value: float = 0.0
+    values: Any = None
+    heads: Sequence[int] | None = None
+    neurons: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if self.point not in STEER_POINTS:
             raise ValueError(f"steering.point: unknown point {self.point!r}; choose from {list(STEER_POINTS)}")
         if self.op not in OPS:
             raise ValueError(f"steering.op must be one of {list(OPS)}, got {self.op!r}")
-        if self.positions not in STEER_POSITIONS:
-            raise ValueError(f"steering.positions must be one of {list(STEER_POSITIONS)}, got {self.positions!r}")
-        if not isinstance(self.scale, int | float) or not math.isfinite(self.scale):
-            raise ValueError(f"steering.scale must be a finite number, got {self.scale!r}")
+        for name in ("scale", "value"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                raise ValueError(f"steering.{name} must be a finite number, got {v!r}")
+        self.positions = _positions(self.positions)
+        self.heads = _indices(self.heads, "heads")
+        self.neurons = _indices(self.neurons, "neurons")
+        if self.heads is not None and self.point not in HEAD_STEER_POINTS:
+            raise ValueError(f"steering.heads applies to {list(HEAD_STEER_POINTS)}, not {self.point!r}")
+        if self.neurons is not None and self.point != "mlp_post":
+            raise ValueError(f"steering.neurons applies to 'mlp_post', not {self.point!r}")
+        if self.op == "set":
+            self._check_set()
+            return
+        if self.values is not None:
+            raise ValueError(f"steering.values is for op='set', not {self.op!r}")
+        if self.op == "scale":
+            if self.layers is None:
+                raise ValueError("steering.layers is required")
+            self.layers = _layer_list(self.layers)
+            if self.vector is not None:
+                raise ValueError("steering.vector is not used by op='scale' (scale multiplies the state)")
+            return
+        self._check_vector()
+
+    def _check_vector(self) -> None:
         if self.vector is None:
-            raise ValueError("steering.vector is required: a [hidden] tensor or {layer: tensor}")
+            raise ValueError("steering.vector is required: a tensor of the point's last dimension or {layer: tensor}")
         if isinstance(self.vector, Mapping) and not _is_wire(self.vector):
             vecs = {_layer(k): _vector(v, f"steering.vector[{k}]") for k, v in self.vector.items()}
             if not vecs:
@@ -62,7 +112,7 @@ class Steer:
             if self.layers is None:
                 self.layers = list(vecs)
             else:
-                self.layers = [_layer(x) for x in self.layers]
+                self.layers = _layer_list(self.layers)
                 missing = [x for x in self.layers if x not in vecs]
                 if missing:
                     raise ValueError(f"steering.vector has no vector for layers {missing}")
@@ -71,19 +121,65 @@ class Steer:
             self.vector = _vector(self.vector, "steering.vector")
             if self.layers is None:
                 raise ValueError("steering.layers is required when vector is a single tensor")
-            if isinstance(self.layers, int):
-                self.layers = [self.layers]
-            self.layers = [_layer(x) for x in self.layers]
-        if not self.layers:
-            raise ValueError("steering.layers is empty")
-        if self.op == "ablate":
+            self.layers = _layer_list(self.layers)
+        if self.op in ("ablate", "clamp"):
             for layer in self.layers:
                 if float(self.vector_for(layer).norm()) == 0:
-                    raise ValueError(f"steering.vector for layer {layer} is zero: there is no direction to ablate")
+                    raise ValueError(f"steering.vector for layer {layer} is zero: there is no direction to {self.op}")
+
+    def _check_set(self) -> None:
+        from tapllm.hidden_states.result import HiddenStates
+
+        if self.vector is not None:
+            raise ValueError("steering.vector is not used by op='set': give values")
+        if self.values is None:
+            raise ValueError("steering.values is required for op='set': a HiddenStates or a tensor")
+        if isinstance(self.values, HiddenStates):
+            hs = self.values
+            if self.point not in hs:
+                raise ValueError(f"steering.values holds no {self.point!r} states (it has {list(hs.points)})")
+            if hs.reduce is not None:
+                raise ValueError("steering.values: reduced states have no positions to patch")
+            if self.layers is None:
+                self.layers = list(hs.layers)
+            self.layers = _layer_list(self.layers)
+            missing = [x for x in self.layers if x not in hs.layers]
+            if missing:
+                raise ValueError(f"steering.values holds layers {hs.layers}, not {missing}")
+            have = hs.positions.tolist()
+            if isinstance(self.positions, str):
+                if self.positions != "all":
+                    raise ValueError("steering.positions for values from HiddenStates must be 'all' or a list")
+                self.positions = have
+            missing = [p for p in self.positions if p not in have]
+            if missing:
+                raise ValueError(f"steering.values holds no states at positions {missing[:5]}")
+            rows = torch.tensor([have.index(p) for p in self.positions])
+            cols = torch.tensor([hs.layers.index(x) for x in self.layers])
+            self.values = hs[self.point].index_select(0, rows).index_select(1, cols).float().contiguous()
+        else:
+            if self.layers is None:
+                raise ValueError("steering.layers is required")
+            self.layers = _layer_list(self.layers)
+            if isinstance(self.positions, str):
+                raise ValueError("steering.positions must list the absolute positions the values are for")
+            try:
+                t = self.values if isinstance(self.values, torch.Tensor) else torch.as_tensor(self.values)
+            except (TypeError, ValueError, RuntimeError):
+                raise ValueError("steering.values must be a tensor of numbers or a HiddenStates") from None
+            t = t.detach().to("cpu", torch.float32)
+            if t.dim() < 2 or t.shape[0] != len(self.positions):
+                raise ValueError(f"steering.values must be [len(positions)={len(self.positions)}, ...], "
+                                 f"got shape {tuple(t.shape)}")
+            self.values = t.contiguous()
+        if not torch.isfinite(self.values).all():
+            raise ValueError("steering.values holds NaN or infinite values")
 
     def vector_for(self, layer: int) -> torch.Tensor:
         """The vector applied at ``layer`` (as given in ``layers``)."""
         return self.vector[layer] if isinstance(self.vector, dict) else self.vector
+
+
 
     @classmethod
     def from_any(cls, value: Steer | Mapping[str, Any]) -> Steer:
@@ -110,10 +206,56 @@ class Steer:
     def digest(self) -> bytes:
         """A hash of everything that changes the computation (for the prefix-cache salt)."""
         h = hashlib.blake2b(digest_size=16)
-        h.update(f"{self.point}|{self.op}|{self.scale!r}|{self.positions}|{list(self.layers)}".encode())
-        for layer in self.layers:
-            h.update(self.vector_for(layer).numpy().tobytes())
+        h.update(f"{self.point}|{self.op}|{self.scale!r}|{self.value!r}|{self.positions}|{list(self.layers)}|"
+                 f"{self.heads}|{self.neurons}".encode())
+        if self.op == "set":
+            h.update(str(tuple(self.values.shape)).encode())
+            h.update(self.values.numpy().tobytes())
+        elif self.op != "scale":
+            for layer in self.layers:
+                h.update(self.vector_for(layer).numpy().tobytes())
         return h.digest()
+
+
+def _positions(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        if value not in STEER_POSITIONS:
+            raise ValueError(f"steering.positions must be one of {list(STEER_POSITIONS)} or a list of positions, "
+                             f"got {value!r}")
+        return value
+    try:
+        out = sorted({operator.index(p) for p in value})
+    except TypeError:
+        raise ValueError(f"steering.positions must be a name or a list of absolute positions, got {value!r}") \
+            from None
+    if not out or out[0] < 0:
+        raise ValueError(f"steering.positions must list positions >= 0, got {value!r}")
+    if len(out) != len(list(value)):
+        raise ValueError(f"steering.positions names a position twice: {list(value)}")
+    return out
+
+
+def _indices(value: Any, name: str) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        value = [value]
+    try:
+        out = [operator.index(i) for i in value]
+    except TypeError:
+        raise ValueError(f"steering.{name} must hold integers, got {value!r}") from None
+    if not out or len(set(out)) != len(out):
+        raise ValueError(f"steering.{name} must be a non-empty list without repeats, got {value!r}")
+    return out
+
+
+def _layer_list(layers: Any) -> list[int]:
+    if isinstance(layers, int):
+        layers = [layers]
+    out = [_layer(x) for x in layers]
+    if not out:
+        raise ValueError("steering.layers is empty")
+    return out
 
 
 def _is_wire(value: Mapping) -> bool:
@@ -143,8 +285,8 @@ def _vector(value: Any, field: str) -> torch.Tensor:
         t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{field} must be a 1-D vector of numbers") from None
-    if t.dim() != 1 or t.numel() == 0:
-        raise ValueError(f"{field} must be a 1-D [hidden] vector, got shape {tuple(t.shape)}")
+    if t.dim() not in (1, 2) or t.numel() == 0:
+        raise ValueError(f"{field} must be a [width] vector (or [heads, head_dim]), got shape {tuple(t.shape)}")
     t = t.detach().to("cpu", torch.float32).contiguous()
     if not torch.isfinite(t).all():
         raise ValueError(f"{field} holds NaN or infinite values")
