@@ -127,10 +127,21 @@ class Endpoints:
 
         def build() -> dict[str, Any]:
             choices = []
+            echo = isinstance(body, CompletionRequest) and body.echo
             for i, out in enumerate(outputs):
                 c = out.outputs[0]
-                choices.append(fmt.choice(i, c.text, c.token_ids, c.logprobs, final=c,
-                                          hidden_states=self._states(out, encoding)))
+                if echo:  # the prompt, then the completion; the prompt's first token has no logprob
+                    prompt_text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+                    entries = None if c.logprobs is None else \
+                        [None, *(out.prompt_logprobs or [])[1:], *c.logprobs]
+                    choice = fmt.choice(i, prompt_text + c.text, out.prompt_token_ids + c.token_ids, entries,
+                                        final=c, hidden_states=self._states(out, encoding))
+                else:
+                    choice = fmt.choice(i, c.text, c.token_ids, c.logprobs, final=c,
+                                        hidden_states=self._states(out, encoding))
+                if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
             return {**head, "choices": choices, "usage": formatting.usage(outputs)}
 
         return await _json_response(build)

@@ -92,6 +92,10 @@ def completion_logprobs(token_ids: list[int], entries: LogprobEntries | None, to
     tokens, chosen, tops = [], [], []
     for t, entry in zip(token_ids, entries):
         tokens.append(tokenizer.decode([t]))
+        if entry is None:  # an echoed prompt's first token: nothing predicts it
+            chosen.append(None)
+            tops.append(None)
+            continue
         chosen.append(_logprob(entry[t].logprob))
         tops.append({tokenizer.decode([k]): _logprob(v.logprob) for k, v in _top(entry, n)})
     offsets, pos = [], 0
@@ -99,6 +103,16 @@ def completion_logprobs(token_ids: list[int], entries: LogprobEntries | None, to
         offsets.append(pos)
         pos += len(s)
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(entries: list[dict[int, Logprob] | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token, then ``{token_id: {logprob, rank,
+    decoded_token}}`` per token."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _logprob(lp.logprob), "rank": lp.rank,
+                                            "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
 
 
 def chat_logprobs(token_ids: list[int], entries: LogprobEntries | None, tokenizer: Any, n: int

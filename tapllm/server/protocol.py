@@ -37,6 +37,7 @@ class HiddenStatesRequest(BaseModel):
     dtype: DtypeName | None = None
     lens: int | None = None
     lens_targets: list[int] | None = None
+    heads: list[int] | None = None
     encoding: Literal["base64", "list"] = "base64"
 
     def to_spec(self) -> HiddenStatesSpec:
@@ -51,7 +52,7 @@ class HiddenStatesRequest(BaseModel):
             positions = tuple(positions)
         return HiddenStatesSpec(
             layers=self.layers, points=self.points, positions=positions, reduce=self.reduce, project=project,
-            dtype=self.dtype, lens=self.lens, lens_targets=self.lens_targets,
+            dtype=self.dtype, lens=self.lens, lens_targets=self.lens_targets, heads=self.heads,
         )
 
 
@@ -123,12 +124,16 @@ class _Sampling(BaseModel):
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Top logprobs per prompt token asked for (vLLM's ``prompt_logprobs``; ``None``: none)."""
+        return None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Engine parameters; ``ValueError`` names the field."""
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_wanted(),
             hidden_states=self.hidden_states.to_spec() if self.hidden_states is not None else None,
             steering=[s.to_steer() for s in self.steering] if self.steering else None,
         )
@@ -141,6 +146,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extension: per prompt token, its logprob and the top N
     best_of: int | None = None
     suffix: str | None = None
 
@@ -148,9 +154,15 @@ class CompletionRequest(_Sampling):
         """Top log probabilities per token asked for (``None``: no logprobs)."""
         return self.logprobs
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        """``prompt_logprobs``, or with ``echo`` and ``logprobs`` the prompt's share of the echoed logprobs."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo is not supported"
+        if self.echo and self.stream:
+            return "echo with stream=true is not supported (use it without streaming)"
         if self.best_of not in (None, 1):
             return "best_of: only 1 is supported"
         if self.suffix:
