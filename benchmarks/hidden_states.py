@@ -107,8 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def scenarios(num_layers: int, hidden: int) -> dict[str, HiddenStatesSpec | list[Steer] | None]:
-    """The five capture scenarios and the steering one; the 3 blocks are the second, the middle and the last."""
+def scenarios(num_layers: int, hidden: int, prompt_len: int) -> dict[str, HiddenStatesSpec | list[Steer] | None]:
+    """The capture scenarios and the steering one; the 3 blocks are the second, the middle and the last."""
     three = [1, num_layers // 2, num_layers - 1]
     direction = torch.randn(hidden, generator=torch.Generator().manual_seed(0))
     return {
@@ -119,6 +119,10 @@ def scenarios(num_layers: int, hidden: int) -> dict[str, HiddenStatesSpec | list
         "d 3 blocks every position": HiddenStatesSpec(layers=three, points="resid_pre", positions="all"),
         "e all blocks every position": HiddenStatesSpec(layers="all", points="resid_post", positions="all"),
         "f half the batch steered": [Steer(layers=three, point="resid_post", vector=direction, scale=0.5)],
+        "g patterns 2 blocks, last 32": HiddenStatesSpec(layers=[1, num_layers - 1], points="attn_pattern",
+                                                         positions=(max(0, prompt_len - 32), prompt_len)),
+        "h lens top-5, all blocks": HiddenStatesSpec(layers="all", points="resid_post", positions="last_prompt",
+                                                     lens=5),
     }
 
 
@@ -156,6 +160,76 @@ def run_hf(model: Any, prompts: list[list[int]], new: int, layers: list[int]) ->
         result = [states[b].contiguous() for b in range(states.shape[0])]
     seconds = time.perf_counter() - t0
     return seconds, out.sequences[:, ids.shape[1]:].numel(), result
+
+
+def toolkit_against_hf(folder: Path, model: Any, cfg: Config, num_layers: int, args: argparse.Namespace) -> None:
+    """(i) a patching sweep in one batched call and (j) prompt logprobs, against transformers doing the same work.
+
+    Fresh prompts (another seed) for each. A sweep runs as a researcher runs one: the clean and
+    corrupted baselines first (their logit differences, the clean states), then every patch;
+    tapllm keeps its prefix cache on with 4-token blocks, so each patched run recomputes only
+    from the block holding its patch, and the whole sweep is one batched call.
+    """
+    from tapllm.config import EngineConfig
+
+    llm = LLM(config=EngineConfig(dtype=DTYPE_NAMES[cfg.dtype], max_num_seqs=256, block_size=4,
+                                  kv_cache_memory_gb=4.0, hidden_states_max_bytes_per_request=None))
+    length, window = 32, 16
+    clean, corrupted = make_prompts(2, length, 49152, args.seed + 101)
+    a, b = 1234, 5678
+    logits = HiddenStatesSpec(points="final", positions="last_prompt", lens=1, lens_targets=[a, b])
+    patches = [(layer, pos) for layer in range(num_layers) for pos in range(length - window, length)]
+    t0 = time.perf_counter()
+    llm.generate([clean, corrupted], SamplingParams(max_tokens=1, temperature=0, hidden_states=logits),
+                 use_tqdm=False)  # the baselines
+    clean_hs = llm.encode([clean], dict(layers="all", points="resid_pre", positions="all"), use_tqdm=False)[0]
+    params = [SamplingParams(max_tokens=1, temperature=0, hidden_states=logits, steering=[Steer(
+        op="set", point="resid_pre", layers=[layer], positions=[pos], values=clean_hs.hidden_states)])
+        for layer, pos in patches]
+    outs = llm.generate([corrupted] * len(patches), params, use_tqdm=False)
+    ours = time.perf_counter() - t0
+    diffs = [float(o.hidden_states.lens.target_logprobs[0, 0, 0] - o.hidden_states.lens.target_logprobs[0, 0, 1])
+             for o in outs]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        states = model(torch.tensor([clean]), output_hidden_states=True).hidden_states
+        model(torch.tensor([corrupted]))  # the corrupted baseline
+        theirs_diffs = []
+        for layer, pos in patches:
+            value = states[layer][0, pos]
+
+            def hook(m, args_, kwargs, value=value, pos=pos):
+                x = args_[0].clone()
+                x[0, pos] = value
+                return (x,) + tuple(args_[1:]), kwargs
+
+            handle = model.model.layers[layer].register_forward_pre_hook(hook, with_kwargs=True)
+            lp = model(torch.tensor([corrupted])).logits[0, -1].float().log_softmax(-1)
+            handle.remove()
+            theirs_diffs.append(float(lp[a] - lp[b]))
+    theirs = time.perf_counter() - t0
+    agree = max(abs(x - y) for x, y in zip(diffs, theirs_diffs))
+    print(f"\n(i) patching sweep, {num_layers} blocks x {window} positions ({len(patches)} patched runs of a "
+          f"{length}-token prompt): tapllm {ours:.2f} s in one call, transformers + hooks {theirs:.2f} s in a loop: "
+          f"{theirs / ours:.1f}x faster (largest logit-difference disagreement {agree:.3g})")
+
+    prompts = make_prompts(cfg.batch, cfg.prompt_len, 49152, args.seed + 202)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5), use_tqdm=False)
+    ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), 4):
+            ids = torch.tensor(prompts[i:i + 4])
+            lp = model(ids).logits[:, :-1].float().log_softmax(-1)
+            lp.gather(-1, ids[:, 1:, None])
+            lp.topk(5, dim=-1)
+    theirs = time.perf_counter() - t0
+    n = sum(len(o.prompt_logprobs) for o in outs)
+    print(f"(j) prompt logprobs (top 5), {cfg.batch} x {cfg.prompt_len} tokens: tapllm {ours:.2f} s, transformers "
+          f"(batches of 4, log_softmax, gather, topk) {theirs:.2f} s: {theirs / ours:.1f}x ({n} positions)")
+    del llm
+    gc.collect()
 
 
 def memory_probe(args: argparse.Namespace, folder: Path, cfg: Config, prompts: list[list[int]], three: list[int]) -> None:
@@ -197,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = build_tapllm(folder, cfg.dtype, [cfg])
     hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
-    specs = scenarios(num_layers, hidden)
+    specs = scenarios(num_layers, hidden, args.prompt_len)
     names = list(specs)
     run_tapllm(llm, [p[:16] for p in prompts[:2]], 4, specs["d 3 blocks every position"])  # warm-up
     timer = CaptureTimer()
@@ -240,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.skip_hf:
         return
     model = build_hf(folder, args.dtype)
+    toolkit_against_hf(folder, model, cfg, num_layers, args)
     run_hf(model, [p[:16] for p in prompts[:2]], 4, three)  # warm-up
     seconds, n, result = run_hf(model, prompts, args.new_tokens, three)
     del model, result
