@@ -141,12 +141,12 @@ class HiddenStatesSpec:
                 kwargs[key] = None if val == "none" else val
             elif key == "lens":
                 kwargs[key] = _int(val, "lens")
-            elif key == "lens_targets":
-                kwargs[key] = [_int(v, "lens_targets") for v in val.split(",")]
+            elif key in ("lens_targets", "heads"):
+                kwargs[key] = [_int(v, key) for v in val.split(",")]
             else:
                 raise ValueError(
                     f"--hidden-states: unknown key {key!r}; use layers, points, positions, reduce, dtype, lens, "
-                    "lens_targets"
+                    "lens_targets, heads"
                 )
         return cls(**kwargs)
 

@@ -39,7 +39,7 @@ def _layer_norms(t: torch.Tensor, reduced: bool) -> torch.Tensor:
         return t.reshape(t.shape[0], -1).norm(dim=-1)
     if t.shape[0] == 0:
         return torch.full((t.shape[1],), float("nan"))
-    return t.norm(dim=-1).mean(0)  # [positions, layers, width] -> per layer
+    return t.reshape(*t.shape[:2], -1).norm(dim=-1).mean(0)  # [positions, layers, *row] -> per layer
 
 
 def _compact(layers: list[str]) -> str:
