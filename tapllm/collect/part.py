@@ -21,7 +21,7 @@ from tapllm.config import EngineConfig
 from tapllm.dtypes import dtype_name
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
-from tapllm.hidden_states.spec import HIDDEN_POINTS, HiddenStatesSpec
+from tapllm.hidden_states.spec import HEAD_POINTS, HIDDEN_POINTS, HiddenStatesSpec
 from tapllm.inputs import Item, to_prompt
 from tapllm.sampling_params import SamplingParams
 
@@ -55,7 +55,7 @@ class CollectConfig:
             raise ValueError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
-        inside = [p for p in self.points if p not in HIDDEN_POINTS]
+        inside = [p for p in self.points if p in HEAD_POINTS]
         if inside:
             raise ValueError(f"--points: datasets hold residual-width points ({', '.join(HIDDEN_POINTS)}); "
                              f"{inside} are per head or per neuron: capture them with LLM.encode / generate")
