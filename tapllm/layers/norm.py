@@ -38,17 +38,12 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the scale is ``1 + weight``, and everything is computed in float32.
 
     The checkpoint stores ``weight`` centred on 0. Unlike :class:`RMSNorm`, the product with
     the scale happens in float32 before the cast back (the reference's order for Gemma).
     """
-
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()

@@ -162,20 +162,13 @@ def _gemma_configure(arch: str) -> Callable[[dict[str, Any], dict[str, Any], dic
     return configure
 
 
+# Gemma: Llama's names (no biases), with the four norms around attention and the MLP.
 _GEMMA_BLOCK = {
+    **{k: v for k, v in _LLAMA_BLOCK.items() if not k.endswith(".bias")},
     "attn_norm.weight": "input_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
 }
 
 # Phi-3: llama.cpp keeps the checkpoint's fused [q; k; v] as attn_qkv and [gate; up] as
