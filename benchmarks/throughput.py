@@ -30,12 +30,19 @@ What it measures
     transformers use a torch thread per core; ``auto`` is vLLM's own choice, which keeps one
     core for its front end (on a 2-core machine it then computes on 1 core).
 
+    llama.cpp runs the same way through ``--llamacpp-python`` (a venv with llama-cpp-python)
+    and ``benchmarks/_llamacpp_worker.py``, on the default model's GGUF file as stored (Q4_1:
+    its weights stay quantized), at batch 1 only (its high-level API serves one sequence at a
+    time); its figure is the same for every dtype row. It also prints its decode-only rate.
+
 How to run (from the repository root)
     python benchmarks/throughput.py                  # full grid: batch 1,16,64 x prompt 128,512
                                                       # x 128 new tokens x bf16,fp32 (long on CPU)
     python benchmarks/throughput.py --quick          # batch 16, prompt 128, 32 new tokens, bf16
     python benchmarks/throughput.py --batch-sizes 16 --prompt-lens 128,512 --dtypes bf16
     python benchmarks/throughput.py --engines tapllm,hf,vllm --vllm-python /tmp/vllm-venv/bin/python
+    python benchmarks/throughput.py --batch-sizes 1 --engines tapllm,hf,llamacpp \
+        --llamacpp-python /tmp/llamacpp/bin/python
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ if str(REPO_ROOT) not in sys.path:
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
-ENGINES = ("tapllm", "hf", "vllm")
+ENGINES = ("tapllm", "hf", "vllm", "llamacpp")
 FIRST_TOKEN_ID = 32  # random prompts avoid the low ids, where SmolLM2 keeps its special tokens
 Prompts = list[list[int]]
 Runner = Callable[[Any, Prompts, int], tuple[int, float]]  # (engine, prompts, new tokens) -> (tokens, s)
@@ -115,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-lens", type=int_list, default=[128, 512])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtypes", type=str_list, default=["bf16", "fp32"], help="bf16,fp32")
-    p.add_argument("--engines", type=str_list, default=["tapllm", "hf"], help="tapllm,hf[,vllm]")
+    p.add_argument("--engines", type=str_list, default=["tapllm", "hf"], help="tapllm,hf[,vllm][,llamacpp]")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -133,6 +140,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "engines), 'auto' (vLLM's own: keeps a core for its front end) or a core list like 0-3",
     )
     p.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds per vLLM subprocess")
+    p.add_argument("--llamacpp-python", default=None, help="interpreter of the venv that has llama_cpp")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for tapllm and transformers, and llama.cpp's threads (default: torch's)")
     p.add_argument("--skip-startup", action="store_true", help="skip the time-to-first-token probe")
     p.add_argument("--startup-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -316,17 +326,18 @@ def run_phase(
 # --------------------------------------------------------------------------- vLLM
 
 
-def vllm_interpreter(args: argparse.Namespace) -> tuple[str | None, str]:
-    """The interpreter to run vLLM with, or None and the reason it is unavailable."""
-    if args.vllm_python:
-        if not Path(args.vllm_python).exists():
-            return None, f"--vllm-python {args.vllm_python} does not exist"
-        return args.vllm_python, ""
+def peer_interpreter(engine: str, flag_value: str | None, module: str) -> tuple[str | None, str]:
+    """The interpreter to run a peer engine with, or None and the reason it is unavailable."""
+    flag = f"--{engine}-python"
+    if flag_value:
+        if not Path(flag_value).exists():
+            return None, f"{flag} {flag_value} does not exist"
+        return flag_value, ""
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is not None:
+    if importlib.util.find_spec(module) is not None:
         return sys.executable, ""
-    return None, "vllm is not importable here and no --vllm-python was given"
+    return None, f"{module} is not importable here and no {flag} was given"
 
 
 def all_cpus() -> str:
@@ -344,6 +355,7 @@ def vllm_env(folder: Path, dtype: str, configs: list[Config], omp_bind: str) -> 
     env = dict(os.environ)
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     env["VLLM_CPU_OMP_THREADS_BIND"] = all_cpus() if omp_bind == "all" else omp_bind
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     gib = max(1, int(-(-kv_cache_gb(folder, dtype, configs) * 1e9 // 2**30)))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(gib))
     print(
@@ -352,6 +364,39 @@ def vllm_env(folder: Path, dtype: str, configs: list[Config], omp_bind: str) -> 
         flush=True,
     )
     return env
+
+
+def run_worker(python: str, worker: str, job: dict[str, Any], env: dict[str, str], timeout: float
+               ) -> tuple[dict[str, Any] | None, str]:
+    """Run ``benchmarks/<worker>`` over ``job`` in ``python``; (its result, "") or (None, why)."""
+    script = Path(__file__).resolve().parent / worker
+    with tempfile.TemporaryDirectory(prefix="tapllm-bench-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        cmd = [python, str(script), str(job_path), str(result_path)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None, f"timed out after {timeout:.0f} s"
+        if proc.returncode != 0 or not result_path.exists():
+            return None, f"exit {proc.returncode}: {last_error_line(proc.stderr + proc.stdout)}"
+        return json.loads(result_path.read_text()), ""
+
+
+def record_runs(engine: str, configs: list[Config], runs: dict[str, dict[str, float]], report: Report) -> None:
+    """Put a worker's per-run results into the report and print them."""
+    for cfg in configs:
+        run = runs[cfg.name]
+        report.tok_s[(cfg, engine)] = run["tokens"] / run["seconds"]
+        decode = ""
+        if run.get("decode_seconds"):
+            per_prompt = run["tokens"] / cfg.batch - 1
+            decode = f" (decode alone {per_prompt * cfg.batch / run['decode_seconds']:.1f} tok/s)"
+        print(
+            f"  {engine:6s} {cfg.name:26s} {run['tokens']:6d} tokens in {run['seconds']:8.2f} s = "
+            f"{run['tokens'] / run['seconds']:9.1f} tok/s{decode}",
+            flush=True,
+        )
 
 
 def run_vllm_phase(
@@ -374,37 +419,50 @@ def run_vllm_phase(
             for c in configs
         ],
     }
-    worker = Path(__file__).resolve().parent / "_vllm_worker.py"
-    with tempfile.TemporaryDirectory(prefix="tapllm-bench-") as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        cmd = [python, str(worker), str(job_path), str(result_path)]
-        try:
-            proc = subprocess.run(
-                cmd,
-                env=vllm_env(folder, dtype, configs, args.vllm_omp_bind),
-                capture_output=True,
-                text=True,
-                timeout=args.vllm_timeout,
-            )
-        except subprocess.TimeoutExpired:
-            return f"timed out after {args.vllm_timeout:.0f} s"
-        if proc.returncode != 0 or not result_path.exists():
-            return f"exit {proc.returncode}: {last_error_line(proc.stderr + proc.stdout)}"
-        result = json.loads(result_path.read_text())
-    for cfg in configs:
-        run = result["runs"][cfg.name]
-        report.tok_s[(cfg, "vllm")] = run["tokens"] / run["seconds"]
-        print(
-            f"  vllm   {cfg.name:26s} {run['tokens']:6d} tokens in {run['seconds']:8.2f} s = "
-            f"{run['tokens'] / run['seconds']:9.1f} tok/s",
-            flush=True,
-        )
+    env = vllm_env(folder, dtype, configs, args.vllm_omp_bind)
+    result, error = run_worker(python, "_vllm_worker.py", job, env, args.vllm_timeout)
+    if result is None:
+        return error
+    record_runs("vllm", configs, result["runs"], report)
     tree = result.get("tree_rss_mib")
     report.memory.append(
         f"vllm {dtype}: peak RSS of its front-end process {result['peak_rss_mib']:.0f} MiB"
         + (f", RSS of its process tree after the runs {tree:.0f} MiB" if tree is not None else "")
     )
+    return None
+
+
+def run_llamacpp_phase(
+    args: argparse.Namespace,
+    python: str,
+    configs: list[Config],
+    prompts: dict[tuple[int, int], Prompts],
+    report: Report,
+) -> str | None:
+    """Time the batch-1 configs (any dtype: the GGUF runs as stored) in a llama.cpp subprocess."""
+    from tapllm.loader.checkpoint import default_model_path
+
+    if args.model is not None:
+        return "llama.cpp runs only the default model's GGUF"
+    ones = [c for c in configs if c.batch == 1]
+    if not ones:
+        return "llama.cpp runs batch 1 only, and no batch size of 1 was asked for"
+    first = {(c.prompt_len, c.new_tokens): c for c in reversed(ones)}  # one run per shape
+    job = {
+        "gguf": str(default_model_path()),
+        "n_ctx": max(c.prompt_len + c.new_tokens for c in ones) + 16,
+        "threads": args.threads or torch.get_num_threads(),
+        "runs": [
+            {"name": c.name, "prompts": prompts[(c.batch, c.prompt_len)], "new_tokens": c.new_tokens}
+            for c in first.values()
+        ],
+    }
+    result, error = run_worker(python, "_llamacpp_worker.py", job, dict(os.environ), args.vllm_timeout)
+    if result is None:
+        return error
+    runs = {c.name: result["runs"][first[(c.prompt_len, c.new_tokens)].name] for c in ones}
+    record_runs("llamacpp", ones, runs, report)
+    report.memory.append(f"llama.cpp (GGUF as stored): peak RSS {result['peak_rss_mib']:.0f} MiB")
     return None
 
 
@@ -462,17 +520,18 @@ def fmt_ratio(num: float | None, den: float | None) -> str:
 
 
 def print_table(configs: list[Config], engines: list[str], report: Report) -> None:
-    """config | tapllm tok/s | HF tok/s | tapllm/HF [| vllm tok/s | tapllm/vllm]"""
+    """config | tapllm tok/s | HF tok/s | tapllm/HF [| vllm tok/s | tapllm/vllm] [| llama.cpp ...]"""
     header = ["config", "tapllm tok/s", "HF tok/s", "tapllm/HF"]
-    if "vllm" in engines:
-        header += ["vllm tok/s", "tapllm/vllm"]
+    peers = [e for e in PEERS if e in engines]
+    for peer in peers:
+        header += [f"{peer} tok/s", f"tapllm/{peer}"]
     rows = []
     for cfg in configs:
         tap, hf = report.tok_s.get((cfg, "tapllm")), report.tok_s.get((cfg, "hf"))
         row = [cfg.name, fmt_rate(tap), fmt_rate(hf), fmt_ratio(tap, hf)]
-        if "vllm" in engines:
-            vl = report.tok_s.get((cfg, "vllm"))
-            row += [fmt_rate(vl), fmt_ratio(tap, vl)]
+        for peer in peers:
+            other = report.tok_s.get((cfg, peer))
+            row += [fmt_rate(other), fmt_ratio(tap, other)]
         rows.append(row)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
@@ -500,33 +559,48 @@ def print_environment() -> None:
 # --------------------------------------------------------------------------- main
 
 
+PEERS = {"vllm": "vllm", "llamacpp": "llama_cpp"}  # engine -> module its interpreter must import
+
+
 def run_all(
     args: argparse.Namespace, folder: Path, configs: list[Config], prompts: dict[tuple[int, int], Prompts]
-) -> tuple[Report, str]:
-    """Every engine over every config, dtype by dtype; returns the report and, if vLLM was
-    asked for but did not run, the reason."""
+) -> tuple[Report, dict[str, str]]:
+    """Every engine over every config, dtype by dtype; returns the report and, per peer engine
+    asked for that did not run, the reason."""
     report = Report()
-    vllm_python, vllm_reason = vllm_interpreter(args) if "vllm" in args.engines else (None, "")
+    pythons: dict[str, str | None] = {}
+    reasons: dict[str, str] = {}
+    for engine, module in PEERS.items():
+        if engine in args.engines:
+            pythons[engine], why = peer_interpreter(engine, getattr(args, f"{engine}_python"), module)
+            if why:
+                reasons[engine] = why
     for dtype in args.dtypes:
         dcfgs = [c for c in configs if c.dtype == dtype]
         for engine in args.engines:
-            if engine != "vllm":
+            python = pythons.get(engine)
+            if engine not in PEERS:
                 run_phase(engine, dtype, dcfgs, folder, prompts, report)
-            elif vllm_python and not vllm_reason:
-                error = run_vllm_phase(args, vllm_python, dtype, dcfgs, folder, prompts, report)
-                vllm_reason = error or ""
-    return report, vllm_reason
+            elif python and engine not in reasons and engine == "vllm":
+                error = run_vllm_phase(args, python, dtype, dcfgs, folder, prompts, report)
+                if error:
+                    reasons[engine] = error
+            elif python and engine not in reasons and engine == "llamacpp" and dtype == args.dtypes[0]:
+                error = run_llamacpp_phase(args, python, configs, prompts, report)
+                if error:
+                    reasons[engine] = error
+    return report, reasons
 
 
 def print_summary(
-    configs: list[Config], args: argparse.Namespace, report: Report, vllm_reason: str, startup: str | None
+    configs: list[Config], args: argparse.Namespace, report: Report, reasons: dict[str, str], startup: str | None
 ) -> None:
-    """The table, then vLLM's status, startup time, memory and notes."""
+    """The table, then the peers' status, startup time, memory and notes."""
     print()
     print_table(configs, args.engines, report)
     print()
-    if "vllm" in args.engines and vllm_reason:
-        print(f"vllm: not available ({vllm_reason})")
+    for engine, why in reasons.items():
+        print(f"{engine}: not available ({why})")
     if startup:
         print(startup)
     for line in report.memory:
@@ -543,6 +617,8 @@ def print_summary(
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, run the startup probe and the grid, print the results."""
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.startup_probe:
         startup_probe()
         return
@@ -561,8 +637,8 @@ def main(argv: list[str] | None = None) -> None:
     print_environment()
     print(f"model folder: {folder}")
     startup = None if args.skip_startup else measure_startup()
-    report, vllm_reason = run_all(args, folder, configs, prompts)
-    print_summary(configs, args, report, vllm_reason, startup)
+    report, reasons = run_all(args, folder, configs, prompts)
+    print_summary(configs, args, report, reasons, startup)
 
 
 if __name__ == "__main__":

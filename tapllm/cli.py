@@ -24,7 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="a context shorter than the model's")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="memory of the KV cache (default: a fifth of the available memory, at most 4 GB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="on CUDA, the share of device memory to use (sizes the KV cache); ignored on CPU")
     p.add_argument("--seed", type=int, default=0)

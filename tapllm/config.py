@@ -206,7 +206,9 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (decodes plus prefill chunks).
         block_size: tokens per KV cache block.
         kv_cache_blocks: KV cache size in blocks (overrides ``kv_cache_memory_gb``).
-        kv_cache_memory_gb: memory given to the KV cache.
+        kv_cache_memory_gb: memory given to the KV cache (``None``: a fifth of the memory
+            available at start on CPU, at most 4 GB; its pages are committed only as requests
+            write them, so an idle or lightly used cache costs little).
         enable_prefix_caching: share KV blocks between requests with equal prefixes.
         seed: seeds the generators of requests that set no seed of their own.
         enable_hidden_states: serve ``hidden_states`` requests at all (a service may turn it off).
@@ -232,7 +234,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_blocks: int | None = None
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     enable_hidden_states: bool = True
@@ -255,7 +257,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")

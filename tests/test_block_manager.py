@@ -69,3 +69,62 @@ def test_no_caching_when_disabled():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     _run(bm, _req([1, 2, 3, 4, 5]))
     assert bm.find_cached_prefix(_req([1, 2, 3, 4, 5])) == []
+
+
+def test_blocks_holding_nothing_reusable_are_handed_out_again_first():
+    """The cache's pages are committed on first write: recycling the same blocks keeps the
+    resident set as small as the work, while cached prefixes still wait at the back."""
+    bm = BlockManager(num_blocks=20, block_size=4, enable_prefix_caching=False)
+    first = _req(list(range(10)), "a")
+    _run(bm, first)
+    used = set(first.block_table)
+    bm.free_request(first)
+    for round_ in range(5):
+        r = _req([round_] * 9, f"r{round_}")
+        _run(bm, r)
+        assert set(r.block_table) <= used
+        bm.free_request(r)
+    cached = BlockManager(num_blocks=20, block_size=4, enable_prefix_caching=True)
+    a = _req(list(range(10)), "a")  # 2 full blocks cached, the partial third holds nothing reusable
+    _run(cached, a)
+    full, partial = a.block_table[:2], a.block_table[2]
+    cached.free_request(a)
+    b = _req([7] * 3, "b")
+    _run(cached, b)
+    assert b.block_table == [partial]
+    assert cached.find_cached_prefix(_req(list(range(10)), "c")) == full
+
+
+def test_default_kv_cache_budget_is_a_share_of_available_memory():
+    from tapllm.engine.model_runner import DEFAULT_KV_MAX_BYTES, default_kv_cache_bytes
+
+    budget = default_kv_cache_bytes()
+    assert 0 < budget <= DEFAULT_KV_MAX_BYTES
+
+
+def test_kv_cache_pages_are_committed_a_small_page_at_a_time():
+    """Scattered writes into a fresh cache commit 4 KiB pages, not 2 MiB huge pages (with numpy's
+    zeros, THP made the first prefill of a batch of 16 commit 440 MB instead of 205 MB)."""
+    import re
+    import sys
+
+    import pytest
+    import torch
+
+    from tapllm.engine.model_runner import _zeros
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/status")
+
+    def anon_kib() -> int:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"RssAnon:\s+(\d+)", f.read()).group(1))
+
+    cache = _zeros((256, 2048, 256), torch.float32, torch.device("cpu"))  # 512 MiB
+    before = anon_kib()
+    flat = cache.view(-1)
+    for i in range(64):  # one element every 8 MiB
+        flat[i * (2 << 20)] = 1.0
+    grown = anon_kib() - before
+    assert grown < 16 * 1024, f"64 scattered writes committed {grown} KiB"
+    assert float(cache.sum()) == 64.0

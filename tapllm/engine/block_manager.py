@@ -107,9 +107,14 @@ class BlockManager:
                 self.cached[h] = b
 
     def free_request(self, req: Request) -> None:
-        """Drop the request's references; its blocks go to the back of the LRU list, tail first."""
+        """Drop the request's references. Blocks holding a cached prefix go to the back of the
+        LRU list (tail first); blocks holding nothing reusable go to the front, so they are
+        handed out again before blocks never used, and the cache's resident memory (its pages
+        are committed on first write) stays as small as the work needs."""
         for b in reversed(req.block_table):
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free[b] = None
+                if self.block_hash[b] is None:
+                    self.free.move_to_end(b, last=False)
         req.block_table = []

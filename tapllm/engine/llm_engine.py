@@ -74,8 +74,7 @@ class LLMEngine:
                                  f"({model_config.max_model_len} positions)")
             model_config.max_model_len = config.max_model_len
         if config.gpu_memory_utilization is not None and device.type == "cpu":
-            logger.info("gpu_memory_utilization is ignored on CPU; kv_cache_memory_gb (%.2f) sizes the KV cache",
-                        config.kv_cache_memory_gb)
+            logger.info("gpu_memory_utilization is ignored on CPU; kv_cache_memory_gb sizes the KV cache")
         return cls(model_config, config, device)
 
     def _fit_context_to_cache(self) -> None:
