@@ -46,6 +46,22 @@ def tune_cpu_allocator() -> bool:
     return ok
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the kernel can hand out now without swapping: ``MemAvailable`` from /proc/meminfo,
+    else the free physical pages; ``None`` when neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def release_free_memory() -> bool:
     """Hand the free parts of the heap back to the kernel (glibc ``malloc_trim``); False elsewhere.
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import mmap
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +19,7 @@ from tapllm.hidden_states.capture import CopySink
 from tapllm.layers.attention import AttentionMetadata, PrefillChunk, group_prefills
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
-from tapllm.platform import cpu_support, tune_cpu_allocator
+from tapllm.platform import available_memory_bytes, cpu_support, tune_cpu_allocator
 
 logger = logging.getLogger("tapllm")
 
@@ -30,26 +29,10 @@ DEFAULT_KV_MAX_BYTES = 4e9
 
 
 def default_kv_cache_bytes() -> float:
-    """The KV cache budget when none is set: a fifth of the memory available now, at most 4 GB.
-
-    Available memory is ``MemAvailable`` (what the kernel can hand out without swapping) where
-    /proc/meminfo exists, else the free physical pages; 2 GB when neither can be read.
-    """
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if available is None:
-        try:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return 2e9
-    return min(DEFAULT_KV_SHARE * available, DEFAULT_KV_MAX_BYTES)
+    """The KV cache budget when none is set: a fifth of the memory available now, at most 4 GB
+    (2 GB where the available memory cannot be read)."""
+    available = available_memory_bytes()
+    return 2e9 if available is None else min(DEFAULT_KV_SHARE * available, DEFAULT_KV_MAX_BYTES)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
