@@ -11,8 +11,8 @@ What it measures
       states  ``hidden_states={"layers": [1, L/2, L-1], "points": ["resid_pre"], "positions":
               "prompt"}`` (3 blocks, every prompt position), base64-encoded, in the final chunk
 
-    Workloads alternate (plain, states, plain, states, ...) for ``--rounds`` rounds so drift of
-    the machine does not favour one; each workload's best round counts. Every run gets
+    Workloads run in turn, in reverse order every other round, for ``--rounds`` rounds so drift
+    of the machine does not favour one; each workload's best round counts. Every run gets
     prompts of its own, so no run is served from the prefix cache of another (a request
     capturing prompt positions recomputes them, a plain one would reuse them: that would
     measure caching, not capture). Reported per
@@ -87,19 +87,51 @@ def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     raise RuntimeError("the server did not become healthy")
 
 
-def one_request(client: Any, prompt: list[int], new: int, states: dict | None) -> tuple[float, int, int]:
+# A schema of varied shape whose objects take a few dozen tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "active"],
+    "additionalProperties": False,
+}
+
+
+def request_kwargs(kind: str, states: dict, index: int) -> dict[str, Any]:
+    """The create() arguments of one request of ``kind`` (plain, states, json, n4)."""
+    extra: dict[str, Any] = {"ignore_eos": kind != "json"}
+    kw: dict[str, Any] = {"temperature": 0}
+    if kind == "states":
+        extra["hidden_states"] = states
+    elif kind == "json":
+        kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    elif kind == "n4":
+        kw.update(n=4, temperature=1.0, seed=index)
+    kw["extra_body"] = extra
+    return kw
+
+
+def kind_of(workload: str, index: int) -> str:
+    """The request kind of the ``index``-th request of ``workload``."""
+    if workload == "mixed":
+        return ("n4", "json", "states", "plain")[index % 4]
+    return workload
+
+
+def one_request(client: Any, prompt: list[int], new: int, kwargs: dict[str, Any]) -> tuple[float, int, int]:
     """Stream one completion; returns (time to first token, tokens, bytes of the chunks as JSON).
 
     The byte count re-serializes each parsed chunk, so it approximates what came over the wire.
     """
-    extra: dict[str, Any] = {"ignore_eos": True}
-    if states is not None:
-        extra["hidden_states"] = states
     t0 = time.perf_counter()
     ttft = None
     received = 0
-    stream = client.completions.create(model="default", prompt=prompt, max_tokens=new, temperature=0,
-                                       stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    stream = client.completions.create(model="default", prompt=prompt, max_tokens=new, stream=True,
+                                       stream_options={"include_usage": True}, **kwargs)
     tokens = 0
     for chunk in stream:
         received += len(chunk.model_dump_json())
@@ -110,7 +142,7 @@ def one_request(client: Any, prompt: list[int], new: int, states: dict | None) -
     return (ttft if ttft is not None else time.perf_counter() - t0), tokens, received
 
 
-def run_workload(url: str, prompts: list[list[int]], args: argparse.Namespace, states: dict | None) -> dict:
+def run_workload(url: str, prompts: list[list[int]], args: argparse.Namespace, workload: str, states: dict) -> dict:
     """All clients at once; each sends its share of ``prompts`` in turn."""
     import openai
 
@@ -118,8 +150,11 @@ def run_workload(url: str, prompts: list[list[int]], args: argparse.Namespace, s
                for _ in range(args.clients)]
 
     def client_loop(c: int) -> list[tuple[float, int, int]]:
-        mine = prompts[c * args.requests:(c + 1) * args.requests]
-        return [one_request(clients[c], p, args.new_tokens, states) for p in mine]
+        first = c * args.requests
+        mine = prompts[first:first + args.requests]
+        return [one_request(clients[c], p, args.new_tokens,
+                            request_kwargs(kind_of(workload, first + j), states, first + j))
+                for j, p in enumerate(mine)]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(args.clients) as pool:
@@ -167,12 +202,12 @@ def main(argv: list[str] | None = None) -> None:
     proc = start_server(args, port)
     try:
         run_workload(url, fresh_prompts(args.clients), argparse.Namespace(**{**vars(args), "requests": 1,
-                                                                             "new_tokens": 2}), states)  # warm-up
+                                                                             "new_tokens": 2}), "mixed", states)  # warm-up
         best: dict[str, dict] = {}
+        names = ["plain", "states", "json", "mixed"]
         for r in range(args.rounds):
-            for name, spec in (("plain", None), ("states", states)) if r % 2 == 0 else (("states", states),
-                                                                                          ("plain", None)):
-                res = run_workload(url, fresh_prompts(args.clients * args.requests), args, spec)
+            for name in names if r % 2 == 0 else names[::-1]:
+                res = run_workload(url, fresh_prompts(args.clients * args.requests), args, name, states)
                 print(f"  round {r + 1} {name:6s} {res['req_s']:6.2f} req/s {res['tok_s']:7.1f} tok/s "
                       f"TTFT p50 {res['ttft_p50']:.2f} s p99 {res['ttft_p99']:.2f} s, {res['bytes'] / 1e6:.1f} MB",
                       flush=True)
@@ -189,9 +224,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, res in best.items():
         print(f"{name:8s} {res['req_s']:7.2f} {res['tok_s']:8.1f} {res['ttft_p50']:8.2f}s {res['ttft_p99']:8.2f}s "
               f"{res['bytes'] / 1e6:8.1f} MB")
-    ratio = best["states"]["tok_s"] / best["plain"]["tok_s"]
-    print(f"hidden states (3 blocks x every prompt position, base64): {ratio:.3f}x the plain throughput "
-          f"({100 * (1 - ratio):.1f}% cost)")
+    for name, what in (("states", "hidden states (3 blocks x every prompt position, base64)"),
+                       ("json", "structured output (JSON schema on every request)"),
+                       ("mixed", "mixed (25% n=4, 25% JSON schema, 25% states, 25% plain)")):
+        ratio = best[name]["tok_s"] / best["plain"]["tok_s"]
+        ttft = best[name]["ttft_p50"] / best["plain"]["ttft_p50"]
+        print(f"{what}: {ratio:.3f}x the plain throughput ({100 * (1 - ratio):.1f}% cost), TTFT p50 {ttft:.2f}x")
     print(f"one response: base64 {b64 / 1e6:.2f} MB, float lists {lst / 1e6:.2f} MB: lists are {lst / b64:.2f}x larger")
 
 
