@@ -139,6 +139,19 @@ def test_chat_template_options_equal_llm_chat(server, reference):
                                                    "continue_final_message": True})
     assert r.choices[0].message.content == ref.outputs[0].text
     assert ref.prompt.endswith("My favourite is")
+    # vLLM's prompt_logprobs on chat: beside the choices, whole or with the last chunk of a stream
+    want = reference.chat(messages, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1),
+                          use_tqdm=False)[0]
+    body = {"messages": messages, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    status, resp = server.post("/v1/chat/completions", body)
+    assert status == 200, resp
+    plp = resp["prompt_logprobs"]
+    ids = want.prompt_token_ids
+    assert plp[0] is None and len(plp) == len(ids)
+    assert abs(plp[3][str(ids[3])]["logprob"] - want.prompt_logprobs[3][ids[3]].logprob) < 1e-5
+    stream = list(client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=2, temperature=0,
+                                                 stream=True, extra_body={"prompt_logprobs": 1}))
+    assert stream[-1].model_extra["prompt_logprobs"] == plp
     with pytest.raises(openai.BadRequestError, match="continue_final_message"):
         client.chat.completions.create(model="tiny_llama", messages=prefill, max_tokens=2,
                                        extra_body={"continue_final_message": True})
@@ -162,6 +175,10 @@ def test_echo(server, reference):
     assert lp.token_logprobs[0] is None
     for i in range(1, n):
         assert abs(lp.token_logprobs[i] - ref.prompt_logprobs[i][ref.prompt_token_ids[i]].logprob) < 1e-5
+    chunks = list(client.completions.create(model="tiny_llama", prompt=prompt, max_tokens=2, stream=True,
+                                            extra_body={"prompt_logprobs": 0}))
+    plp = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert plp[-1][0] is None and len(plp[-1]) == n and all(p is None for p in plp[:-1])
     with pytest.raises(openai.BadRequestError, match="echo with stream=true and logprobs"):
         client.completions.create(**common, max_tokens=2, logprobs=1, stream=True)
 

@@ -159,7 +159,10 @@ class Endpoints:
                 if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
-            return {**head, "choices": choices, "usage": formatting.usage(outputs)}
+            result = {**head, "choices": choices, "usage": formatting.usage(outputs)}
+            if isinstance(body, ChatCompletionRequest) and body.prompt_logprobs is not None:
+                result["prompt_logprobs"] = formatting.prompt_logprobs(outputs[0].prompt_logprobs)  # vLLM's place
+            return result
 
         return await json_response(build)
 
@@ -202,7 +205,11 @@ class Endpoints:
                     def final_chunk(i: int = i, u: Update = u, out: RequestOutput = out) -> str:
                         c = fmt.choice(i, u.text, u.token_ids, u.logprobs, final=out.outputs[0],
                                        hidden_states=self._states(out, encoding))
-                        return sse({**head, "choices": [c]})
+                        chunk = {**head, "choices": [c]}
+                        if getattr(body, "prompt_logprobs", None) is not None:  # with the choice's last chunk
+                            where = chunk if fmt.chat else c
+                            where["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
+                        return sse(chunk)
 
                     yield await asyncio.to_thread(final_chunk)
                 elif u.text or u.token_ids:

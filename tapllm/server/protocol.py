@@ -212,10 +212,15 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False  # vLLM's: continue the last message instead of starting one
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
     add_special_tokens: bool = False  # vLLM's default: the template already holds them
+    prompt_logprobs: int | None = None  # vLLM's extension, returned beside the choices
 
     def num_logprobs(self) -> int | None:
         """Top log probabilities per token asked for (``None``: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """vLLM's ``prompt_logprobs``: per prompt token, its logprob and the top N."""
+        return self.prompt_logprobs
 
 
 class HiddenStatesOnlyRequest(BaseModel):
