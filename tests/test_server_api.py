@@ -65,13 +65,14 @@ def test_embeddings_equal_llm_encode(server, reference):
     assert torch.allclose(torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw)), want[0], atol=1e-6)
     # another point, block and pooling, unnormalised; token-id input
     ids = [[5, 6, 7, 8, 9], [10, 11, 12]]
-    r = client.embeddings.create(model="tiny_llama", input=ids, encoding_format="float",
-                                 extra_body={"point": "resid_post", "layer": 1, "pooling": "mean", "normalize": False})
-    ref = reference.encode(ids, HiddenStatesSpec(layers=[1], points="resid_post", positions="prompt", reduce="mean",
-                                                 dtype="float32"), use_tqdm=False)
-    for d, x in zip(r.data, ref):
-        assert torch.allclose(torch.tensor(d.embedding), x.hidden_states["resid_post"].reshape(-1), atol=1e-5)
-    assert r.usage.prompt_tokens == 8
+    for pooling in ("mean", "first"):
+        r = client.embeddings.create(model="tiny_llama", input=ids, encoding_format="float", extra_body={
+            "point": "resid_post", "layer": 1, "pooling": pooling, "normalize": False})
+        ref = reference.encode(ids, HiddenStatesSpec(layers=[1], points="resid_post", positions="prompt",
+                                                     reduce=pooling, dtype="float32"), use_tqdm=False)
+        for d, x in zip(r.data, ref):
+            assert torch.allclose(torch.tensor(d.embedding), x.hidden_states["resid_post"].reshape(-1), atol=1e-5)
+        assert r.usage.prompt_tokens == 8
     # refusals name their field
     for body, field in [({"input": "x", "dimensions": 8}, "dimensions"), ({"input": "x", "point": "q"}, "point"),
                         ({"input": "x", "layer": 0}, "layer"), ({"input": "x", "point": "resid_pre", "layer": 3},

@@ -57,7 +57,9 @@ class EmbeddingRequest(BaseModel):
             raise APIError(400, f"layer does not apply to point {self.point!r} (one pseudo-layer); leave it out",
                            param="layer")
         layers: list[int] | str = "all" if self.point in PSEUDO_POINTS else [-1 if self.layer is None else self.layer]
-        return HiddenStatesSpec(layers=layers, points=[self.point], positions="prompt", reduce=self.pooling,
+        # Only the rows pooled are captured: "last" lets the prefix cache serve the rest of the prompt.
+        positions: Any = {"last": "last_prompt", "first": (0, 1), "mean": "prompt"}[self.pooling]
+        return HiddenStatesSpec(layers=layers, points=[self.point], positions=positions, reduce=self.pooling,
                                 dtype="float32")
 
 
