@@ -45,12 +45,20 @@ def _unit(v: torch.Tensor) -> torch.Tensor:
     return v / v.norm()
 
 
-def test_embeddings_equal_llm_encode(server, reference):
+def test_embeddings_equal_llm_encode(server, reference, tiny_models):
+    from transformers import AutoModelForCausalLM
+
     client = server.client()
     prompts = ["The capital of France is", "Embeddings from a decoder"]
     ref = reference.encode(prompts, HiddenStatesSpec(points="final", positions="prompt", reduce="last",
                                                      dtype="float32"), use_tqdm=False)
     want = [_unit(r.hidden_states["final"].reshape(-1)) for r in ref]
+    # the yardstick: transformers' last hidden state (after the final norm) at the last position
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_models["llama"]), dtype=torch.float32)
+    with torch.no_grad():
+        for r, w in zip(ref, want):
+            h = hf(torch.tensor([r.prompt_token_ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+            assert torch.allclose(_unit(h), w, atol=1e-5)
     # the official client asks for base64 by default and decodes it; "float" sends lists
     for fmt in (openai.NOT_GIVEN, "float"):
         r = client.embeddings.create(model="tiny_llama", input=prompts, encoding_format=fmt)
