@@ -175,6 +175,8 @@ class CompletionRequest(_Sampling):
                     "the end (use it without streaming)")
         if self.echo and self.stream and self.max_tokens == 0:
             return "echo with max_tokens=0 and stream=true is not supported (use it without streaming)"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options is only allowed with stream=true"
         if self.best_of not in (None, 1):
             return "best_of: only 1 is supported"
         return super().unsupported()
@@ -221,6 +223,13 @@ class ChatCompletionRequest(_Sampling):
     def prompt_logprobs_wanted(self) -> int | None:
         """vLLM's ``prompt_logprobs``: per prompt token, its logprob and the top N."""
         return self.prompt_logprobs
+
+    def unsupported(self) -> str | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs needs logprobs=true"  # as OpenAI and vLLM answer
+        if self.stream_options is not None and not self.stream:
+            return "stream_options is only allowed with stream=true"
+        return super().unsupported()
 
 
 class HiddenStatesOnlyRequest(BaseModel):
