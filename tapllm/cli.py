@@ -29,6 +29,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="on CUDA, the share of device memory to use (sizes the KV cache); ignored on CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file (or the template text) used instead of the tokenizer's")
     p.add_argument("--quiet", action="store_true", help="only print results")
 
 

@@ -217,6 +217,8 @@ class EngineConfig:
         enable_steering: accept requests with ``steering``.
         max_steers_per_request: most ``Steer`` entries one request may carry.
         max_logprobs: most ``logprobs`` a request may ask for (vLLM's name and default, 20).
+        chat_template: a Jinja chat template, or a file holding one, used instead of the
+            tokenizer's (vLLM's ``--chat-template``).
     """
 
     model: str | Path | None = None
@@ -242,6 +244,7 @@ class EngineConfig:
     enable_steering: bool = True
     max_steers_per_request: int = 16
     max_logprobs: int = 20
+    chat_template: str | Path | None = None
 
     @classmethod
     def from_cli_args(cls, args: Any, **overrides: Any) -> EngineConfig:

@@ -33,7 +33,7 @@ class LLM:
     ``device``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``kv_cache_blocks``, ``kv_cache_memory_gb``, ``enable_prefix_caching``, ``seed``,
     ``enable_hidden_states``, ``hidden_states_max_bytes_per_request``, ``enable_steering``,
-    ``max_steers_per_request``, ``max_logprobs``); an unknown one is a ``TypeError``. Or pass a
+    ``max_steers_per_request``, ``max_logprobs``, ``chat_template``); an unknown one is a ``TypeError``. Or pass a
     whole ``config=EngineConfig(...)``.
 
     A request that fails alone while running (its reducer plugin raised, its steering made
@@ -126,18 +126,31 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, via the chat template."""
+        """Generate replies to one conversation or a list of them, via the chat template.
+
+        ``continue_final_message=True`` (with ``add_generation_prompt=False``) continues the
+        last message instead of starting a new one; ``chat_template_kwargs`` are extra template
+        variables (vLLM's names).
+        """
         if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
             raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts, or a list of such lists")
         convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in convs]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, continue_final_message=continue_final_message,
+                                            chat_template_kwargs=chat_template_kwargs) for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm)
         return outs
 
-    def apply_chat_template(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, conversation: Sequence[Message], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render a conversation to the prompt text the model expects (messages are checked first)."""
-        return self.engine.render_chat(conversation, add_generation_prompt)
+        return self.engine.render_chat(conversation, add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       chat_template_kwargs=chat_template_kwargs)
 
     def _run(self, total: int, use_tqdm: bool, desc: str) -> None:
         bar = tqdm(total=total, desc=desc, unit="req", disable=not use_tqdm, dynamic_ncols=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from tapllm._text import check_unicode
 from tapllm.sampling_params import SamplingParams
 from tapllm.loader import resolve_model, resolve_tokenizer
 from tapllm.platform import resolve_device
-from tapllm.tokenizer import IncrementalDetokenizer, load_tokenizer, render_chat
+from tapllm.tokenizer import IncrementalDetokenizer, load_chat_template, load_tokenizer, render_chat
 
 logger = logging.getLogger("tapllm")
 
@@ -46,6 +47,8 @@ class LLMEngine:
         self.config = engine_config
         self.device = device
         self.tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path)
+        if engine_config.chat_template is not None:
+            self.tokenizer.chat_template = load_chat_template(engine_config.chat_template)
         self.runner = ModelRunner(model_config, engine_config, device)
         self.blocks = BlockManager(
             self.runner.num_blocks, engine_config.block_size, engine_config.enable_prefix_caching
@@ -95,9 +98,12 @@ class LLMEngine:
             mc.max_model_len = cache_tokens
 
     # ---- admission -------------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """A conversation rendered with the model's chat template (messages checked first)."""
-        return render_chat(self.tokenizer, messages, add_generation_prompt)
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
+                    ) -> str:
+        """A conversation rendered with the chat template (messages checked first; see ``tokenizer.render_chat``)."""
+        return render_chat(self.tokenizer, messages, add_generation_prompt,
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
 
     def prepare(
         self,
@@ -140,6 +146,10 @@ class LLMEngine:
             raise ValueError(f"request_id {req.request_id!r} is already in flight")
         params = req.params
         req.arrival = next(self._arrivals)
+        times = req.times
+        times.queued = time.monotonic()
+        if times.arrival is None:
+            times.arrival = times.queued
         if not params.greedy:
             seed = params.seed
             if seed is None:
@@ -261,6 +271,10 @@ class LLMEngine:
             finished.append(req)
         if not sched.items:
             return finished
+        now = time.monotonic()
+        for it in sched.items:
+            if it.request.times.scheduled is None:
+                it.request.times.scheduled = now
         result = self._execute_isolated(sched.items)
         for req, failure in result.failed.items():
             self._fail(req, failure.message, failure.error_type)
@@ -274,7 +288,9 @@ class LLMEngine:
             if req.encode_only and it.samples:
                 self._finish(req, "length", None)
                 finished.append(req)
+        now = time.monotonic()
         for req, token in result.sampled.items():
+            req.times.on_token(now)
             if self._append_token(req, token):
                 finished.append(req)
         return finished
@@ -336,6 +352,7 @@ class LLMEngine:
         return True
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
+        req.times.finished = time.monotonic()
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

@@ -14,6 +14,29 @@ from tapllm.sampling_params import SamplingParams
 from tapllm.steering.plan import steering_block_salt
 
 
+@dataclass(slots=True)
+class RequestTimes:
+    """When a request reached each stage, in ``time.monotonic()`` seconds (``None``: not yet).
+
+    ``arrival`` is when its caller received it (the server sets it when the HTTP request came
+    in; otherwise when the engine took it); ``queued`` when the engine took it; ``scheduled``
+    when it first ran; ``first_token``/``last_token`` when a step sampled its first/latest token.
+    """
+
+    arrival: float | None = None
+    queued: float | None = None
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+    def on_token(self, now: float) -> None:
+        """A step sampled a token for the request at ``now``."""
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+
+
 class RequestStatus(enum.Enum):
     """Where a request is in its lifecycle."""
 
@@ -61,6 +84,7 @@ class Request:
     max_tokens: int = 1  # params.max_tokens, or the rest of the context when that is None
     error: str | None = None  # why this request alone failed (finish_reason "error")
     error_type: str | None = None  # "invalid_request_error" | "server_error"
+    times: RequestTimes = field(default_factory=RequestTimes)  # stage timestamps, for latency metrics
 
     def __post_init__(self) -> None:
         if not self.token_ids:

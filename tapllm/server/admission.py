@@ -16,6 +16,7 @@ from typing import Any
 
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
+from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.sampling_params import SamplingParams
 from tapllm.server.errors import APIError, check_text
 from tapllm.server.protocol import (
@@ -47,21 +48,34 @@ class Admission:
         self._check_common(body)
         self._check_logprobs(body.logprobs, "logprobs")
         prompts = _prompt_list(body.prompt, "prompt", self.max_prompts_per_request)
-        params = self._params(body, body.max_tokens)  # None: the rest of each prompt's context
-        return self._prepare_all(prompts, params, False, "prompt", request_id)
+        # echo with max_tokens=0 scores the prompt alone (vLLM): one token is run, then dropped
+        max_tokens = 1 if body.echo and body.max_tokens == 0 else body.max_tokens
+        params = self._params(body, max_tokens)  # None: the rest of each prompt's context
+        return self._prepare_all(prompts, params, False, "prompt", request_id, body.add_special_tokens)
 
     def chat(self, body: ChatCompletionRequest, request_id: str) -> Request:
         """The conversation of a ``/v1/chat/completions`` body, rendered and tokenized once."""
         self._check_common(body)
         if body.logprobs:
             self._check_logprobs(body.top_logprobs, "top_logprobs")
-        try:
-            text = self.engine.render_chat(_conversation(body), body.add_generation_prompt)
-        except (ValueError, TypeError) as exc:  # the template refused these messages
-            raise APIError(400, str(exc), param="messages") from None
+        text = self.render_chat(body)
         self._check_prompt_text(text, "messages")
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
-        return self._prepare(text, self._params(body, max_tokens), False, f"{request_id}-0", "")
+        prompt = text if body.add_special_tokens else self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return self._prepare(prompt, self._params(body, max_tokens), False, f"{request_id}-0", "")
+
+    def render_chat(self, body: Any) -> str:
+        """A chat body's conversation as prompt text (``messages``, ``add_generation_prompt``,
+        ``continue_final_message``, ``chat_template_kwargs``); ``APIError`` names the field."""
+        try:
+            return self.engine.render_chat(_conversation(body), body.add_generation_prompt,
+                                           continue_final_message=body.continue_final_message,
+                                           chat_template_kwargs=body.chat_template_kwargs)
+        except (ValueError, TypeError) as exc:  # the template refused these messages or options
+            msg = str(exc)
+            param = next((f for f in ("chat_template_kwargs", "continue_final_message") if msg.startswith(f)),
+                         "messages")
+            raise APIError(400, msg, param=param) from None
 
     def hidden_states(self, body: HiddenStatesOnlyRequest, request_id: str) -> list[Request]:
         """The prompts of a ``/v1/hidden_states`` body (prompt-only, like ``LLM.encode``)."""
@@ -74,10 +88,24 @@ class Admission:
         return self._prepare_all(prompts, params, True, "input", request_id)
 
     # ---- shared checks ------------------------------------------------------------------------
-    def _check_common(self, body: _Sampling | HiddenStatesOnlyRequest) -> None:
-        if body.model is not None and body.model != self.served_model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is ``None`` or the served model's name."""
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
                            f"{self.served_model_name!r}", code="model_not_found", param="model")
+
+    def encode_prompts(self, prompts: PromptInput, spec: HiddenStatesSpec, field: str, request_id: str,
+                       add_special_tokens: bool = True) -> list[Request]:
+        """Prompt-only requests capturing ``spec`` (like ``LLM.encode``), e.g. the embeddings'."""
+        if not self.engine.config.enable_hidden_states:
+            raise APIError(400, "this server does not serve hidden states or embeddings (start it with "
+                           "--enable-hidden-states)", param=field)
+        params = SamplingParams(max_tokens=1, temperature=0, hidden_states=spec)
+        return self._prepare_all(_prompt_list(prompts, field, self.max_prompts_per_request), params, True, field,
+                                 request_id, add_special_tokens)
+
+    def _check_common(self, body: _Sampling | HiddenStatesOnlyRequest) -> None:
+        self.check_model(body.model)
         config = self.engine.config
         if isinstance(body, _Sampling) and (problem := body.unsupported()):
             raise APIError(400, problem)
@@ -137,7 +165,7 @@ class Admission:
         return req
 
     def _prepare_all(self, prompts: Sequence[str | list[int]], params: SamplingParams, encode: bool, field: str,
-                     request_id: str) -> list[Request]:
+                     request_id: str, add_special_tokens: bool = True) -> list[Request]:
         """Every prompt of one HTTP request; their hidden states together must fit the server's limit."""
         many = len(prompts) > 1
         reqs = []
@@ -145,6 +173,8 @@ class Admission:
             name = f"{field}[{i}]" if many else field
             if isinstance(prompt, str):
                 self._check_prompt_text(prompt, name)
+                if not add_special_tokens:
+                    prompt = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
             reqs.append(self._prepare(prompt, params, encode, f"{request_id}-{i}", f"{name}: " if many else ""))
         total = sum(r.max_hidden_states_bytes for r in reqs)
         limit = self.engine.config.hidden_states_max_bytes_per_request
@@ -188,7 +218,7 @@ def _prompt_list(prompt: PromptInput, field: str, limit: int) -> list[str | list
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _conversation(body: ChatCompletionRequest) -> list[dict[str, str]]:
+def _conversation(body: Any) -> list[dict[str, str]]:
     """The messages as ``{"role", "content"}`` text; ``APIError`` names the faulty field."""
     if not body.messages:
         raise APIError(400, "messages is empty", param="messages")
@@ -208,5 +238,9 @@ def _conversation(body: ChatCompletionRequest) -> list[dict[str, str]]:
                 check_text(part["text"], f"{where}.content[{j}].text")
         elif isinstance(m.content, str):
             check_text(m.content, f"{where}.content")
-        conversation.append({"role": m.role, "content": m.text()})
+        message = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            check_text(m.name, f"{where}.name")
+            message["name"] = m.name
+        conversation.append(message)
     return conversation

@@ -20,6 +20,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from tapllm.engine.llm_engine import EngineStats, LLMEngine
 from tapllm.engine.request import Request
@@ -54,6 +55,17 @@ class _Stream:
     queue: asyncio.Queue
     sent_tokens: int = 0
     sent_chars: int = 0
+    last_token_time: float | None = None  # when the previous update's last token was sampled
+
+
+class RequestObserver(Protocol):
+    """Told by the engine thread what each request produced and when (the server's latency metrics)."""
+
+    def inter_token(self, seconds: float, count: int) -> None:
+        """``count`` tokens followed the previous one by ``seconds`` each."""
+
+    def finished(self, request: Request) -> None:
+        """``request`` completed (not aborted, not failed); its ``times`` are all set."""
 
 
 @dataclass(slots=True)
@@ -82,6 +94,7 @@ class AsyncEngine:
         # Loop side: the streams being awaited, so shutdown can end them without the thread.
         self._active: dict[str, _Stream] = {}
         self._closed: str | None = None  # set by abort_all: new requests fail with this message
+        self.observer: RequestObserver | None = None  # set before start()
 
     @property
     def alive(self) -> bool:
@@ -206,6 +219,8 @@ class AsyncEngine:
             end = max(stream.sent_chars, end - (max(len(s) for s in req.params.stop_strings) - 1))
         if not tokens and end == stream.sent_chars and not done:
             return
+        if tokens and self.observer is not None:
+            self._observe(stream, len(tokens))
         text = req.text[stream.sent_chars : end]
         logprobs = req.logprobs[stream.sent_tokens :] if req.logprobs is not None else None
         stream.sent_tokens += len(tokens)
@@ -217,8 +232,23 @@ class AsyncEngine:
             if req.error is not None:  # this request alone failed; the others go on
                 update.error = req.error
                 update.error_type = req.error_type or "server_error"
+            elif self.observer is not None:
+                try:
+                    self.observer.finished(req)
+                except Exception:  # metrics must never stop the engine thread
+                    logger.exception("recording the metrics of request %s failed", req.request_id)
             del self._streams[req.request_id]
         self._push(stream, update)
+
+    def _observe(self, stream: _Stream, count: int) -> None:
+        """Inter-token latencies of the ``count`` tokens the request sampled since its last update."""
+        now = stream.request.times.last_token
+        try:
+            if stream.last_token_time is not None and now is not None:
+                self.observer.inter_token((now - stream.last_token_time) / count, count)  # type: ignore[union-attr]
+        except Exception:  # metrics must never stop the engine thread
+            logger.exception("recording inter-token latency failed")
+        stream.last_token_time = now
 
     def _push(self, stream: _Stream, update: Update) -> None:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, update)

@@ -1,4 +1,5 @@
-"""The routes of the API: completions, chat, hidden states, models, health and metrics.
+"""The routes of the API: completions, chat, hidden states, models, health and metrics (and, from their
+own modules, embeddings, tokenize and detokenize).
 
 A handler parses its body and admits its prompts off the event loop (``admission``), runs
 them on the engine thread (``async_engine``), and writes the response off the loop too
@@ -8,12 +9,12 @@ them on the engine thread (``async_engine``), and writes the response off the lo
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import pydantic
 from fastapi import APIRouter, Request
@@ -24,27 +25,33 @@ from tapllm.outputs import RequestOutput
 from tapllm.server import formatting
 from tapllm.server.admission import Admission
 from tapllm.server.async_engine import AsyncEngine, Update
-from tapllm.server.errors import ERROR_STATUS, APIError, encode
+from tapllm.server.bodies import json_response, parse, until_disconnect, validation_error
+from tapllm.server.embeddings import EmbeddingRequest, EmbeddingRoutes
+from tapllm.server.errors import ERROR_STATUS, APIError
 from tapllm.server.formatting import ChoiceFormat, sse, sse_error
 from tapllm.server.metrics import ServerMetrics
 from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, HiddenStatesOnlyRequest, _Sampling
 from tapllm.server.serving import Lifecycle
+from tapllm.server.tokenize_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeRoutes
 
 logger = logging.getLogger("tapllm")
 
-Model = TypeVar("Model", bound=pydantic.BaseModel)
+__all__ = ["BODIES", "Endpoints", "validation_error"]
 
 # Bodies are parsed off the event loop (not by FastAPI): their schemas are added to the OpenAPI
 # document by name (``app.create_app``).
 BODIES: dict[str, type[pydantic.BaseModel]] = {
     "CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
-    "HiddenStatesOnlyRequest": HiddenStatesOnlyRequest,
+    "HiddenStatesOnlyRequest": HiddenStatesOnlyRequest, "EmbeddingRequest": EmbeddingRequest,
+    "TokenizeCompletionRequest": TokenizeCompletionRequest, "TokenizeChatRequest": TokenizeChatRequest,
+    "DetokenizeRequest": DetokenizeRequest,
 }
 
 
-def _body_of(model: str) -> dict[str, Any]:
-    ref = {"$ref": f"#/components/schemas/{model}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+def _body_of(*models: str) -> dict[str, Any]:
+    refs = [{"$ref": f"#/components/schemas/{m}"} for m in models]
+    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 class Endpoints:
@@ -69,6 +76,10 @@ class Endpoints:
         add("/v1/chat/completions", self.chat, methods=["POST"], openapi_extra=_body_of("ChatCompletionRequest"))
         add("/v1/hidden_states", self.hidden_states, methods=["POST"],
             openapi_extra=_body_of("HiddenStatesOnlyRequest"))
+        EmbeddingRoutes(self).add_routes(router, _body_of("EmbeddingRequest"))
+        TokenizeRoutes(self).add_routes(router, {
+            "/tokenize": _body_of("TokenizeCompletionRequest", "TokenizeChatRequest"),
+            "/detokenize": _body_of("DetokenizeRequest")})
 
     # ---- GET -----------------------------------------------------------------------------
     async def health(self) -> Response:
@@ -87,23 +98,26 @@ class Endpoints:
 
     # ---- POST ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        arrival = time.monotonic()
+        body = await parse(request, CompletionRequest)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs = await asyncio.to_thread(self.admission.completion, body, rid)
+        reqs = arrived(await asyncio.to_thread(self.admission.completion, body, rid), arrival)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.served_model_name}
         return await self._respond(request, body, reqs, head, chat=False)
 
     async def chat(self, request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        arrival = time.monotonic()
+        body = await parse(request, ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        req = await asyncio.to_thread(self.admission.chat, body, rid)
+        req = arrived([await asyncio.to_thread(self.admission.chat, body, rid)], arrival)[0]
         head = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
                 "created": int(time.time()), "model": self.served_model_name}
         return await self._respond(request, body, [req], head, chat=True)
 
     async def hidden_states(self, request: Request) -> Response:
-        body = await _parse(request, HiddenStatesOnlyRequest)
-        reqs = await asyncio.to_thread(self.admission.hidden_states, body, f"hs-{uuid.uuid4().hex}")
+        arrival = time.monotonic()
+        body = await parse(request, HiddenStatesOnlyRequest)
+        reqs = arrived(await asyncio.to_thread(self.admission.hidden_states, body, f"hs-{uuid.uuid4().hex}"), arrival)
         outputs = await self._run_all(request, reqs)
 
         def build() -> dict[str, Any]:
@@ -114,7 +128,7 @@ class Endpoints:
             return {"object": "list", "model": self.served_model_name, "data": data,
                     "usage": {"prompt_tokens": n, "total_tokens": n}}
 
-        return await _json_response(build)
+        return await json_response(build)
 
     # ---- completions and chat ----------------------------------------------------------------
     async def _respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
@@ -125,9 +139,12 @@ class Endpoints:
         outputs = await self._run_all(request, reqs)
         encoding = body.hidden_states.encoding if body.hidden_states is not None else None
 
+        echo = isinstance(body, CompletionRequest) and body.echo
+        if echo and body.max_tokens == 0:  # the prompt alone: drop the one token run to score it
+            outputs = [_without_completion(out) for out in outputs]
+
         def build() -> dict[str, Any]:
             choices = []
-            echo = isinstance(body, CompletionRequest) and body.echo
             for i, out in enumerate(outputs):
                 c = out.outputs[0]
                 if echo:  # the prompt, then the completion; the prompt's first token has no logprob
@@ -142,9 +159,12 @@ class Endpoints:
                 if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
                 choices.append(choice)
-            return {**head, "choices": choices, "usage": formatting.usage(outputs)}
+            result = {**head, "choices": choices, "usage": formatting.usage(outputs)}
+            if isinstance(body, ChatCompletionRequest) and body.prompt_logprobs is not None:
+                result["prompt_logprobs"] = formatting.prompt_logprobs(outputs[0].prompt_logprobs)  # vLLM's place
+            return result
 
-        return await _json_response(build)
+        return await json_response(build)
 
     async def _stream(self, reqs: list[EngineRequest], head: dict[str, Any], body: _Sampling, fmt: ChoiceFormat
                       ) -> AsyncIterator[str]:
@@ -164,6 +184,10 @@ class Endpoints:
         try:
             if fmt.chat:
                 yield sse({**head, "choices": [fmt.choice(0, "", [], None, role="assistant")]})
+            elif isinstance(body, CompletionRequest) and body.echo:  # each prompt first (no logprobs: refused)
+                for i, r in enumerate(reqs):
+                    text = r.prompt if r.prompt is not None else self.tokenizer.decode(r.prompt_token_ids)
+                    yield sse({**head, "choices": [fmt.choice(i, text, [], None)]})
             while len(finals) < len(tasks):
                 i, u = await merged.get()
                 if isinstance(u, BaseException):
@@ -181,7 +205,11 @@ class Endpoints:
                     def final_chunk(i: int = i, u: Update = u, out: RequestOutput = out) -> str:
                         c = fmt.choice(i, u.text, u.token_ids, u.logprobs, final=out.outputs[0],
                                        hidden_states=self._states(out, encoding))
-                        return sse({**head, "choices": [c]})
+                        chunk = {**head, "choices": [c]}
+                        if getattr(body, "prompt_logprobs", None) is not None:  # with the choice's last chunk
+                            where = chunk if fmt.chat else c
+                            where["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
+                        return sse(chunk)
 
                     yield await asyncio.to_thread(final_chunk)
                 elif u.text or u.token_ids:
@@ -199,7 +227,7 @@ class Endpoints:
         """All of a request's prompts; the first to fail ends the others (and the client leaving, all)."""
         tasks = [asyncio.ensure_future(self._result(r)) for r in reqs]
         try:
-            outputs = await _until_disconnect(request, asyncio.gather(*tasks))
+            outputs = await until_disconnect(request, asyncio.gather(*tasks))
         finally:
             for t in tasks:
                 t.cancel()
@@ -231,52 +259,16 @@ class Endpoints:
         return formatting.hidden_states_json(out.hidden_states, encoding)
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await ``work``; cancel it (aborting its requests) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise APIError(499, "client disconnected")
-    finally:
-        task.cancel()
+def arrived(reqs: list[EngineRequest], arrival: float) -> list[EngineRequest]:
+    """``reqs`` stamped with when their HTTP request came in (latency metrics start there)."""
+    for r in reqs:
+        r.times.arrival = arrival
+    return reqs
 
 
-async def _json_response(build: Callable[[], dict[str, Any]]) -> Response:
-    # Large hidden states make big bodies: build and serialize off the event loop.
-    data = await asyncio.to_thread(lambda: encode(build()))
-    return Response(data, media_type="application/json")
-
-
-async def _parse(request: Request, model: type[Model]) -> Model:
-    """The request's JSON body as ``model``, parsed and validated in a worker thread."""
-    raw = await request.body()
-    return await asyncio.to_thread(_parse_body, raw, model)
-
-
-def _parse_body(raw: bytes, model: type[Model]) -> Model:
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON body at character {exc.pos}: {exc.msg}") from None
-    except UnicodeDecodeError:
-        raise APIError(400, "malformed JSON body: it is not valid UTF-8") from None
-    except RecursionError:
-        raise APIError(400, "malformed JSON body: nested too deeply") from None
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as exc:
-        raise validation_error(exc.errors()) from None
-    except RecursionError:
-        raise APIError(400, "request body nested too deeply") from None
-
-
-def validation_error(errors: Sequence[Any]) -> APIError:
-    """The 400 for pydantic's errors: the first, naming its field."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    msg = f"{loc}: {first['msg']}" if loc else first["msg"]
-    return APIError(400, msg, param=loc or None)
+def _without_completion(out: RequestOutput) -> RequestOutput:
+    """``out`` with its completion emptied (echo with max_tokens=0 returns the prompt alone)."""
+    c = out.outputs[0]
+    empty = dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                cumulative_logprob=None, finish_reason="length", stop_reason=None)
+    return dataclasses.replace(out, outputs=[empty])

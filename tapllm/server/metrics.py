@@ -1,14 +1,45 @@
-"""Prometheus metrics of one server (prometheus_client, in a registry of its own)."""
+"""Prometheus metrics of one server (prometheus_client, in a registry of its own).
+
+Two families: the original ``tapllm_*`` series, and vLLM's metric names under a ``tapllm:``
+prefix (``vllm:time_to_first_token_seconds`` is ``tapllm:time_to_first_token_seconds``), so a
+vLLM dashboard works after replacing the prefix. Latencies are measured from the engine
+thread's own timestamps (``Request.times``): arrival is when the HTTP request came in, queue
+time ends when a step first runs the request, a token's time is the end of the step that
+sampled it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tapllm.engine.request import Request
 from tapllm.server.async_engine import AsyncEngine, LoopStats
+
+VLLM = "tapllm:"  # the prefix of the series named after vLLM's
+
+# Seconds: from 1 ms (a cached one-token prompt on a GPU) to 40 minutes (a long queue on a CPU).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 80.0)
+_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def length_buckets(max_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_len`` (and ``max_len`` itself): token-count buckets."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale >= max_len:
+                return (*out, max_len)
+            out.append(m * scale)
+        scale *= 10
 
 
 class _EngineCollector(Collector):
@@ -32,10 +63,77 @@ class _EngineCollector(Collector):
                                   value=e.prefix_cache_queried_tokens)
         yield GaugeMetricFamily("tapllm_prefix_cache_hit_rate", "share of looked-up prompt tokens found in the "
                                 "prefix cache, since start", value=e.prefix_cache_hit_rate)
+        # the same numbers under vLLM's names
+        yield GaugeMetricFamily(VLLM + "num_requests_running", "requests being computed", value=e.running)
+        yield GaugeMetricFamily(VLLM + "num_requests_waiting", "requests queued", value=e.waiting)
+        yield GaugeMetricFamily(VLLM + "kv_cache_usage_perc", "fraction of KV cache blocks in use (1 = full)",
+                                value=e.kv_cache_usage)
+        yield CounterMetricFamily(VLLM + "prefix_cache_hits", "prompt tokens served from the prefix cache",
+                                  value=e.prefix_cache_hit_tokens)
+        yield CounterMetricFamily(VLLM + "prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                  value=e.prefix_cache_queried_tokens)
+
+
+class _Latency:
+    """vLLM's per-request histograms and counters, fed by the engine thread (``RequestObserver``)."""
+
+    def __init__(self, registry: CollectorRegistry, max_len: int) -> None:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(VLLM + name, doc, buckets=buckets, registry=registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "from arrival to the first generated token", _TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "between consecutive generated tokens of a request",
+                        _TOKEN_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds", "a request's mean time per generated token after "
+                         "the first", _TOKEN_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "from arrival to the request's end", _REQUEST_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "from the engine taking the request to its first step",
+                          _REQUEST_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "from the first step to the first token",
+                            _REQUEST_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "from the first token to the last", _REQUEST_BUCKETS)
+        lengths = length_buckets(max_len)
+        self.prompt_len = hist("request_prompt_tokens", "prompt tokens of a finished request", lengths)
+        self.generation_len = hist("request_generation_tokens", "tokens a finished request generated", lengths)
+        self.success = Counter(VLLM + "request_success", "finished requests, by finish reason", ["finished_reason"],
+                               registry=registry)
+        self.prompt_tokens = Counter(VLLM + "prompt_tokens", "prompt tokens of finished requests", registry=registry)
+        self.generation_tokens = Counter(VLLM + "generation_tokens", "generated tokens of finished requests",
+                                         registry=registry)
+        self.preemptions = Counter(VLLM + "num_preemptions", "preemptions of finished requests", registry=registry)
+
+    def inter_token(self, seconds: float, count: int) -> None:
+        for _ in range(count):
+            self.itl.observe(seconds)
+
+    def finished(self, request: Request) -> None:
+        t = request.times
+        generated = 0 if request.encode_only else len(request.output_token_ids)
+        if t.arrival is not None and t.finished is not None:
+            self.e2e.observe(t.finished - t.arrival)
+        if t.queued is not None and t.scheduled is not None:
+            self.queue.observe(t.scheduled - t.queued)
+        if t.first_token is not None:
+            if t.arrival is not None:
+                self.ttft.observe(t.first_token - t.arrival)
+            if t.scheduled is not None:
+                self.prefill.observe(t.first_token - t.scheduled)
+            if t.last_token is not None:
+                self.decode.observe(t.last_token - t.first_token)
+                if generated > 1:
+                    self.tpot.observe((t.last_token - t.first_token) / (generated - 1))
+        self.prompt_len.observe(request.num_prompt_tokens)
+        self.prompt_tokens.inc(request.num_prompt_tokens)
+        if not request.encode_only:
+            self.generation_len.observe(generated)
+            self.generation_tokens.inc(generated)
+        self.success.labels(request.finish_reason or "stop").inc()
+        if request.num_preemptions:
+            self.preemptions.inc(request.num_preemptions)
 
 
 class ServerMetrics:
-    """Request, token and hidden-state counters, plus live gauges read from the engine."""
+    """Request, token and hidden-state counters, latency histograms, and live gauges read from the engine."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry()
@@ -49,6 +147,7 @@ class ServerMetrics:
         self.hidden_states_bytes = Counter("tapllm_hidden_states_bytes", "bytes of hidden states served "
                                            "(tensor bytes, before encoding)", registry=r)
         r.register(_EngineCollector(engine.stats))
+        engine.observer = _Latency(r, engine.engine.model_config.max_model_len)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -87,10 +87,17 @@ class SteerRequest(BaseModel):
                      neurons=self.neurons)
 
 
-class _Sampling(BaseModel):
-    """Fields shared by completions and chat; unknown OpenAI fields are accepted and ignored."""
+class StreamOptions(BaseModel):
+    """``stream_options``: a usage chunk at the end of the stream."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat; any other field is refused (``fields.check_fields``)."""
+
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -98,7 +105,7 @@ class _Sampling(BaseModel):
     min_p: float = 0.0
     n: int = 1
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -106,7 +113,8 @@ class _Sampling(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: metadata, accepted and not used
+    skip_special_tokens: bool = True
     hidden_states: HiddenStatesRequest | None = None
     steering: list[SteerRequest] | None = None
 
@@ -122,7 +130,7 @@ class _Sampling(BaseModel):
 
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def prompt_logprobs_wanted(self) -> int | None:
         """Top logprobs per prompt token asked for (vLLM's ``prompt_logprobs``; ``None``: none)."""
@@ -134,6 +142,7 @@ class _Sampling(BaseModel):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_wanted(),
+            skip_special_tokens=self.skip_special_tokens,
             hidden_states=self.hidden_states.to_spec() if self.hidden_states is not None else None,
             steering=[s.to_steer() for s in self.steering] if self.steering else None,
         )
@@ -148,7 +157,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's extension: per prompt token, its logprob and the top N
     best_of: int | None = None
-    suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: BOS and the like, as the tokenizer adds them
 
     def num_logprobs(self) -> int | None:
         """Top log probabilities per token asked for (``None``: no logprobs)."""
@@ -161,21 +170,25 @@ class CompletionRequest(_Sampling):
         return self.logprobs if self.echo else None
 
     def unsupported(self) -> str | None:
-        if self.echo and self.stream:
-            return "echo with stream=true is not supported (use it without streaming)"
+        if self.echo and self.stream and self.logprobs is not None:
+            return ("echo with stream=true and logprobs is not supported: the prompt's logprobs are known only at "
+                    "the end (use it without streaming)")
+        if self.echo and self.stream and self.max_tokens == 0:
+            return "echo with max_tokens=0 and stream=true is not supported (use it without streaming)"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options is only allowed with stream=true"
         if self.best_of not in (None, 1):
             return "best_of: only 1 is supported"
-        if self.suffix:
-            return "suffix is not supported"
         return super().unsupported()
 
 
 class ChatMessage(BaseModel):
     """One chat message; ``content`` may be a string or a list of text parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # passed to the chat template, which may use it
 
     def text(self) -> str:
         """The message text (text parts joined)."""
@@ -198,15 +211,24 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    continue_final_message: bool = False  # vLLM's: continue the last message instead of starting one
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template
+    add_special_tokens: bool = False  # vLLM's default: the template already holds them
+    prompt_logprobs: int | None = None  # vLLM's extension, returned beside the choices
 
     def num_logprobs(self) -> int | None:
         """Top log probabilities per token asked for (``None``: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def prompt_logprobs_wanted(self) -> int | None:
+        """vLLM's ``prompt_logprobs``: per prompt token, its logprob and the top N."""
+        return self.prompt_logprobs
+
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported"
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs needs logprobs=true"  # as OpenAI and vLLM answer
+        if self.stream_options is not None and not self.stream:
+            return "stream_options is only allowed with stream=true"
         return super().unsupported()
 
 
