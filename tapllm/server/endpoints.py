@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tapllm.engine.request import Request as EngineRequest
-from tapllm.outputs import RequestOutput
+from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
 from tapllm.server.admission import Admission
 from tapllm.server.async_engine import AsyncEngine, Update
@@ -129,19 +129,21 @@ class Endpoints:
             choices = []
             echo = isinstance(body, CompletionRequest) and body.echo
             for i, out in enumerate(outputs):
-                c = out.outputs[0]
-                if echo:  # the prompt, then the completion; the prompt's first token has no logprob
-                    prompt_text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
-                    entries = None if c.logprobs is None else \
-                        [None, *(out.prompt_logprobs or [])[1:], *c.logprobs]
-                    choice = fmt.choice(i, prompt_text + c.text, out.prompt_token_ids + c.token_ids, entries,
-                                        final=c, hidden_states=self._states(out, encoding))
-                else:
-                    choice = fmt.choice(i, c.text, c.token_ids, c.logprobs, final=c,
-                                        hidden_states=self._states(out, encoding))
-                if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
-                choices.append(choice)
+                prompt_text = "" if not echo else \
+                    out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+                for j, c in enumerate(out.outputs):  # n completions a prompt: choice i * n + j
+                    index = i * body.n + j
+                    if echo:  # the prompt, then the completion; the prompt's first token has no logprob
+                        entries = None if c.logprobs is None else \
+                            [None, *(out.prompt_logprobs or [])[1:], *c.logprobs]
+                        choice = fmt.choice(index, prompt_text + c.text, out.prompt_token_ids + c.token_ids,
+                                            entries, final=c, hidden_states=self._states(c, encoding))
+                    else:
+                        choice = fmt.choice(index, c.text, c.token_ids, c.logprobs, final=c,
+                                            hidden_states=self._states(c, encoding))
+                    if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
+                    choices.append(choice)
             return {**head, "choices": choices, "usage": formatting.usage(outputs)}
 
         return await _json_response(build)
@@ -163,7 +165,8 @@ class Endpoints:
         finals: list[RequestOutput] = []
         try:
             if fmt.chat:
-                yield sse({**head, "choices": [fmt.choice(0, "", [], None, role="assistant")]})
+                for j in range(body.n):
+                    yield sse({**head, "choices": [fmt.choice(j, "", [], None, role="assistant")]})
             while len(finals) < len(tasks):
                 i, u = await merged.get()
                 if isinstance(u, BaseException):
@@ -179,13 +182,19 @@ class Endpoints:
                     finals.append(out)
 
                     def final_chunk(i: int = i, u: Update = u, out: RequestOutput = out) -> str:
-                        c = fmt.choice(i, u.text, u.token_ids, u.logprobs, final=out.outputs[0],
-                                       hidden_states=self._states(out, encoding))
-                        return sse({**head, "choices": [c]})
+                        if len(out.outputs) == 1:
+                            c = fmt.choice(i, u.text, u.token_ids, u.logprobs, final=out.outputs[0],
+                                           hidden_states=self._states(out, encoding))
+                            return sse({**head, "choices": [c]})
+                        # n > 1: the text came in the samples' updates; each choice ends here
+                        return "".join(sse({**head, "choices": [fmt.choice(
+                            i * body.n + j, "", [], None, final=c, hidden_states=self._states(c, encoding))]})
+                            for j, c in enumerate(out.outputs))
 
                     yield await asyncio.to_thread(final_chunk)
                 elif u.text or u.token_ids:
-                    yield sse({**head, "choices": [fmt.choice(i, u.text, u.token_ids, u.logprobs)]})
+                    yield sse({**head, "choices": [fmt.choice(i * body.n + u.index, u.text, u.token_ids,
+                                                              u.logprobs)]})
             if body.include_usage():
                 yield sse({**head, "choices": [], "usage": formatting.usage(finals)})
             yield formatting.DONE
@@ -220,11 +229,11 @@ class Endpoints:
     def _count_tokens(self, outputs: Sequence[RequestOutput]) -> None:
         for out in outputs:
             self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-            if out.outputs:
-                self.metrics.generation_tokens.inc(len(out.outputs[0].token_ids))
+            for c in out.outputs:
+                self.metrics.generation_tokens.inc(len(c.token_ids))
 
-    def _states(self, out: RequestOutput, encoding: str | None) -> dict[str, Any] | None:
-        """The request's hidden states on the wire (``None`` without), counted in the metrics."""
+    def _states(self, out: RequestOutput | CompletionOutput, encoding: str | None) -> dict[str, Any] | None:
+        """A request's (or one completion's) hidden states on the wire (``None`` without), counted in the metrics."""
         if encoding is None or out.hidden_states is None:
             return None
         self.metrics.hidden_states_bytes.inc(out.hidden_states.nbytes)
