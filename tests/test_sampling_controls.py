@@ -60,29 +60,42 @@ def _hf_reference(model, prompt, steps, *, repetition=1.0, presence=0.0, frequen
     return out
 
 
+# The tiny random model never repeats a token by itself: a bias makes it want to (token 777, or
+# the prompt's first token for the repetition penalty), and the penalty must then hold it back.
 @pytest.mark.parametrize("controls", [
-    dict(repetition=1.8),
-    dict(repetition=0.6),
-    dict(presence=1.5, frequency=0.7),
-    dict(frequency=-0.5),
+    dict(repetition=0.5),
+    dict(repetition=1.8, bias="prompt"),
+    dict(presence=2.0, bias=7.0),
+    dict(frequency=1.0, bias=9.0),
+    dict(presence=-2.0, frequency=1.0, bias=8.0),
     dict(bias="top"),
-    dict(bias="top", repetition=1.4, presence=0.5, frequency=0.5),
+    dict(bias="top", repetition=1.4, presence=0.5, frequency=0.8),
 ])
 def test_penalties_and_bias_equal_transformers(llm, hf_model, controls):
-    # a prompt with repeats, so the repetition penalty touches prompt tokens too
+    # a prompt with repeats, so the repetition penalty touches prompt tokens more than once
     prompt = random_prompts([6], seed=11)[0] * 3
-    plain = _tokens(_gen(llm, [prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0])[0]
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = _tokens(_gen(llm, [prompt], SamplingParams(**greedy))[0])[0]
     controls = dict(controls)
-    if controls.get("bias") == "top":  # push down the greedy choices, lift an arbitrary token
+    bias = controls.get("bias")
+    if bias == "top":  # push down the greedy choices, lift an arbitrary token
         controls["bias"] = {plain[0]: -30.0, plain[1]: -5.0, 777: 12.5}
+    elif bias == "prompt":
+        controls["bias"] = {prompt[0]: 8.0}
+    elif bias is not None:
+        controls["bias"] = {777: bias}
     ref = _hf_reference(hf_model, prompt, 12, **controls)
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                            repetition_penalty=controls.get("repetition", 1.0),
+    params = SamplingParams(repetition_penalty=controls.get("repetition", 1.0),
                             presence_penalty=controls.get("presence", 0.0),
-                            frequency_penalty=controls.get("frequency", 0.0), logit_bias=controls.get("bias"))
+                            frequency_penalty=controls.get("frequency", 0.0), logit_bias=controls.get("bias"),
+                            **greedy)
     got = _tokens(_gen(llm, [prompt], params)[0])[0]
     assert got == ref
-    assert got != plain  # the control really changed the output
+    # the controls really acted: the penalties changed what the bias alone (or plain greedy) gives
+    if bias is None or bias == "top" and len(controls) == 1:
+        assert got != plain
+    else:
+        assert got != _tokens(_gen(llm, [prompt], SamplingParams(logit_bias=controls["bias"], **greedy))[0])[0]
 
 
 def test_logit_bias_is_clamped_and_keys_may_be_strings():
