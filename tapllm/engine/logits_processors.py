@@ -207,22 +207,24 @@ def _penalize(x: torch.Tensor, js: list[int], rows: list[ControlledRow], counts:
     which = torch.tensor(js)
     slots = torch.tensor([r.slot for r in rows])
     n = counts.counts[slots]
-    present = n > 0
     reps = [r.controls.repetition for r in rows]
-    if any(p != 1.0 for p in reps):
-        r_idx, t_idx = (present | counts.in_prompt[slots]).nonzero(as_tuple=True)
-        rows_x = which[r_idx]
-        vals = x[rows_x, t_idx]
-        rep = torch.tensor(reps, dtype=torch.float32)[r_idx]
-        x[rows_x, t_idx] = torch.where(vals > 0, vals / rep, vals * rep)
     freq = [r.controls.frequency for r in rows]
     pres = [r.controls.presence for r in rows]
-    if any(freq) or any(pres):
-        r_idx, t_idx = present.nonzero(as_tuple=True)
-        rows_x = which[r_idx]
-        vals = x[rows_x, t_idx]
-        vals = vals - torch.tensor(freq, dtype=torch.float32)[r_idx] * n[r_idx, t_idx].float()
-        x[rows_x, t_idx] = vals - torch.tensor(pres, dtype=torch.float32)[r_idx]
+    repeat = any(p != 1.0 for p in reps)
+    touched = n > 0
+    if repeat:
+        touched |= counts.in_prompt[slots]
+    r_idx, t_idx = touched.nonzero(as_tuple=True)
+    rows_x = which[r_idx]
+    vals = x[rows_x, t_idx]
+    if repeat:
+        rep = torch.tensor(reps, dtype=torch.float32)[r_idx]
+        vals = torch.where(vals > 0, vals / rep, vals * rep)
+    if any(freq) or any(pres):  # zero for tokens only in the prompt
+        c = n[r_idx, t_idx].float()
+        vals = vals - torch.tensor(freq, dtype=torch.float32)[r_idx] * c
+        vals = vals - torch.tensor(pres, dtype=torch.float32)[r_idx] * (c > 0)
+    x[rows_x, t_idx] = vals
 
 
 def _ends_with(row: ControlledRow, prefix: tuple[int, ...]) -> bool:

@@ -47,7 +47,8 @@ def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | 
             cause = "invalid_request_error" if req.steering else "server_error"
             hint = " (its steering is too strong for this dtype)" if req.steering else ""
             failures[row] = RowFailure(f"the model produced non-finite logits for this request{hint}", cause)
-    tokens = values.argmax(dim=-1)
+    # Rows with controls take their argmax after processing: skip the raw one when that is every row.
+    tokens = values.argmax(dim=-1) if len(controlled) < len(requests) else torch.zeros(len(requests), dtype=torch.long)
     if controlled:
         controlled = [row for row in controlled if row not in failures]
         rows, x = _controlled(values, controlled, requests, counts, failures)
