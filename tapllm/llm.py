@@ -64,7 +64,9 @@ class LLM:
 
         Every prompt and parameter set is validated before anything is scheduled, so a bad
         one raises ``ValueError`` without running the others. A request whose params carry
-        ``hidden_states`` returns them in ``RequestOutput.hidden_states``.
+        ``hidden_states`` returns them in ``RequestOutput.hidden_states``. With ``n`` (or
+        ``best_of``) > 1, each ``RequestOutput`` holds ``n`` completions in ``outputs``, each with
+        its own ``hidden_states``.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))

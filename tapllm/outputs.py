@@ -26,11 +26,16 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    hidden_states: Any = None  # this completion's states (prompt positions included), when asked
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's prompt, its completion(s) and, when asked, its hidden states."""
+    """A request's prompt, its completion(s) and, when asked, its hidden states.
+
+    ``outputs`` holds ``n`` completions; ``hidden_states`` is ``outputs[0].hidden_states`` (the
+    prompt's alone for an encode request).
+    """
 
     request_id: str
     prompt: str | None

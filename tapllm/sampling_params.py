@@ -52,6 +52,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     hidden_states: HiddenStatesSpec | dict[str, Any] | None = None
     steering: list[Steer | dict[str, Any]] | None = None
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -65,6 +75,14 @@ class SamplingParams:
             if isinstance(self.steering, Steer | dict):
                 self.steering = [self.steering]
             self.steering = [Steer.from_any(s) for s in self.steering]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = _logit_bias(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -102,6 +120,56 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        self._validate_controls()
+
+    def _validate_controls(self) -> None:
+        """The vLLM logits controls and ``n``/``best_of`` (vocabulary checks come at admission)."""
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        repetition = _real("repetition_penalty", self.repetition_penalty)
+        if not repetition > 0 or np.float32(repetition) == 0 or not np.isfinite(np.float32(repetition)):
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off) and a finite float32, got {repetition}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            for tid, bias in self.logit_bias.items():
+                if not _is_int(tid) or tid < 0:
+                    raise ValueError(f"logit_bias: key {tid!r} is not a token id (an integer >= 0)")
+                _real(f"logit_bias[{tid}]", bias)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.bad_words is not None:
+            for i, word in enumerate(self.bad_words):
+                if not isinstance(word, str) or not word.strip():
+                    raise ValueError(f"bad_words[{i}] must be a non-empty string, got {word!r}")
+                check_unicode(word, f"bad_words[{i}]")
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, str) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids (or None for all)")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must hold token ids (integers >= 0)")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's context, got {k!r}")
+
+    @property
+    def num_samples(self) -> int:
+        """How many completions are generated: ``best_of`` when set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def has_logits_controls(self) -> bool:
+        """True when any logits control (penalties, bias, bans, allowed ids, min_tokens) is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +180,23 @@ class SamplingParams:
     def stop_strings(self) -> tuple[str, ...]:
         """The stop strings as a tuple."""
         return self._stop
+
+
+LOGIT_BIAS_LIMIT = 100.0  # vLLM (and OpenAI) clamp biases to [-100, 100]
+
+
+def _logit_bias(bias: dict[Any, Any]) -> dict[Any, Any]:
+    """Keys as ints (OpenAI sends them as strings), finite values clamped to [-100, 100]; bad entries are
+    left for ``validate`` to name."""
+    out: dict[Any, Any] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        if isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool) \
+                and math.isfinite(float(value)):
+            value = min(max(float(value), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+        out[key] = value
+    return out
 
 
 def _is_int(value: Any) -> bool:

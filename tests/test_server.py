@@ -167,7 +167,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, plai
         (server, {**ok, "prompt": [[5] * 600]}, 400, "max_model_len"),
         (server, {**ok, "max_tokens": 600}, 400, "max_tokens: the prompt has 1 tokens and max_tokens is 600"),
         (server, {**ok, "model": "gpt-9"}, 404, "model 'gpt-9' does not exist"),
-        (server, {**ok, "n": 2}, 400, "only n=1"),
+        (server, {**ok, "n": 0}, 400, "n must be an integer >= 1"),
         (server, {"max_tokens": 2}, 400, "prompt: Field required"),
         (plain_server, {**ok, "hidden_states": {"layers": [0]}}, 400, "does not serve hidden states"),
     ]

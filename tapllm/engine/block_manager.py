@@ -18,6 +18,11 @@ class BlockManager:
     of its positions which steers touched), so two requests share a block only when its KV
     and everything before it are equal too. Blocks nobody references stay cached in LRU
     order until they are needed.
+
+    Parallel samples of one prompt share its blocks (:meth:`fork`). A shared block is never
+    written: a request about to write into one gets a private copy first (copy-on-write), and
+    the copies to make are queued in ``pending_copies`` for the runner to perform before the
+    step's forward (only a partly filled last prompt block is ever written after a fork).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -30,6 +35,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.hit_tokens = 0  # prompt tokens served from the cache, since start
         self.queried_tokens = 0  # tokens of the requests looked up
+        self.pending_copies: list[tuple[int, int]] = []  # (source, destination) block copies to make
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,23 +83,49 @@ class BlockManager:
         have = len(req.block_table) + len(cached)
         need = self.blocks_needed(req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
         reused_free = sum(1 for b in cached if self.ref_counts[b] == 0)
-        if need - have > len(self.free) - reused_free:
+        # The first new token lands in a block already in the table: shared after a fork, it is copied.
+        write = req.num_computed_tokens // self.block_size
+        cow = not cached and num_new_tokens > 0 and write < len(req.block_table) \
+            and self.ref_counts[req.block_table[write]] > 1
+        if need - have + cow > len(self.free) - reused_free:
             return False
+        if cow:
+            src = req.block_table[write]
+            dst = self._take_free()
+            self.ref_counts[src] -= 1
+            req.block_table[write] = dst
+            self.pending_copies.append((src, dst))
         for b in cached:
             if self.ref_counts[b] == 0:
                 del self.free[b]
             self.ref_counts[b] += 1
             req.block_table.append(b)
         for _ in range(need - have):
-            b, _ = self.free.popitem(last=False)  # least recently used first
-            h = self.block_hash[b]
-            if h is not None:
-                if self.cached.get(h) == b:
-                    del self.cached[h]
-                self.block_hash[b] = None
-            self.ref_counts[b] = 1
-            req.block_table.append(b)
+            req.block_table.append(self._take_free())
         return True
+
+    def _take_free(self) -> int:
+        """The least recently used free block, forgotten by the prefix cache, with one reference."""
+        b, _ = self.free.popitem(last=False)
+        h = self.block_hash[b]
+        if h is not None:
+            if self.cached.get(h) == b:
+                del self.cached[h]
+            self.block_hash[b] = None
+        self.ref_counts[b] = 1
+        return b
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Make ``child`` reference every block of ``parent`` (a sample of the same computed prompt)."""
+        for b in parent.block_table:
+            self.ref_counts[b] += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The queued copy-on-write copies ``(source, destination)``, now owed by the caller."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def cache_full_blocks(self, req: Request) -> None:
         """Publish the blocks of ``req`` that are now completely computed."""

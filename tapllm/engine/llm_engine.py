@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import operator
@@ -14,6 +15,7 @@ import torch
 
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.block_manager import BlockManager
+from tapllm.engine.logits_processors import resolve_controls, tokenize_bad_words
 from tapllm.engine.model_runner import ModelRunner, StepResult
 from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.request import Request, RequestStatus
@@ -123,7 +125,12 @@ class LLMEngine:
         """
         text, token_ids = self._tokenize(prompt)
         params.validate()
+        if params.truncate_prompt_tokens is not None and not encode:
+            keep = params.truncate_prompt_tokens
+            token_ids = token_ids[-(self.model_config.max_model_len if keep == -1 else keep):]
         self._check_prompt(token_ids, params, encode)
+        if not encode:
+            self._check_samples(params)
         rid = request_id if request_id is not None else str(next(self._ids))
         room = self.model_config.max_model_len - len(token_ids)
         max_tokens = 1 if encode else (params.max_tokens if params.max_tokens is not None else room)
@@ -131,6 +138,11 @@ class LLMEngine:
                       cache_salt=self.runner.model.prompt_salt(len(token_ids)))
         if params.hidden_states is not None:
             req.selection = self._selection(token_ids, params, encode, max_tokens)
+        if not encode:
+            mc = self.model_config
+            bad_words = tokenize_bad_words(self.tokenizer, params.bad_words or ())
+            req.controls = resolve_controls(params, mc.vocab_size, mc.eos_token_ids, bad_words)
+            req.track_cumulative = params.num_samples > params.n
         if params.steering:
             req.steering = self._steering(params)
             # KV computed under a steer is shared only with requests under the same steers at the
@@ -150,12 +162,19 @@ class LLMEngine:
         times.queued = time.monotonic()
         if times.arrival is None:
             times.arrival = times.queued
+        seed = None
         if not params.greedy:
             seed = params.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             req.generator = torch.Generator().manual_seed(seed)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        if not req.encode_only:
+            req.samples = [self._new_sample(req, i, seed) for i in range(1, params.num_samples)]
+            req.forks = list(req.samples)
+            for sample in req.group:
+                if sample.controls is not None and sample.controls.penalized:
+                    sample.counts_slot = self.runner.token_counts.acquire(sample.prompt_token_ids)
         if params.prompt_logprobs is not None:
             req.prompt_lp = PromptLogprobs(req.prompt_token_ids, params.prompt_logprobs)
         self.requests[req.request_id] = req
@@ -169,14 +188,31 @@ class LLMEngine:
                 return
         self.scheduler.add(req)
 
+    def _new_sample(self, req: Request, index: int, seed: int | None) -> Request:
+        """Sample ``index`` of ``req``'s prompt, waiting to fork from it once the prompt is computed."""
+        sample = Request(f"{req.request_id}#{index}", req.arrival, req.prompt, req.prompt_token_ids, req.params,
+                         None if seed is None else torch.Generator().manual_seed(sample_seed(seed, index)),
+                         cache_salt=req.cache_salt, status=RequestStatus.WAITING, selection=req.selection,
+                         steering=req.steering, steering_digest=req.steering_digest, max_tokens=req.max_tokens,
+                         controls=req.controls, track_cumulative=req.track_cumulative, sample_index=index,
+                         parent=req)
+        sample.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                    req.params.skip_special_tokens)
+        return sample
+
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks and capture buffers (unknown ids are ignored)."""
+        """Stop a request (all its samples) now and free its blocks and capture buffers (unknown ids are ignored)."""
         req = self.requests.pop(request_id, None)
-        if req is not None and not req.finished:
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = "abort"
-            req.capture = None
-            self.scheduler.finish(req)
+        if req is None:
+            return
+        req.forks = []
+        for sample in req.group:
+            if not sample.finished:
+                sample.status = RequestStatus.FINISHED
+                sample.finish_reason = "abort"
+                sample.capture = None
+                self._release_counts(sample)
+                self.scheduler.finish(sample)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued or running."""
@@ -226,6 +262,14 @@ class LLMEngine:
                 raise ValueError(f"{name}: {value} requested, more than max_logprobs={self.config.max_logprobs} "
                                  "(the instance's limit)")
 
+    def _check_samples(self, params: SamplingParams) -> None:
+        """``n`` / ``best_of`` against the instance: all samples of a prompt run at once."""
+        limit = self.config.max_num_seqs
+        if params.num_samples > limit:
+            name = "best_of" if params.best_of is not None else "n"
+            raise ValueError(f"{name}: {params.num_samples} samples of one prompt, more than max_num_seqs={limit} "
+                             "(the instance's limit on sequences running at once)")
+
     def _steering(self, params: SamplingParams) -> list[ResolvedSteer]:
         """Resolve the request's steers against the model and apply the instance policy."""
         if not self.config.enable_steering:
@@ -246,9 +290,11 @@ class LLMEngine:
             point_shapes=mc.point_shapes(),
         )
         limit = self.config.hidden_states_max_bytes_per_request
-        if limit is not None and sel.max_bytes > limit:
+        samples = 1 if encode else params.num_samples
+        if limit is not None and sel.max_bytes * samples > limit:
+            per = f" (its {samples} samples x {sel.max_bytes:,})" if samples > 1 else ""
             raise ValueError(
-                f"hidden_states: this request could capture up to {sel.max_bytes:,} bytes "
+                f"hidden_states: this request could capture up to {sel.max_bytes * samples:,} bytes{per} "
                 f"({sel.max_positions} positions x {sum(sel.row_size(q) for q in sel.points):,} numbers a position "
                 f"x {sel.dtype}), over hidden_states_max_bytes_per_request={limit:,}; "
                 "select fewer layers or positions, reduce, project, or use a smaller dtype"
@@ -264,6 +310,7 @@ class LLMEngine:
         the others in the batch go on as if it had not been there.
         """
         sched = self.scheduler.schedule()
+        self.runner.copy_blocks(self.blocks.take_copies())  # copy-on-write of blocks shared by samples
         finished: list[Request] = []
         for req in sched.dropped:  # unreachable while max_model_len fits the cache; kept as a guard
             self._fail(req, f"the request needs {req.num_tokens} tokens of KV cache, more than the cache "
@@ -288,12 +335,43 @@ class LLMEngine:
             if req.encode_only and it.samples:
                 self._finish(req, "length", None)
                 finished.append(req)
+        for req in result.sampled:
+            if req.parent is not None and req in req.parent.forks:
+                self._fork(req)
         now = time.monotonic()
         for req, token in result.sampled.items():
+            if req.finished:
+                continue
             req.times.on_token(now)
             if self._append_token(req, token):
                 finished.append(req)
-        return finished
+        # A prompt with several samples is finished when its last sample is.
+        done: dict[int, Request] = {}
+        for req in finished:
+            root = req.parent or req
+            if root.group_finished:
+                done[id(root)] = root
+        return list(done.values())
+
+    def _fork(self, sample: Request) -> None:
+        """Start ``sample`` from its prompt's computed blocks (shared) and captured states (copied)."""
+        parent = sample.parent
+        assert parent is not None
+        parent.forks.remove(sample)
+        if parent.finish_reason == "error":
+            self._fail(sample, parent.error or "the request failed", parent.error_type or "server_error")
+            return
+        self.blocks.fork(parent, sample)
+        sample.num_computed_tokens = parent.num_computed_tokens
+        sample.num_cached_tokens = parent.num_cached_tokens
+        sample.status = RequestStatus.RUNNING
+        self.scheduler.running.append(sample)
+        if parent.capture is not None:
+            try:  # a reducer plugin's state is copied here
+                sample.capture = parent.capture.fork()
+            except Exception as exc:  # noqa: BLE001 - belongs to this sample alone
+                self._fail(sample, f"hidden_states: copying the capture for sample {sample.sample_index} failed: "
+                           f"{type(exc).__name__}: {exc}", "server_error")
 
     def _execute_isolated(self, items: list[ScheduledItem]) -> StepResult:
         """Run ``items``; if the batch raises, rerun halves until the failing request is alone.
@@ -326,12 +404,15 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - belongs to this request alone
             self._fail(req, f"detokenizing token {token} failed: {type(exc).__name__}: {exc}", "server_error")
             return True
+        # As in vLLM, nothing stops a request before min_tokens (its sampler bans EOS and stop ids too).
+        may_stop = not p.min_tokens or len(req.token_ids) - req.num_prompt_tokens >= p.min_tokens
         if delta:
             prev = len(req.text)
             req.text += delta
-            if p.stop_strings and self._check_stop_strings(req, prev):
+            if p.stop_strings and may_stop and self._check_stop_strings(req, prev):
                 return True
-        if (not p.ignore_eos and token in self.model_config.eos_token_ids) or token in p.stop_token_ids:
+        if may_stop and ((not p.ignore_eos and token in self.model_config.eos_token_ids)
+                         or token in p.stop_token_ids):
             self._finish(req, "stop", token)
             return True
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.model_config.max_model_len:
@@ -357,7 +438,10 @@ class LLMEngine:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         self.scheduler.finish(req)
-        self.requests.pop(req.request_id, None)
+        self._release_counts(req)
+        if req.group_finished:
+            root = req.parent or req
+            self.requests.pop(root.request_id, None)
         if req.capture is not None and reason != "error":
             try:  # reducers finish here, so a plugin that raises fails this request alone
                 req.hidden_states = req.capture.result()
@@ -374,7 +458,18 @@ class LLMEngine:
         logger.warning("request %s failed: %s", req.request_id, message)
         self._set_error(req, message, error_type)
         req.capture = None
+        if req.parent is not None and req in req.parent.forks:
+            req.parent.forks.remove(req)
+        forks, req.forks = req.forks, []
+        for sample in forks:  # samples that never started share the prompt's fate
+            self._set_error(sample, message, error_type)
+            self._finish(sample, "error", None)
         self._finish(req, "error", None)
+
+    def _release_counts(self, req: Request) -> None:
+        if req.counts_slot >= 0:
+            self.runner.token_counts.release(req.counts_slot)
+            req.counts_slot = -1
 
     @staticmethod
     def _set_error(req: Request, message: str, error_type: str) -> None:
@@ -391,29 +486,57 @@ class LLMEngine:
         return entries
 
     def make_output(self, req: Request) -> RequestOutput:
-        """The user-facing result of a request (``outputs`` is empty for an encode request)."""
-        self._decoded(req.logprobs)
-        completions = [] if req.encode_only else [CompletionOutput(
-            index=0,
-            text=req.text,
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-            logprobs=req.logprobs,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-        )]
+        """The user-facing result of a request (``outputs`` is empty for an encode request).
+
+        With ``n`` (or ``best_of``) > 1, ``outputs`` holds ``n`` completions: in sample order, or
+        with ``best_of > n`` the ``n`` of highest cumulative logprob, best first. The request's
+        ``hidden_states`` are those of ``outputs[0]``; each completion has its own. A sample that
+        failed makes the request's ``error`` (the other samples are still returned).
+        """
+        completions = [] if req.encode_only else [self._completion(s) for s in req.group]
+        if req.params.num_samples > req.params.n:
+            completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
+            completions = completions[: req.params.n]
+            for i, c in enumerate(completions):
+                c.index = i
+        failed = next((s for s in req.group if s.error is not None), None) if not req.encode_only else None
+        error, error_type = (req.error, req.error_type) if failed is None else (failed.error, failed.error_type)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=completions,
-            finished=req.finished,
-            hidden_states=req.hidden_states,
-            metrics={"num_cached_tokens": req.num_cached_tokens, "num_preemptions": req.num_preemptions},
+            finished=req.group_finished,
+            hidden_states=completions[0].hidden_states if completions else req.hidden_states,
+            metrics={"num_cached_tokens": req.num_cached_tokens,
+                     "num_preemptions": sum(s.num_preemptions for s in req.group)},
             prompt_logprobs=self._decoded(req.prompt_logprobs),
-            error=req.error,
-            error_type=req.error_type,
+            error=error,
+            error_type=error_type,
         )
+
+    def _completion(self, s: Request) -> CompletionOutput:
+        self._decoded(s.logprobs)
+        tracked = s.logprobs is not None or s.track_cumulative
+        return CompletionOutput(
+            index=s.sample_index,
+            text=s.text,
+            token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob if tracked else None,
+            logprobs=s.logprobs,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            hidden_states=s.hidden_states,
+        )
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded ``seed``: ``seed`` itself for sample 0 (so
+    ``n=1`` is unchanged), else a hash of both (deterministic, independent of the batch)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tapllm.config import EngineConfig, ModelConfig
+from tapllm.engine.logits_processors import TokenCounts
 from tapllm.engine.request import Request
 from tapllm.engine.sampler import RowFailure, sample
 from tapllm.engine.scheduler import ScheduledItem
@@ -106,6 +107,7 @@ class ModelRunner:
         )
         # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
         self.capture_sink = CopySink(staged=device.type != "cpu")
+        self.token_counts = TokenCounts(model_config.vocab_size)  # penalty state of the samples that need it
         self.num_blocks = self._num_blocks()
         shape = (model_config.num_kv_heads, self.num_blocks, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
@@ -181,16 +183,27 @@ class ModelRunner:
         if not sample_rows:
             return result
         rows, reqs = zip(*sample_rows)
-        if len(rows) != hidden.shape[0]:  # all rows sample in a pure decode step: no gather
+        if rows != tuple(range(hidden.shape[0])):  # all rows sample in a pure decode step: no gather
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        tokens, failures = sample(logits.cpu(), list(reqs))
+        tokens, failures = sample(logits.cpu(), list(reqs), self.token_counts)
         for row, (req, token) in enumerate(zip(reqs, tokens)):
             if row in failures:
                 result.failed.setdefault(req, failures[row])
             elif req not in result.failed:
                 result.sampled[req] = token
         return result
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``(source, destination)`` in every layer (copy-on-write after a fork)."""
+        if not copies:
+            return
+        src = torch.tensor([a for a, _ in copies], device=self.device)
+        dst = torch.tensor([b for _, b in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(1, dst, k.index_select(1, src))
+            v.index_copy_(1, dst, v.index_select(1, src))
 
     def _prepare(self, items: list[ScheduledItem]) -> StepBatch:
         bs = self.ecfg.block_size
@@ -220,6 +233,8 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row, n, start, used))
             if it.samples and not req.encode_only:
                 sample_rows.append((row + n - 1, req))
+                # Samples waiting for this prompt draw their first tokens from the same logits.
+                sample_rows.extend((row + n - 1, child) for child in req.forks)
             if req.capture is not None or req.steering:
                 spans.append(RowSpan(req, row, start, n))
             if req.prompt_lp is not None:

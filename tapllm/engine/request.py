@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tapllm.engine.logits_processors import LogitsControls
 from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.hidden_states.capture import RequestCapture, Selection
 from tapllm.outputs import Logprob
@@ -85,6 +86,15 @@ class Request:
     error: str | None = None  # why this request alone failed (finish_reason "error")
     error_type: str | None = None  # "invalid_request_error" | "server_error"
     times: RequestTimes = field(default_factory=RequestTimes)  # stage timestamps, for latency metrics
+    controls: LogitsControls | None = None  # logits controls, resolved (see LLMEngine.prepare)
+    counts_slot: int = -1  # its row in the runner's TokenCounts (penalties only)
+    track_cumulative: bool = False  # sum chosen-token logprobs even without logprobs (best_of > n)
+    # Parallel samples (n / best_of > 1): sample 0 is the request itself and runs the prompt; the
+    # others wait in ``forks`` until the prompt is computed, then share its blocks (``parent``).
+    sample_index: int = 0
+    parent: Request | None = None
+    samples: list[Request] = field(default_factory=list)  # on sample 0: samples 1.. (forked or not)
+    forks: list[Request] = field(default_factory=list)  # on sample 0: samples not forked yet
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -115,8 +125,8 @@ class Request:
 
     @property
     def max_hidden_states_bytes(self) -> int:
-        """Upper bound on the bytes of hidden states this request can return (0 when it asks none)."""
-        return self.selection.max_bytes if self.selection is not None else 0
+        """Upper bound on the bytes of hidden states this request (all its samples) can return (0: none asked)."""
+        return self.selection.max_bytes * self.params.num_samples if self.selection is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,3 +147,15 @@ class Request:
     def finished(self) -> bool:
         """True once a finish reason is set."""
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def group(self) -> list[Request]:
+        """Every sample of this request's prompt, sample 0 first."""
+        root = self.parent or self
+        return [root, *root.samples]
+
+    @property
+    def group_finished(self) -> bool:
+        """True once every sample of this request's prompt has finished."""
+        root = self.parent or self
+        return root.finished and all(s.finished for s in root.samples)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tapllm.engine.logits_processors import ControlledRow, TokenCounts, apply_controls
 from tapllm.engine.request import Request
 from tapllm.outputs import Logprob
 
@@ -18,21 +19,26 @@ class RowFailure:
     error_type: str  # "invalid_request_error" (its own input caused it) | "server_error"
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], dict[int, RowFailure]]:
+def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | None = None
+           ) -> tuple[list[int], dict[int, RowFailure]]:
     """Pick one token per row of ``logits`` [N, vocab] (model dtype) for ``requests``.
 
-    Greedy rows take the argmax. Sampled rows draw from their own generator, so a seeded
-    request gets the same tokens whatever else is in the batch. Logprobs, when asked, are
-    recorded on the request (from the unmodified distribution, as vLLM reports them).
+    Rows of requests with logits controls (penalties, bias, bans, allowed ids, min_tokens) are
+    gathered and processed together first (see ``logits_processors``); other rows are read as
+    they are. Greedy rows take the argmax. Sampled rows draw from their own generator, so a
+    seeded request gets the same tokens whatever else is in the batch. Logprobs, when asked,
+    are recorded on the request (from the unmodified distribution, as vLLM reports them).
 
-    A row whose logits are not finite (e.g. a steer too strong for the dtype), or whose draw
-    fails, is returned in the failures by row index; every other row is sampled as usual.
+    A row whose logits are not finite (e.g. a steer too strong for the dtype), whose controls
+    leave no token to sample, or whose draw fails, is returned in the failures by row index;
+    every other row is sampled as usual.
     """
     # float32 holds every lower-precision logit exactly, and on CPU argmax and the reductions
     # run several times faster in it (batch 64 x 49,152 bf16: 6.1 ms for argmax, 4.0 ms for
     # isfinite().all(); after the 0.14 ms cast, 1.5 and 0.15 ms). amax/amin propagate NaN.
     values = logits.float()
-    tokens = values.argmax(dim=-1).tolist()
+    controlled = [row for row, req in enumerate(requests) if req.controls is not None]
+    processed: dict[int, torch.Tensor] = {}
     failures: dict[int, RowFailure] = {}
     finite = torch.isfinite(values.amax(dim=-1)) & torch.isfinite(values.amin(dim=-1))
     if not bool(finite.all()):
@@ -41,18 +47,67 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], di
             cause = "invalid_request_error" if req.steering else "server_error"
             hint = " (its steering is too strong for this dtype)" if req.steering else ""
             failures[row] = RowFailure(f"the model produced non-finite logits for this request{hint}", cause)
+    # Rows with controls take their argmax after processing: skip the raw one when that is every row.
+    tokens = values.argmax(dim=-1) if len(controlled) < len(requests) else torch.zeros(len(requests), dtype=torch.long)
+    if controlled:
+        controlled = [row for row in controlled if row not in failures]
+        rows, x = _controlled(values, controlled, requests, counts, failures)
+        if rows:
+            tokens[torch.tensor(rows)] = x.argmax(dim=-1)
+            processed = dict(zip(rows, x.unbind(0)))
+    tokens = tokens.tolist()
     for row, req in enumerate(requests):
         p = req.params
-        if row in failures or (p.greedy and p.logprobs is None):
+        if row in failures or (p.greedy and p.logprobs is None and not req.track_cumulative):
             continue
         try:
             if not p.greedy:
-                tokens[row] = _draw(values[row], req)
+                tokens[row] = _draw(processed.get(row, values[row]), req)
             if p.logprobs is not None:
                 _record_logprobs(values[row], tokens[row], req)
+            elif req.track_cumulative:
+                req.cumulative_logprob += float(values[row].log_softmax(-1)[tokens[row]])
         except Exception as exc:  # noqa: BLE001 - belongs to this row alone
             failures[row] = RowFailure(f"sampling failed: {type(exc).__name__}: {exc}", "server_error")
+    if counts is not None and controlled:
+        done = [row for row in controlled if row not in failures and requests[row].counts_slot >= 0]
+        counts.record([requests[row].counts_slot for row in done], [tokens[row] for row in done])
     return tokens, failures
+
+
+def _controlled(values: torch.Tensor, rows: list[int], requests: list[Request], counts: TokenCounts | None,
+                failures: dict[int, RowFailure]) -> tuple[list[int], torch.Tensor]:
+    """The controlled ``rows`` that can be sampled and their processed logits ``[len, vocab]``.
+
+    All rows are processed in one batch; should that raise, each row is retried alone so the
+    failure stays with the row that caused it. A row left with no token to sample fails alone.
+    """
+    specs = [ControlledRow(requests[r].controls, requests[r].counts_slot, requests[r].token_ids,
+                           requests[r].num_prompt_tokens) for r in rows]
+    try:
+        x = values[torch.tensor(rows)]
+        apply_controls(x, specs, counts)
+    except Exception:  # noqa: BLE001 - isolated row by row below
+        kept, parts = [], []
+        for row, spec in zip(rows, specs):
+            try:
+                part = values[row : row + 1].clone()
+                apply_controls(part, [spec], counts)
+                kept.append(row)
+                parts.append(part)
+            except Exception as exc:  # noqa: BLE001 - belongs to this row alone
+                failures[row] = RowFailure(f"logits processing failed: {type(exc).__name__}: {exc}", "server_error")
+        rows = kept
+        x = torch.cat(parts) if parts else values[:0]
+    ok = torch.isfinite(x.amax(dim=-1))
+    if not bool(ok.all()):
+        for j in (~ok).nonzero().flatten().tolist():
+            failures[rows[j]] = RowFailure(
+                "no token can be sampled: allowed_token_ids, bad_words and min_tokens together exclude every "
+                "token (or a bias or penalty made the logits non-finite)", "invalid_request_error")
+        rows = [r for r, good in zip(rows, ok.tolist()) if good]
+        x = x[ok]
+    return rows, x
 
 
 def _draw(row: torch.Tensor, req: Request) -> int:

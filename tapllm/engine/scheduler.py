@@ -83,7 +83,8 @@ class Scheduler:
             not out.preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            # a prompt's samples waiting to fork from it (n > 1) will run too
+            and len(self.running) + 1 + len(self.waiting[0].forks) <= self.config.max_num_seqs
         ):
             req = self.waiting[0]
             cached = self.blocks.find_cached_prefix(req) if req.num_computed_tokens == 0 else []

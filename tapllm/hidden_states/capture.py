@@ -7,6 +7,7 @@ the cache, ends with exactly one row per position.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -257,6 +258,18 @@ class RequestCapture:
         self.next_pos = max(self.next_pos, b)
         if self.sel.last_only:
             self.last_pos = b - 1
+
+    def fork(self) -> RequestCapture:
+        """An independent copy of this capture's state (buffers, reducers, lens), for another sample
+        that continues from the same positions: what was captured so far is captured once, and copied.
+
+        Read-only parts (the projection, head indices, the model's lens function) stay shared.
+        """
+        shared = [self.proj, self.heads, self.device]
+        if self.lens is not None:
+            shared += [self.lens.fn, self.lens.targets]
+        memo = {id(obj): obj for obj in shared if obj is not None}
+        return copy.deepcopy(self, memo)
 
     def result(self) -> HiddenStates:
         """The request's ``HiddenStates`` (call once it has finished)."""

@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from tapllm.engine.llm_engine import EngineStats, LLMEngine
@@ -40,6 +40,7 @@ class Update:
     output: RequestOutput | None = None  # the complete result, with the final update
     error: str | None = None  # why the request failed (it is finished)
     error_type: str | None = None  # "invalid_request_error" | "server_error" | "service_unavailable"
+    index: int = 0  # the sample (n > 1) the text and tokens belong to
 
 
 def _failed(message: str, error_type: str) -> Update:
@@ -53,9 +54,8 @@ class _Stream:
     request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    sent_tokens: int = 0
-    sent_chars: int = 0
-    last_token_time: float | None = None  # when the previous update's last token was sampled
+    sent: dict[int, list[int]] = field(default_factory=dict)  # per sample: [tokens, chars] sent so far
+    last_token_time: float | None = None  # when the previous update's last token (sample 0) was sampled
 
 
 class RequestObserver(Protocol):
@@ -199,7 +199,7 @@ class AsyncEngine:
             self._push(stream, _failed(str(exc), kind))
             return
         self._streams[req.request_id] = stream
-        if req.finished:  # it failed alone as it was added (a reducer plugin's start())
+        if req.group_finished:  # it failed alone as it was added (a reducer plugin's start())
             self._publish(stream)
 
     def _abort(self, rid: str) -> None:
@@ -209,36 +209,46 @@ class AsyncEngine:
             logger.info("aborted request %s", rid)
 
     def _publish(self, stream: _Stream) -> None:
-        """Send what the request produced since its last update (its result, once finished)."""
+        """Send what each sample produced since its last update; once all have finished, the result.
+
+        With one sample the final update carries the last text too; with several (n > 1) each
+        sample's text comes in updates with its ``index`` and the final update carries none.
+        """
         req = stream.request
-        done = req.finished
-        tokens = req.output_token_ids[stream.sent_tokens :]
-        end = len(req.text)
-        if not done and req.params.stop_strings:
-            # Hold back what could still turn out to be the start of a stop string.
-            end = max(stream.sent_chars, end - (max(len(s) for s in req.params.stop_strings) - 1))
-        if not tokens and end == stream.sent_chars and not done:
-            return
-        if tokens and self.observer is not None:
-            self._observe(stream, len(tokens))
-        text = req.text[stream.sent_chars : end]
-        logprobs = req.logprobs[stream.sent_tokens :] if req.logprobs is not None else None
-        stream.sent_tokens += len(tokens)
-        stream.sent_chars = end
-        update = Update(text, tokens, logprobs)
+        done = req.group_finished
+        group = req.group
+        updates = []
+        for sample in group:
+            sent = stream.sent.setdefault(sample.sample_index, [0, 0])
+            tokens = sample.output_token_ids[sent[0] :]
+            end = len(sample.text)
+            if not sample.finished and sample.params.stop_strings:
+                # Hold back what could still turn out to be the start of a stop string.
+                end = max(sent[1], end - (max(len(s) for s in sample.params.stop_strings) - 1))
+            if not tokens and end == sent[1]:
+                continue
+            if tokens and sample.sample_index == 0 and self.observer is not None:
+                self._observe(stream, len(tokens))
+            logprobs = sample.logprobs[sent[0] :] if sample.logprobs is not None else None
+            updates.append(Update(sample.text[sent[1] : end], tokens, logprobs, index=sample.sample_index))
+            sent[0] += len(tokens)
+            sent[1] = end
         if done:
-            update.finished = True
-            update.output = self.engine.make_output(req)
-            if req.error is not None:  # this request alone failed; the others go on
-                update.error = req.error
-                update.error_type = req.error_type or "server_error"
+            final = updates.pop() if len(group) == 1 and updates else Update("", [], None)
+            final.finished = True
+            final.output = self.engine.make_output(req)
+            if final.output.error is not None:  # this request alone failed; the others go on
+                final.error = final.output.error
+                final.error_type = final.output.error_type or "server_error"
             elif self.observer is not None:
                 try:
                     self.observer.finished(req)
                 except Exception:  # metrics must never stop the engine thread
                     logger.exception("recording the metrics of request %s failed", req.request_id)
             del self._streams[req.request_id]
-        self._push(stream, update)
+            updates.append(final)
+        for update in updates:
+            self._push(stream, update)
 
     def _observe(self, stream: _Stream, count: int) -> None:
         """Inter-token latencies of the ``count`` tokens the request sampled since its last update."""

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tapllm.engine.request import Request as EngineRequest
-from tapllm.outputs import RequestOutput
+from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
 from tapllm.server.admission import Admission
 from tapllm.server.async_engine import AsyncEngine, Update
@@ -146,19 +146,21 @@ class Endpoints:
         def build() -> dict[str, Any]:
             choices = []
             for i, out in enumerate(outputs):
-                c = out.outputs[0]
-                if echo:  # the prompt, then the completion; the prompt's first token has no logprob
-                    prompt_text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
-                    entries = None if c.logprobs is None else \
-                        [None, *(out.prompt_logprobs or [])[1:], *c.logprobs]
-                    choice = fmt.choice(i, prompt_text + c.text, out.prompt_token_ids + c.token_ids, entries,
-                                        final=c, hidden_states=self._states(out, encoding))
-                else:
-                    choice = fmt.choice(i, c.text, c.token_ids, c.logprobs, final=c,
-                                        hidden_states=self._states(out, encoding))
-                if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
-                choices.append(choice)
+                prompt_text = "" if not echo else \
+                    out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+                for j, c in enumerate(out.outputs):  # n completions a prompt: choice i * n + j
+                    index = i * body.n + j
+                    if echo:  # the prompt, then the completion; the prompt's first token has no logprob
+                        entries = None if c.logprobs is None else \
+                            [None, *(out.prompt_logprobs or [])[1:], *c.logprobs]
+                        choice = fmt.choice(index, prompt_text + c.text, out.prompt_token_ids + c.token_ids,
+                                            entries, final=c, hidden_states=self._states(c, encoding))
+                    else:
+                        choice = fmt.choice(index, c.text, c.token_ids, c.logprobs, final=c,
+                                            hidden_states=self._states(c, encoding))
+                    if isinstance(body, CompletionRequest) and body.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
+                    choices.append(choice)
             result = {**head, "choices": choices, "usage": formatting.usage(outputs)}
             if isinstance(body, ChatCompletionRequest) and body.prompt_logprobs is not None:
                 result["prompt_logprobs"] = formatting.prompt_logprobs(outputs[0].prompt_logprobs)  # vLLM's place
@@ -183,11 +185,13 @@ class Endpoints:
         finals: list[RequestOutput] = []
         try:
             if fmt.chat:
-                yield sse({**head, "choices": [fmt.choice(0, "", [], None, role="assistant")]})
+                for j in range(body.n):
+                    yield sse({**head, "choices": [fmt.choice(j, "", [], None, role="assistant")]})
             elif isinstance(body, CompletionRequest) and body.echo:  # each prompt first (no logprobs: refused)
                 for i, r in enumerate(reqs):
                     text = r.prompt if r.prompt is not None else self.tokenizer.decode(r.prompt_token_ids)
-                    yield sse({**head, "choices": [fmt.choice(i, text, [], None)]})
+                    for j in range(body.n):
+                        yield sse({**head, "choices": [fmt.choice(i * body.n + j, text, [], None)]})
             while len(finals) < len(tasks):
                 i, u = await merged.get()
                 if isinstance(u, BaseException):
@@ -203,17 +207,24 @@ class Endpoints:
                     finals.append(out)
 
                     def final_chunk(i: int = i, u: Update = u, out: RequestOutput = out) -> str:
-                        c = fmt.choice(i, u.text, u.token_ids, u.logprobs, final=out.outputs[0],
-                                       hidden_states=self._states(out, encoding))
-                        chunk = {**head, "choices": [c]}
+                        if len(out.outputs) == 1:
+                            c = fmt.choice(i, u.text, u.token_ids, u.logprobs, final=out.outputs[0],
+                                           hidden_states=self._states(out, encoding))
+                            chunks = [{**head, "choices": [c]}]
+                        else:  # n > 1: the text came in the samples' updates; each choice ends here
+                            chunks = [{**head, "choices": [fmt.choice(i * body.n + j, "", [], None, final=c,
+                                                                      hidden_states=self._states(c, encoding))]}
+                                      for j, c in enumerate(out.outputs)]
                         if getattr(body, "prompt_logprobs", None) is not None:  # with the choice's last chunk
-                            where = chunk if fmt.chat else c
-                            where["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
-                        return sse(chunk)
+                            for chunk in chunks:
+                                where = chunk if fmt.chat else chunk["choices"][0]
+                                where["prompt_logprobs"] = formatting.prompt_logprobs(out.prompt_logprobs)
+                        return "".join(sse(chunk) for chunk in chunks)
 
                     yield await asyncio.to_thread(final_chunk)
                 elif u.text or u.token_ids:
-                    yield sse({**head, "choices": [fmt.choice(i, u.text, u.token_ids, u.logprobs)]})
+                    yield sse({**head, "choices": [fmt.choice(i * body.n + u.index, u.text, u.token_ids,
+                                                              u.logprobs)]})
             if body.include_usage():
                 yield sse({**head, "choices": [], "usage": formatting.usage(finals)})
             yield formatting.DONE
@@ -248,11 +259,11 @@ class Endpoints:
     def _count_tokens(self, outputs: Sequence[RequestOutput]) -> None:
         for out in outputs:
             self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-            if out.outputs:
-                self.metrics.generation_tokens.inc(len(out.outputs[0].token_ids))
+            for c in out.outputs:
+                self.metrics.generation_tokens.inc(len(c.token_ids))
 
-    def _states(self, out: RequestOutput, encoding: str | None) -> dict[str, Any] | None:
-        """The request's hidden states on the wire (``None`` without), counted in the metrics."""
+    def _states(self, out: RequestOutput | CompletionOutput, encoding: str | None) -> dict[str, Any] | None:
+        """A request's (or one completion's) hidden states on the wire (``None`` without), counted in the metrics."""
         if encoding is None or out.hidden_states is None:
             return None
         self.metrics.hidden_states_bytes.inc(out.hidden_states.nbytes)
@@ -268,7 +279,7 @@ def arrived(reqs: list[EngineRequest], arrival: float) -> list[EngineRequest]:
 
 def _without_completion(out: RequestOutput) -> RequestOutput:
     """``out`` with its completion emptied (echo with max_tokens=0 returns the prompt alone)."""
-    c = out.outputs[0]
-    empty = dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
-                                cumulative_logprob=None, finish_reason="length", stop_reason=None)
-    return dataclasses.replace(out, outputs=[empty])
+    empty = [dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                 cumulative_logprob=None, finish_reason="length", stop_reason=None)
+             for c in out.outputs]
+    return dataclasses.replace(out, outputs=empty)

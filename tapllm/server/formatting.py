@@ -145,7 +145,7 @@ def usage(outputs: Iterable[RequestOutput]) -> dict[str, int]:
     p = c = 0
     for out in outputs:
         p += len(out.prompt_token_ids)
-        c += len(out.outputs[0].token_ids) if out.outputs else 0
+        c += sum(len(o.token_ids) for o in out.outputs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 

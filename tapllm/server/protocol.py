@@ -110,9 +110,15 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # None: 1 (off)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as in OpenAI) -> bias
+    min_tokens: int | None = None  # None: 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     user: str | None = None  # OpenAI's end-user id: metadata, accepted and not used
     skip_special_tokens: bool = True
     hidden_states: HiddenStatesRequest | None = None
@@ -120,12 +126,8 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first requested feature tapllm does not implement, as a message, or None."""
-        if self.n != 1:
-            return "n: only n=1 is supported"
-        if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty / frequency_penalty are not supported"
-        if self.logit_bias:
-            return "logit_bias is not supported"
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            return "best_of: streaming needs best_of equal to n (the best samples are known only at the end)"
         return None
 
     def include_usage(self) -> bool:
@@ -143,6 +145,12 @@ class _Sampling(BaseModel):
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_wanted(),
             skip_special_tokens=self.skip_special_tokens,
+            n=self.n, best_of=self.best_of, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None, min_tokens=self.min_tokens or 0,
+            bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             hidden_states=self.hidden_states.to_spec() if self.hidden_states is not None else None,
             steering=[s.to_steer() for s in self.steering] if self.steering else None,
         )
@@ -156,7 +164,6 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's extension: per prompt token, its logprob and the top N
-    best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: BOS and the like, as the tokenizer adds them
 
     def num_logprobs(self) -> int | None:
@@ -177,8 +184,6 @@ class CompletionRequest(_Sampling):
             return "echo with max_tokens=0 and stream=true is not supported (use it without streaming)"
         if self.stream_options is not None and not self.stream:
             return "stream_options is only allowed with stream=true"
-        if self.best_of not in (None, 1):
-            return "best_of: only 1 is supported"
         return super().unsupported()
 
 
