@@ -21,6 +21,7 @@ from tapllm.engine.scheduler import ScheduledItem, Scheduler
 from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
 from tapllm.steering.plan import ResolvedSteer, resolve_steering
 from tapllm.steering.spec import steering_digest
+from tapllm.structured.compiler import GrammarCompiler
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm._text import check_unicode
 from tapllm.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(engine_config.seed)
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -130,6 +132,8 @@ class LLMEngine:
             # KV computed under a steer is shared only with requests under the same steers at the
             # same positions (Request.block_salt); unsteered blocks stay shareable with everyone.
             req.steering_digest = steering_digest(params.steering)
+        if params.structured_outputs is not None and not encode:
+            req.grammar = self.grammars.matcher(params.structured_outputs)  # compiled here, once per spec
         return req
 
     def add(self, req: Request) -> None:
@@ -310,6 +314,9 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - belongs to this request alone
             self._fail(req, f"detokenizing token {token} failed: {type(exc).__name__}: {exc}", "server_error")
             return True
+        if req.grammar is not None and (refused := req.grammar.accept(token)) is not None:
+            self._fail(req, refused, "server_error")
+            return True
         if delta:
             prev = len(req.text)
             req.text += delta
@@ -317,6 +324,9 @@ class LLMEngine:
                 return True
         if (not p.ignore_eos and token in self.model_config.eos_token_ids) or token in p.stop_token_ids:
             self._finish(req, "stop", token)
+            return True
+        if req.grammar is not None and req.grammar.terminated:  # the output is complete: nothing can follow
+            self._finish(req, "stop", None)
             return True
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.model_config.max_model_len:
             self._finish(req, "length", None)

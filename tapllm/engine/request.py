@@ -12,6 +12,7 @@ from tapllm.hidden_states.capture import RequestCapture, Selection
 from tapllm.outputs import Logprob
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.plan import steering_block_salt
+from tapllm.structured.compiler import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +62,7 @@ class Request:
     max_tokens: int = 1  # params.max_tokens, or the rest of the context when that is None
     error: str | None = None  # why this request alone failed (finish_reason "error")
     error_type: str | None = None  # "invalid_request_error" | "server_error"
+    grammar: GrammarMatcher | None = None  # where its output is in its structured-output grammar
 
     def __post_init__(self) -> None:
         if not self.token_ids:
