@@ -135,7 +135,7 @@ def test_greedy_constrained_picks_the_best_allowed_token(llm, tiny_models):
 
 
 @pytest.mark.slow
-def test_json_object_and_eos_only_when_complete(default_llm):
+def test_real_model_json_object_and_schema_under_flexible_whitespace(default_llm):
     """The real model writes a JSON object and stops; a schema's output ends where the JSON does."""
     msgs = [{"role": "user", "content": "Describe a cat as a JSON object with its name and age."}]
     out = default_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=200,
