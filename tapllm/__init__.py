@@ -5,9 +5,10 @@ from tapllm.llm import LLM
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering import Steer
+from tapllm.structured.params import StructuredOutputsParams
 
 __all__ = [
     "LLM", "SamplingParams", "HiddenStatesSpec", "HiddenStates", "RequestOutput", "CompletionOutput", "Logprob",
-    "register_reducer", "Steer",
+    "register_reducer", "Steer", "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import numpy as np
 from tapllm._text import check_unicode
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.spec import Steer
+from tapllm.structured.params import StructuredOutputsParams
 
 # Below this a temperature means greedy decoding, as in vLLM: dividing logits by it would
 # overflow float32 (1e-45 is a valid float but makes every logit infinite).
@@ -36,6 +37,8 @@ class SamplingParams:
     with the text; they arrive in ``RequestOutput.hidden_states``. ``steering`` (a list of
     ``Steer`` or dicts of its fields) adds or ablates directions in this request's residual
     stream, in order; other requests in the batch are untouched.
+    ``structured_outputs`` (a ``StructuredOutputsParams`` or a dict of its fields) constrains the
+    output to a JSON schema, a regex, a choice or a grammar, as in vLLM.
     """
 
     max_tokens: int | None = 16
@@ -62,6 +65,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -83,6 +87,8 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -120,6 +126,10 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError("structured_outputs must be a StructuredOutputsParams or a dict of its fields")
+            self.structured_outputs.validate()
         self._validate_controls()
 
     def _validate_controls(self) -> None:

@@ -24,6 +24,7 @@ from tapllm.engine.scheduler import ScheduledItem, Scheduler
 from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
 from tapllm.steering.plan import ResolvedSteer, resolve_steering
 from tapllm.steering.spec import steering_digest
+from tapllm.structured.compiler import GrammarCompiler
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm._text import check_unicode
 from tapllm.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(engine_config.seed)
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
+        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -148,6 +150,8 @@ class LLMEngine:
             # KV computed under a steer is shared only with requests under the same steers at the
             # same positions (Request.block_salt); unsteered blocks stay shareable with everyone.
             req.steering_digest = steering_digest(params.steering)
+        if params.structured_outputs is not None and not encode:
+            req.grammar = self.grammars.matcher(params.structured_outputs)  # compiled here, once per spec
         return req
 
     def add(self, req: Request) -> None:
@@ -196,6 +200,8 @@ class LLMEngine:
                          steering=req.steering, steering_digest=req.steering_digest, max_tokens=req.max_tokens,
                          controls=req.controls, track_cumulative=req.track_cumulative, sample_index=index,
                          parent=req)
+        if req.grammar is not None:  # each sample walks the grammar on its own (compiled once, cached)
+            sample.grammar = self.grammars.matcher(req.params.structured_outputs)
         sample.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                                     req.params.skip_special_tokens)
         return sample
@@ -404,6 +410,9 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - belongs to this request alone
             self._fail(req, f"detokenizing token {token} failed: {type(exc).__name__}: {exc}", "server_error")
             return True
+        if req.grammar is not None and (refused := req.grammar.accept(token)) is not None:
+            self._fail(req, refused, "server_error")
+            return True
         # As in vLLM, nothing stops a request before min_tokens (its sampler bans EOS and stop ids too).
         may_stop = not p.min_tokens or len(req.token_ids) - req.num_prompt_tokens >= p.min_tokens
         if delta:
@@ -414,6 +423,9 @@ class LLMEngine:
         if may_stop and ((not p.ignore_eos and token in self.model_config.eos_token_ids)
                          or token in p.stop_token_ids):
             self._finish(req, "stop", token)
+            return True
+        if req.grammar is not None and req.grammar.terminated:  # the output is complete: nothing can follow
+            self._finish(req, "stop", None)
             return True
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.model_config.max_model_len:
             self._finish(req, "length", None)

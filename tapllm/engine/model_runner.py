@@ -21,6 +21,7 @@ from tapllm.layers.attention import AttentionMetadata, PrefillChunk, group_prefi
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 from tapllm.platform import available_memory_bytes, cpu_support, tune_cpu_allocator
+from tapllm.structured.masks import MaskComputer
 
 logger = logging.getLogger("tapllm")
 
@@ -108,6 +109,7 @@ class ModelRunner:
         # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
         self.capture_sink = CopySink(staged=device.type != "cpu")
         self.token_counts = TokenCounts(model_config.vocab_size)  # penalty state of the samples that need it
+        self.token_masks = MaskComputer()  # structured output
         self.num_blocks = self._num_blocks()
         shape = (model_config.num_kv_heads, self.num_blocks, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
@@ -162,6 +164,10 @@ class ModelRunner:
         self.capture_sink.pending.clear()  # a previous failed step may have left staged copies
         batch = self._prepare(items)
         tap = StepTap.build(batch.spans, self.device, self.capture_sink)
+        # Grammar masks of this step's constrained rows are computed while the forward runs.
+        pending_mask = self.token_masks.submit(
+            [(i, req.grammar) for i, (_, req) in enumerate(batch.sample_rows) if req.grammar is not None],
+            self.mcfg.vocab_size)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap)
         result = StepResult()
         if tap is not None:
@@ -186,7 +192,8 @@ class ModelRunner:
         if rows != tuple(range(hidden.shape[0])):  # all rows sample in a pure decode step: no gather
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        tokens, failures = sample(logits.cpu(), list(reqs), self.token_counts)
+        tokens, failures = sample(logits.cpu(), list(reqs), self.token_counts,
+                                  pending_mask.result() if pending_mask else None)
         for row, (req, token) in enumerate(zip(reqs, tokens)):
             if row in failures:
                 result.failed.setdefault(req, failures[row])

@@ -13,6 +13,7 @@ from tapllm.hidden_states.capture import RequestCapture, Selection
 from tapllm.outputs import Logprob
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.plan import steering_block_salt
+from tapllm.structured.compiler import GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -95,6 +96,7 @@ class Request:
     parent: Request | None = None
     samples: list[Request] = field(default_factory=list)  # on sample 0: samples 1.. (forked or not)
     forks: list[Request] = field(default_factory=list)  # on sample 0: samples not forked yet
+    grammar: GrammarMatcher | None = None  # where its output is in its structured-output grammar
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -9,6 +9,7 @@ import torch
 from tapllm.engine.logits_processors import ControlledRow, TokenCounts, apply_controls
 from tapllm.engine.request import Request
 from tapllm.outputs import Logprob
+from tapllm.structured.masks import TokenMask
 
 
 @dataclass(slots=True)
@@ -19,15 +20,17 @@ class RowFailure:
     error_type: str  # "invalid_request_error" (its own input caused it) | "server_error"
 
 
-def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | None = None
-           ) -> tuple[list[int], dict[int, RowFailure]]:
+def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | None = None,
+           token_mask: TokenMask | None = None) -> tuple[list[int], dict[int, RowFailure]]:
     """Pick one token per row of ``logits`` [N, vocab] (model dtype) for ``requests``.
 
+    ``token_mask`` (structured output) first limits its rows to the tokens their grammars allow.
     Rows of requests with logits controls (penalties, bias, bans, allowed ids, min_tokens) are
-    gathered and processed together first (see ``logits_processors``); other rows are read as
+    gathered and processed together next (see ``logits_processors``); other rows are read as
     they are. Greedy rows take the argmax. Sampled rows draw from their own generator, so a
     seeded request gets the same tokens whatever else is in the batch. Logprobs, when asked,
-    are recorded on the request (from the unmodified distribution, as vLLM reports them).
+    are recorded on the request from the distribution before the controls, temperature and
+    top-k/p (after the grammar mask), as vLLM reports them.
 
     A row whose logits are not finite (e.g. a steer too strong for the dtype), whose controls
     leave no token to sample, or whose draw fails, is returned in the failures by row index;
@@ -39,7 +42,11 @@ def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | 
     values = logits.float()
     controlled = [row for row, req in enumerate(requests) if req.controls is not None]
     processed: dict[int, torch.Tensor] = {}
+    # As in vLLM, the grammar mask applies before everything, the logprobs included.
+    picks = values if token_mask is None else token_mask.apply(values)
     failures: dict[int, RowFailure] = {}
+    for row, message in (token_mask.errors if token_mask is not None else {}).items():
+        failures[row] = RowFailure(message, "server_error")
     finite = torch.isfinite(values.amax(dim=-1)) & torch.isfinite(values.amin(dim=-1))
     if not bool(finite.all()):
         for row in (~finite).nonzero().flatten().tolist():
@@ -48,10 +55,10 @@ def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | 
             hint = " (its steering is too strong for this dtype)" if req.steering else ""
             failures[row] = RowFailure(f"the model produced non-finite logits for this request{hint}", cause)
     # Rows with controls take their argmax after processing: skip the raw one when that is every row.
-    tokens = values.argmax(dim=-1) if len(controlled) < len(requests) else torch.zeros(len(requests), dtype=torch.long)
+    tokens = picks.argmax(dim=-1) if len(controlled) < len(requests) else torch.zeros(len(requests), dtype=torch.long)
     if controlled:
         controlled = [row for row in controlled if row not in failures]
-        rows, x = _controlled(values, controlled, requests, counts, failures)
+        rows, x = _controlled(picks, controlled, requests, counts, failures)
         if rows:
             tokens[torch.tensor(rows)] = x.argmax(dim=-1)
             processed = dict(zip(rows, x.unbind(0)))
@@ -62,11 +69,11 @@ def sample(logits: torch.Tensor, requests: list[Request], counts: TokenCounts | 
             continue
         try:
             if not p.greedy:
-                tokens[row] = _draw(processed.get(row, values[row]), req)
+                tokens[row] = _draw(processed.get(row, picks[row]), req)
             if p.logprobs is not None:
-                _record_logprobs(values[row], tokens[row], req)
+                _record_logprobs(picks[row], tokens[row], req)
             elif req.track_cumulative:
-                req.cumulative_logprob += float(values[row].log_softmax(-1)[tokens[row]])
+                req.cumulative_logprob += float(picks[row].log_softmax(-1)[tokens[row]])
         except Exception as exc:  # noqa: BLE001 - belongs to this row alone
             failures[row] = RowFailure(f"sampling failed: {type(exc).__name__}: {exc}", "server_error")
     if counts is not None and controlled:

@@ -11,6 +11,7 @@ together must fit ``--hidden-states-max-bytes``. Every refusal is an ``APIError`
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,10 @@ from tapllm.server.protocol import (
 )
 
 logger = logging.getLogger("tapllm")
+
+# The structured-output fields an error message may name (a schema that does not compile, two given).
+_STRUCTURED_FIELD = re.compile(r"\b(?:response_format|structured_outputs|guided_json|guided_regex|guided_choice|"
+                               r"guided_grammar)[\w.\[\]]*")
 
 
 class Admission:
@@ -136,7 +141,7 @@ class Admission:
         try:
             return body.sampling_params(max_tokens, body.num_logprobs())
         except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), param=_structured_param(str(exc))) from None
 
     def _check_prompt_text(self, prompt: str, name: str) -> None:
         """Refuse text that cannot fit the context without tokenizing it; check it is valid Unicode."""
@@ -156,7 +161,7 @@ class Admission:
         try:
             req = self.engine.prepare(prompt, params, encode=encode, request_id=request_id)
         except (ValueError, TypeError) as exc:
-            raise APIError(400, f"{prefix}{exc}") from None
+            raise APIError(400, f"{prefix}{exc}", param=_structured_param(str(exc))) from None
         n = req.num_prompt_tokens
         if not encode and n + req.max_tokens > self.max_len:
             raise APIError(400, f"{prefix}max_tokens: the prompt has {n} tokens and max_tokens is "
@@ -184,6 +189,12 @@ class Admission:
                            "(--hidden-states-max-bytes); send fewer prompts per request, or select fewer layers "
                            "or positions, reduce, project, or use a smaller dtype", param="hidden_states")
         return reqs
+
+
+def _structured_param(message: str) -> str | None:
+    """The structured-output field an error message names first, if it names one."""
+    found = _STRUCTURED_FIELD.search(message)
+    return found.group(0).rstrip(".") if found else None
 
 
 def _text_limit(tokenizer: Any, max_len: int) -> tuple[int, int]:

@@ -11,6 +11,8 @@ from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.hidden_states.wire import tensor_from_wire
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.spec import Steer
+from tapllm.structured.openai_fields import structured_outputs_from
+from tapllm.structured.params import StructuredOutputsParams
 
 PromptInput = str | list[int] | list[str | list[int]]
 DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]  # the names of tapllm.dtypes
@@ -87,6 +89,36 @@ class SteerRequest(BaseModel):
                      neurons=self.neurons)
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the output is JSON valid under ``schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # tapllm always enforces the schema
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (unconstrained), ``json_object`` or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` extra_body field (``StructuredOutputsParams``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: a usage chunk at the end of the stream."""
 
@@ -123,6 +155,12 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     hidden_states: HiddenStatesRequest | None = None
     steering: list[SteerRequest] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> str | None:
         """The first requested feature tapllm does not implement, as a message, or None."""
@@ -153,7 +191,18 @@ class _Sampling(BaseModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             hidden_states=self.hidden_states.to_spec() if self.hidden_states is not None else None,
             steering=[s.to_steer() for s in self.steering] if self.steering else None,
+            structured_outputs=self.structured(),
         )
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint of ``response_format``, ``structured_outputs`` or ``guided_*``."""
+        rf = None
+        if self.response_format is not None:
+            rf = self.response_format.model_dump(by_alias=True)
+        so = self.structured_outputs.model_dump(by_alias=True, exclude_none=True) if self.structured_outputs else None
+        guided = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                         "guided_grammar")}
+        return structured_outputs_from(rf, so, guided)
 
 
 class CompletionRequest(_Sampling):
