@@ -186,9 +186,6 @@ class ShuffledRows(IterableDataset):
         """Use the order of pass ``epoch``."""
         self.epoch = epoch
 
-    def __len__(self) -> int:
-        return len(self.ds)
-
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
@@ -197,14 +194,14 @@ class ShuffledRows(IterableDataset):
         rng = np.random.default_rng([self.seed, self.epoch])
         order = rng.permutation(len(blocks))[worker::workers]
         gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)) + worker)
-        step = self.batch_size or 1
+        step = self.batch_size or 256  # rows mode: draw 256 at a time, hand them out one by one
         buf: Batch = {}
         n = 0
         for b in order:
             s, a, e = blocks[b]
             data = self.ds.view(s).slice(a, e)
             if not buf:
-                cap = self.shuffle_buffer + self.block_rows
+                cap = max(self.shuffle_buffer, step) + self.block_rows
                 buf = {k: torch.empty((cap, *v.shape[1:]), dtype=v.dtype) for k, v in data.items()}
             for k, v in data.items():
                 buf[k][n : n + (e - a)] = v
