@@ -42,6 +42,8 @@ def main() -> None:
         model_batch_size=args.batch, hook_name=args.hook, d_in=args.d_in, training_tokens=args.tokens,
         context_size=args.context_size, new_cached_activations_path=args.out, shuffle=False, dtype="float32",
         device="cpu", prepend_bos=True, streaming=True,
+        # its buffer is filled whole whatever the token count: size it to the tokens asked for
+        buffer_size_gb=(args.tokens * args.d_in * 4 + 1) / 1e9,
         model_from_pretrained_kwargs={"dtype": getattr(torch, args.dtype)},
     )
     runner = CacheActivationsRunner(cfg)  # loads the model (not timed, as on tapllm's side)

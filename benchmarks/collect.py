@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--saelens-python", default=None, help="python of a venv with sae-lens: run it as a peer")
     p.add_argument("--context-size", type=int, default=128)
     p.add_argument("--sae-tokens", type=int, default=65536, help="tokens of the SAELens comparison")
+    p.add_argument("--only-saelens", action="store_true", help="run only the SAELens comparison")
     p.add_argument("--quick", action="store_true", help="32 prompts of 16..128 tokens")
     args = p.parse_args(argv)
     if args.quick:
@@ -196,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
           f"({total} rows), resid_pre of blocks {layers}, shards of {args.shard_tokens} rows", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
+        if args.only_saelens:
+            hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+            saelens_peer(args, folder, num_layers, hidden, tmp_path)
+            return
         inp = tmp_path / "in.jsonl"
         inp.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
         warm = tmp_path / "warm.jsonl"
