@@ -17,9 +17,24 @@ What it measures
     prompt to the last shard on disk (model loading excluded for both). Both results are
     checked to hold the same number of rows. Each side first runs a warm-up on a few prompts.
 
+    Then the shuffled read throughput of ``tapllm.datasets.open`` on tapllm's dataset (token
+    rows/s, one pass in random order, batches of ``--read-batch``; the files are in the page
+    cache, as they are right after a collection): a standard ``DataLoader(ds,
+    batch_size=B, shuffle=True)`` (rows read through ``__getitems__`` and collated), a
+    ``BatchSampler`` sampler with ``batch_size=None`` (one gather per batch), and the
+    ``ds.iterable(batch_size=B)`` shuffle-buffer view.
+
+    With ``--saelens-python PATH`` (the python of a virtual environment with ``sae-lens``),
+    also SAELens' ``CacheActivationsRunner`` (``_saelens_worker.py``, on transformers through
+    SAELens' hooked wrapper) against ``tapllm collect --dataset`` on the same work: a local
+    Parquet dataset of texts, ``resid_post`` of the middle block (SAELens: the block's output
+    hook), contexts of ``--context-size`` tokens packed with BOS, ``--sae-tokens`` tokens,
+    stored in float32; and each side's shuffled read of its own dataset.
+
 How to run (from the repository root)
     python benchmarks/collect.py                 # 256 prompts of 64..512 tokens
     python benchmarks/collect.py --quick         # 32 prompts of 16..128 tokens
+    python benchmarks/collect.py --saelens-python /tmp/saelens/bin/python
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +53,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from tapllm.collect.run import CollectConfig, collect  # noqa: E402
+from tapllm.collect.run import CollectConfig, DatasetSpec, collect  # noqa: E402
 from tapllm.collect.writer import Manifest, ShardWriter  # noqa: E402
 from tapllm.config import EngineConfig  # noqa: E402
 from tapllm.loader import resolve_model  # noqa: E402
@@ -52,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch", type=int, default=16)
     p.add_argument("--shard-tokens", type=int, default=16384)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--read-batch", type=int, default=4096, help="rows per batch of the shuffled reads")
+    p.add_argument("--saelens-python", default=None, help="python of a venv with sae-lens: run it as a peer")
+    p.add_argument("--context-size", type=int, default=128)
+    p.add_argument("--sae-tokens", type=int, default=65536, help="tokens of the SAELens comparison")
+    p.add_argument("--only-saelens", action="store_true", help="run only the SAELens comparison")
     p.add_argument("--quick", action="store_true", help="32 prompts of 16..128 tokens")
     args = p.parse_args(argv)
     if args.quick:
@@ -92,6 +113,76 @@ def hf_collect(model: torch.nn.Module, prompts: list[list[int]], layers: list[in
     return rows
 
 
+def read_throughput(folder: Path, batch: int) -> dict[str, float]:
+    """Token rows/s of one shuffled pass over the dataset in ``folder``, three ways."""
+    import tapllm.datasets
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    ds = tapllm.datasets.open(folder)
+    gen = torch.Generator().manual_seed(0)
+    loaders = {
+        "DataLoader(shuffle=True)": DataLoader(ds, batch_size=batch, shuffle=True, generator=gen),
+        "BatchSampler, batch_size=None": DataLoader(
+            ds, sampler=BatchSampler(RandomSampler(ds, generator=gen), batch, False), batch_size=None),
+        "ds.iterable (shuffle buffer)": DataLoader(ds.iterable(batch_size=batch), batch_size=None),
+    }
+    out = {}
+    for name, loader in loaders.items():
+        t0 = time.perf_counter()
+        rows = sum(int(b["position"].shape[0]) for b in loader)
+        out[name] = rows / (time.perf_counter() - t0)
+        assert rows == len(ds), (name, rows, len(ds))
+    return out
+
+
+WORDS = ("the of and to in is was for on that with as by it from at his an were are which this be or had not "
+         "but first one their its new after who they have her she two been other when there all during into "
+         "school time may years more most only over city some world would where later up such used many can "
+         "state about national out known university united then made").split()
+
+
+def saelens_peer(args: argparse.Namespace, folder: Path, num_layers: int, hidden: int, tmp_path: Path) -> None:
+    """tapllm collect --dataset against SAELens' CacheActivationsRunner on the same work."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(1)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 400))) for _ in range(args.sae_tokens // 100)]
+    (tmp_path / "texts").mkdir()
+    pq.write_table(pa.table({"text": texts}), tmp_path / "texts" / "data.parquet")
+    layer = num_layers // 2
+    print(f"contexts: {args.sae_tokens} tokens of a Parquet text dataset, contexts of {args.context_size} packed "
+          f"with BOS, resid_post of block {layer}, stored float32, {args.dtype} compute", flush=True)
+
+    def run(out: Path, tokens: int) -> dict:
+        return collect(CollectConfig(out=out, dataset=DatasetSpec(str(tmp_path / "texts")),
+                                     context_size=args.context_size, packing=True, prepend_bos=True,
+                                     layers=[layer], points=["resid_post"], max_tokens_total=tokens,
+                                     store_dtype="float32", shard_tokens=args.shard_tokens,
+                                     engine=EngineConfig(dtype=args.dtype, max_num_seqs=64)), show_progress=False)
+
+    run(tmp_path / "ctx-warm", 4 * args.context_size)
+    meta = run(tmp_path / "ctx", args.sae_tokens)
+    t_rate = meta["num_rows"] / meta["seconds"]
+    t_read = read_throughput(tmp_path / "ctx", args.read_batch)["DataLoader(shuffle=True)"]
+    print(f"  tapllm        {meta['num_rows']} rows in {meta['seconds']:7.2f} s = {t_rate:8.0f} rows/s; "
+          f"shuffled read {t_read:9.0f} rows/s", flush=True)
+    cmd = [args.saelens_python, str(Path(__file__).with_name("_saelens_worker.py")), "--model", str(folder),
+           "--dataset", str(tmp_path / "texts"), "--out", str(tmp_path / "saelens"),
+           "--hook", f"model.layers.{layer}", "--d-in", str(hidden), "--context-size", str(args.context_size),
+           "--tokens", str(args.sae_tokens), "--dtype", args.dtype, "--read-batch", str(args.read_batch)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                                                                    "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    if done.returncode != 0:
+        print(f"  SAELens failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-3:]}", flush=True)
+        return
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    s_rate, s_read = r["rows"] / r["seconds"], r["read_rows"] / r["read_seconds"]
+    print(f"  SAELens       {r['rows']} rows in {r['seconds']:7.2f} s = {s_rate:8.0f} rows/s; "
+          f"shuffled read {s_read:9.0f} rows/s", flush=True)
+    print(f"tapllm / SAELens = {t_rate / s_rate:.2f}x rows/s collected, {t_read / s_read:.2f}x rows/s read shuffled")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run both collectors and print the ratio."""
     args = parse_args(argv)
@@ -106,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
           f"({total} rows), resid_pre of blocks {layers}, shards of {args.shard_tokens} rows", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
+        if args.only_saelens:
+            hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+            saelens_peer(args, folder, num_layers, hidden, tmp_path)
+            return
         inp = tmp_path / "in.jsonl"
         inp.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
         warm = tmp_path / "warm.jsonl"
@@ -117,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
         t_rows, t_sec = meta["num_rows"], meta["seconds"]
         print(f"  tapllm        {t_rows} rows in {t_sec:7.2f} s = {t_rows / t_sec:8.0f} rows/s "
               f"({meta['num_shards']} shards, {meta['bytes'] / 1e6:.0f} MB)", flush=True)
+        row_bytes = meta["bytes"] / max(t_rows, 1)
+        for name, rate in read_throughput(tmp_path / "tapllm", args.read_batch).items():
+            print(f"  shuffled read {name:32s} {rate:9.0f} rows/s ({rate * row_bytes / 1e6:.0f} MB/s)", flush=True)
 
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -128,8 +226,11 @@ def main(argv: list[str] | None = None) -> None:
         h_rows = hf_collect(model, prompts, layers, tmp_path / "hf", args)
         h_sec = time.perf_counter() - t0
         print(f"  transformers  {h_rows} rows in {h_sec:7.2f} s = {h_rows / h_sec:8.0f} rows/s", flush=True)
-    assert t_rows == h_rows == total, (t_rows, h_rows, total)
-    print(f"tapllm / transformers = {(t_rows / t_sec) / (h_rows / h_sec):.2f}x rows/s")
+        assert t_rows == h_rows == total, (t_rows, h_rows, total)
+        print(f"tapllm / transformers = {(t_rows / t_sec) / (h_rows / h_sec):.2f}x rows/s", flush=True)
+        if args.saelens_python:
+            hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+            saelens_peer(args, folder, num_layers, hidden, tmp_path)
 
 
 if __name__ == "__main__":

@@ -118,8 +118,31 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default 10; a second signal aborts them at once)")
     _add_engine_args(srv)
     col = sub.add_parser("collect", help="hidden states of a dataset into sharded files (resumable, Ray)")
-    col.add_argument("--input", type=Path, required=True, help="JSONL (text | messages | prompt_token_ids), "
-                     "Parquet, or a datasets save_to_disk folder")
+    src = col.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", type=Path, help="JSONL (text | messages | prompt_token_ids), "
+                     "Parquet, or a datasets save_to_disk folder: one request per record")
+    src.add_argument("--dataset", metavar="NAME_OR_PATH", help="any Hugging Face datasets dataset, streamed: a "
+                     "save_to_disk folder, Parquet/JSONL/CSV/text files (or a glob), a folder of them, or a Hub "
+                     "name in the local datasets cache; cut into contexts (see --context-size)")
+    col.add_argument("--split", default="train", help="--dataset split (default: train)")
+    col.add_argument("--column", default="text", help="--dataset column: text, or token ids (default: text)")
+    col.add_argument("--context-size", type=int, default=None,
+                     help="--dataset: tokens per context (default: the model's context)")
+    col.add_argument("--packing", action="store_true", help="--dataset: concatenate the documents and cut "
+                     "them into full contexts (SAELens' concatenate-and-chunk); default: each document by itself, "
+                     "a long one chunked")
+    col.add_argument("--truncate", action="store_true",
+                     help="--dataset: keep only each document's first context (default: chunk it)")
+    col.add_argument("--prepend-bos", action=argparse.BooleanOptionalAction, default=None,
+                     help="--dataset: start every context (and document) with BOS (default: when the tokenizer "
+                     "has one)")
+    col.add_argument("--max-rows", type=int, default=None, help="--dataset: read at most this many records")
+    col.add_argument("--max-tokens-total", type=int, default=None,
+                     help="--dataset: run at most this many tokens in all")
+    col.add_argument("--exclude-special-tokens", action="store_true",
+                     help="leave out the rows of the tokenizer's special tokens (BOS, EOS, ...)")
+    col.add_argument("--store-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                     help="dtype of the stored states (default: the compute dtype; float32 for bfloat16 in Arrow)")
     col.add_argument("--out", type=Path, required=True, help="output folder")
     col.add_argument("--layers", default="all", help="block indices, e.g. 0,12,-1, or 'all'")
     col.add_argument("--points", default="resid_post", help="comma-separated points")
@@ -270,7 +293,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
 
 
 def _collect(args: argparse.Namespace) -> int:
-    from tapllm.collect.run import CollectConfig, collect
+    from tapllm.collect.run import CollectConfig, DatasetSpec, collect
     from tapllm.config import EngineConfig
 
     layers: list[int] | str = args.layers
@@ -279,10 +302,16 @@ def _collect(args: argparse.Namespace) -> int:
             layers = [int(x) for x in args.layers.split(",")]
         except ValueError:
             raise ValueError(f"--layers must be 'all' or comma-separated integers, got {args.layers!r}") from None
+    dataset = DatasetSpec(args.dataset, args.split, args.column) if args.dataset is not None else None
+    if dataset is None and (args.split != "train" or args.column != "text"):
+        raise ValueError("--split and --column apply to --dataset")
     cfg = CollectConfig(
-        input=args.input, out=args.out, layers=layers, points=args.points.split(","), positions=args.positions,
-        max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens, workers=args.workers,
-        overwrite=args.overwrite, engine=EngineConfig.from_cli_args(args),
+        input=args.input, dataset=dataset, out=args.out, layers=layers, points=args.points.split(","),
+        positions=args.positions, max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens,
+        workers=args.workers, overwrite=args.overwrite, context_size=args.context_size, packing=args.packing,
+        truncate=args.truncate, prepend_bos=args.prepend_bos, max_rows=args.max_rows,
+        max_tokens_total=args.max_tokens_total, exclude_special_tokens=args.exclude_special_tokens,
+        store_dtype=args.store_dtype, engine=EngineConfig.from_cli_args(args),
     )
     meta = collect(cfg, ray_address=args.ray_address, show_progress=not args.quiet)
     secs = meta.get("seconds") or 0

@@ -1,44 +1,60 @@
 """Read a dataset written by ``tapllm collect``: ``tapllm.datasets.open(DIR)``.
 
->>> ds = tapllm.datasets.open("acts/")
+Rows are read through memory maps of the shard files, so a random row costs its own bytes,
+never a whole shard's.
+
+>>> ds = tapllm.datasets.open("acts/")           # a torch.utils.data.Dataset of token rows
 >>> len(ds), ds.points, ds.layers
->>> for batch in ds.iter_batches(4096):      # dicts of tensors, rows in input order
-...     x = batch["resid_post"]               # [rows, layers, hidden]
->>> row = ds[0]                               # one token's row
+>>> row = ds[0]                                   # {"resid_post": [layers, hidden], "token_id": ..., ...}
+>>> batch = ds[[5, 17, 3]]                        # the same columns, batched
+>>> loader = DataLoader(ds, batch_size=4096, shuffle=True)            # standard: rows collated
+>>> loader = DataLoader(ds, sampler=BatchSampler(RandomSampler(ds), 4096, False), batch_size=None)  # faster
+>>> stream = ds.iterable(batch_size=4096, shuffle_buffer=16384)      # IterableDataset, shuffle buffer
+>>> for batch in ds.iter_batches(4096): ...       # input order
 """
 
 from __future__ import annotations
 
 import builtins
-import bisect
 import json
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from tapllm.collect.shards import read_shard, sha256_file
+from tapllm.collect.mmap_shards import ShardView
+from tapllm.collect.shards import sha256_file
+
+Batch = dict[str, torch.Tensor]
 
 
-class ActivationDataset:
-    """Shards of a finished collection, read lazily one shard at a time."""
+class ActivationDataset(Dataset):
+    """The token rows of a finished collection, read through memory maps of its shards.
 
-    def __init__(self, path: Path) -> None:
+    ``ds[i]`` is one row (a dict of tensors: each point ``[layers, hidden]``, ``token_id``,
+    ``request_index``, ``position``); ``ds[list_or_tensor]`` and :meth:`get_batch` are
+    batches; ``__getitems__`` serves a ``DataLoader``'s batched reads. At most
+    ``max_open_shards`` shard files are mapped at once.
+    """
+
+    def __init__(self, path: Path, max_open_shards: int = 64) -> None:
         self.path = path
         meta_file = path / "metadata.json"
         if not meta_file.exists():
             hint = " (the run is incomplete: rerun the same command)" if (path / "run.json").exists() else ""
             raise FileNotFoundError(f"{path} has no metadata.json: not a finished tapllm dataset{hint}")
+        if max_open_shards < 1:
+            raise ValueError(f"max_open_shards must be >= 1, got {max_open_shards}")
         with builtins.open(meta_file) as f:
             self.metadata: dict[str, Any] = json.load(f)
-        self.shards = self.metadata["shards"]
-        self._starts = []
-        total = 0
-        for s in self.shards:
-            self._starts.append(total)
-            total += s["rows"]
-        self._cache: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.shards: list[dict[str, Any]] = self.metadata["shards"]
+        self._starts = np.cumsum([0] + [s["rows"] for s in self.shards]).astype(np.int64)
+        self.max_open_shards = max_open_shards
+        self._views: OrderedDict[int, ShardView] = OrderedDict()
 
     @property
     def points(self) -> list[str]:
@@ -51,34 +67,89 @@ class ActivationDataset:
         return list(self.metadata["layers"])
 
     def __len__(self) -> int:
-        return int(self.metadata["num_rows"])
+        return int(self._starts[-1])
 
-    def shard(self, i: int) -> dict[str, torch.Tensor]:
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers map the files again
+        state = self.__dict__.copy()
+        state["_views"] = OrderedDict()
+        return state
+
+    def view(self, i: int) -> ShardView:
+        """Shard ``i``, mapped (the least recently used map is closed beyond ``max_open_shards``)."""
+        v = self._views.get(i)
+        if v is None:
+            v = ShardView(self.path / self.shards[i]["file"], self.metadata["storage"])
+            self._views[i] = v
+            if len(self._views) > self.max_open_shards:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(i)
+        return v
+
+    def shard(self, i: int) -> Batch:
         """All columns of shard ``i``."""
-        if self._cache is None or self._cache[0] != i:
-            self._cache = (i, read_shard(self.path / self.shards[i]["file"], self.metadata["storage"]))
-        return self._cache[1]
+        v = self.view(i)
+        return v.slice(0, v.rows)
 
-    def iter_batches(self, batch_size: int = 4096) -> Iterator[dict[str, torch.Tensor]]:
+    def get_batch(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> Batch:
+        """Rows ``indices`` (any order, negative from the end) as one batch of tensors."""
+        idx = np.asarray(indices.cpu() if isinstance(indices, torch.Tensor) else indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if idx.size and (int(idx.min()) < -n or int(idx.max()) >= n):
+            bad = int(idx.min()) if int(idx.min()) < -n else int(idx.max())
+            raise IndexError(f"row {bad} out of range for {n} rows")
+        idx = np.where(idx < 0, idx + n, idx)
+        if not self.shards:
+            raise IndexError("the dataset has no rows")
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        order = np.argsort(shard_of, kind="stable")
+        bounds = np.flatnonzero(np.diff(shard_of[order])) + 1
+        out: Batch = {}
+        for group in np.split(order, bounds) if idx.size else []:
+            s = int(shard_of[group[0]])
+            part = self.view(s).take(idx[group] - self._starts[s])
+            if not out:
+                out = {k: torch.empty((len(idx), *v.shape[1:]), dtype=v.dtype) for k, v in part.items()}
+            where = torch.from_numpy(group)
+            for k, v in part.items():
+                out[k][where] = v
+        if not out:
+            out = self.view(0).take(idx)  # no rows: the right columns, empty
+        return out
+
+    def __getitem__(self, key: int | slice | Sequence[int] | np.ndarray | torch.Tensor) -> Batch:
+        if isinstance(key, slice):
+            return self.get_batch(np.arange(len(self))[key])
+        if isinstance(key, int | np.integer) or (isinstance(key, torch.Tensor) and key.ndim == 0):
+            row = int(key)
+            if not -len(self) <= row < len(self):
+                raise IndexError(f"row {row} out of range for {len(self)} rows")
+            return {k: v[0] for k, v in self.get_batch([row]).items()}
+        return self.get_batch(key)
+
+    def __getitems__(self, indices: list[int]) -> list[Batch]:
+        """A ``DataLoader``'s batched read: the rows, read in one pass, one dict each."""
+        batch = self.get_batch(indices)
+        return [{k: v[r] for k, v in batch.items()} for r in range(len(indices))]
+
+    def iter_batches(self, batch_size: int = 4096) -> Iterator[Batch]:
         """Batches of up to ``batch_size`` rows, in input order (a batch never spans two shards)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         for i in range(len(self.shards)):
-            cols = self.shard(i)
-            n = cols["position"].shape[0]
-            for a in range(0, n, batch_size):
-                yield {k: v[a : a + batch_size] for k, v in cols.items()}
+            v = self.view(i)
+            for a in range(0, v.rows, batch_size):
+                yield v.slice(a, min(a + batch_size, v.rows))
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         for batch in self.iter_batches():
             for r in range(batch["position"].shape[0]):
                 yield {k: v[r] for k, v in batch.items()}
 
-    def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
-        if not -len(self) <= row < len(self):
-            raise IndexError(f"row {row} out of range for {len(self)} rows")
-        row %= len(self)
-        i = bisect.bisect_right(self._starts, row) - 1
-        cols = self.shard(i)
-        return {k: v[row - self._starts[i]] for k, v in cols.items()}
+    def iterable(self, batch_size: int | None = None, shuffle_buffer: int = 16384, block_rows: int = 1024,
+                 seed: int = 0) -> ShuffledRows:
+        """The rows as an ``IterableDataset`` in shuffled order (see :class:`ShuffledRows`)."""
+        return ShuffledRows(self, batch_size, shuffle_buffer, block_rows, seed)
 
     def verify(self) -> None:
         """Check every shard's sha256 against the metadata; ``ValueError`` names a bad shard."""
@@ -87,6 +158,84 @@ class ActivationDataset:
                 raise ValueError(f"shard {s['file']} does not match its checksum")
 
 
-def open(path: str | Path) -> ActivationDataset:  # noqa: A001 - the reader's natural name
+class ShuffledRows(IterableDataset):
+    """The rows of an :class:`ActivationDataset`, shuffled across shards with a buffer.
+
+    Blocks of ``block_rows`` consecutive rows are read (contiguous, so cheap) in a random
+    order over all shards into a buffer of ``shuffle_buffer`` rows, from which rows are drawn
+    at random. Yields rows, or batches of ``batch_size`` rows (use ``DataLoader(...,
+    batch_size=None)`` then). With ``DataLoader`` workers, each reads its own share of the
+    blocks. :meth:`set_epoch` changes the order from one pass to the next.
+    """
+
+    def __init__(self, ds: ActivationDataset, batch_size: int | None, shuffle_buffer: int, block_rows: int,
+                 seed: int) -> None:
+        for name, value in (("shuffle_buffer", shuffle_buffer), ("block_rows", block_rows)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
+        self.ds = ds
+        self.batch_size = batch_size
+        self.shuffle_buffer = shuffle_buffer
+        self.block_rows = block_rows
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of pass ``epoch``."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        blocks = [(s, a, min(a + self.block_rows, meta["rows"])) for s, meta in enumerate(self.ds.shards)
+                  for a in range(0, meta["rows"], self.block_rows)]
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(len(blocks))[worker::workers]
+        gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)) + worker)
+        step = self.batch_size or 256  # rows mode: draw 256 at a time, hand them out one by one
+        buf: Batch = {}
+        n = 0
+        for b in order:
+            s, a, e = blocks[b]
+            data = self.ds.view(s).slice(a, e)
+            if not buf:
+                cap = max(self.shuffle_buffer, step) + self.block_rows
+                buf = {k: torch.empty((cap, *v.shape[1:]), dtype=v.dtype) for k, v in data.items()}
+            for k, v in data.items():
+                buf[k][n : n + (e - a)] = v
+            n += e - a
+            while n >= max(self.shuffle_buffer, step):
+                yield from self._emit(self._draw(buf, n, step, gen))
+                n -= step
+        if n:
+            perm = torch.randperm(n, generator=gen)
+            for a in range(0, n, step):
+                yield from self._emit({k: v[perm[a : a + step]] for k, v in buf.items()})
+
+    @staticmethod
+    def _draw(buf: Batch, n: int, k: int, gen: torch.Generator) -> Batch:
+        """``k`` random rows of the first ``n``; the last ``k`` rows' survivors fill their holes."""
+        pick = torch.randperm(n, generator=gen)[:k]
+        out = {name: v[pick] for name, v in buf.items()}
+        tail = n - k
+        taken = torch.zeros(k, dtype=torch.bool)
+        taken[pick[pick >= tail] - tail] = True
+        holes = pick[pick < tail]
+        survivors = torch.arange(tail, n)[~taken]
+        for v in buf.values():
+            v[holes] = v[survivors]
+        return out
+
+    def _emit(self, batch: Batch) -> Iterator[Batch]:
+        if self.batch_size is not None:
+            yield batch
+        else:
+            for r in range(batch["position"].shape[0]):
+                yield {k: v[r] for k, v in batch.items()}
+
+
+def open(path: str | Path, max_open_shards: int = 64) -> ActivationDataset:  # noqa: A001 - the reader's natural name
     """Open a folder written by ``tapllm collect``."""
-    return ActivationDataset(Path(path))
+    return ActivationDataset(Path(path), max_open_shards)

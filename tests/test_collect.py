@@ -284,7 +284,7 @@ def test_bad_input_gets_clear_errors(tiny_models, tmp_path, capsys):
 
 def main_err(model: Path, inp: Path, out: Path, capsys) -> str:
     assert main(["collect", "--model", str(model), "--dtype", "bfloat16", "--quiet", "--input", str(inp),
-                 "--out", str(out), "--format", "arrow"]) == 2
+                 "--out", str(out), "--format", "arrow", "--store-dtype", "bfloat16"]) == 2
     return capsys.readouterr().err
 
 

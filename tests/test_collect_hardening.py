@@ -70,8 +70,9 @@ def test_refusals_come_before_the_model_loads(tiny_models, tmp_path, capsys, mon
     (other / "notes.txt").write_text("mine")
     assert "holds files that are not a tapllm dataset (notes.txt)" in err(other)
     assert sorted(f.name for f in other.iterdir()) == ["notes.txt"]
-    # Arrow cannot hold bfloat16
-    assert "Arrow has no bfloat16" in err(tmp_path / "bf16", "--format", "arrow", dtype="bfloat16")
+    # Arrow cannot hold bfloat16 (a bfloat16 run stores float32 there unless told otherwise)
+    assert "Arrow has no bfloat16" in err(tmp_path / "bf16", "--format", "arrow", "--store-dtype", "bfloat16",
+                                          dtype="bfloat16")
     # a layer the model does not have
     assert "layer 7 is out of range for a 3-block model" in err(tmp_path / "o1", "--layers", "0,7")
     # a record without a usable field

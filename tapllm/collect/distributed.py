@@ -17,6 +17,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tapllm.collect.inputs import ItemSource
 from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
 from tapllm.inputs import Item
 
@@ -34,7 +35,7 @@ class CollectWorker:
 
     def run(self, items: list[Item], part: int, start: int, end: int) -> int:
         """Collect input [start, end) as part ``part``; returns the number of shards."""
-        return len(run_part(self.engine, self.cfg, items, part, start, end, show_progress=False))
+        return len(run_part(self.engine, self.cfg, ItemSource(items, start, end), part, show_progress=False))
 
 
 def run_with_ray(cfg: CollectConfig, run: dict[str, Any], items: list[Item], parts: list[tuple[int, int]],
@@ -53,7 +54,7 @@ def run_with_ray(cfg: CollectConfig, run: dict[str, Any], items: list[Item], par
     per_worker = max(1, int(cpus // cfg.workers))
     Actor = ray.remote(num_cpus=per_worker, max_restarts=0)(CollectWorker)
     # Ray may run the actor on another machine: give it absolute paths on the shared storage.
-    cfg = replace(cfg, input=cfg.input.resolve(), out=cfg.out.resolve())
+    cfg = replace(cfg, input=cfg.input.resolve() if cfg.input is not None else None, out=cfg.out.resolve())
     actors = [Actor.remote(cfg, run, per_worker) for _ in parts]
     t0 = time.perf_counter()
     refs = {}

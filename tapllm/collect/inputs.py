@@ -1,16 +1,23 @@
-"""Read the prompts of a collection run: JSONL, Parquet, or a Hugging Face ``datasets`` folder.
+"""The prompts of a collection run, as a source the engine loop reads from a given index on.
 
-Each record needs one of ``text`` (or ``prompt``), ``messages`` (a chat, rendered with the
-model's chat template) or ``prompt_token_ids``; see :mod:`tapllm.inputs` for which wins.
+``--input`` (:class:`ItemSource`): JSONL, Parquet, or a Hugging Face ``datasets`` folder, read
+whole; each record needs one of ``text`` (or ``prompt``), ``messages`` (a chat, rendered with
+the model's chat template) or ``prompt_token_ids``; see :mod:`tapllm.inputs` for which wins.
+
+``--dataset`` (:class:`DatasetSource`): any ``datasets`` dataset streamed through the context
+builder of :mod:`tapllm.collect.contexts` (``--column`` names the field).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tapllm.inputs import FIELDS, Item, read_jsonl, record_item
+from tapllm.collect.contexts import ContextSettings, Cursor, build_contexts
+from tapllm.collect.hf_input import DatasetSpec, documents, tokenize_fn
+from tapllm.inputs import FIELDS, Item, read_jsonl, record_item, to_prompt
 
 
 def read_items(path: Path) -> list[Item]:
@@ -66,3 +73,47 @@ def fingerprint(path: Path) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()
+
+
+Prompt = tuple[int, "str | list[int]", "list[int] | None"]
+
+
+class ItemSource:
+    """The records [start, end) of ``--input`` (held in memory), one request each."""
+
+    def __init__(self, items: list[Item], start: int, end: int) -> None:
+        self.items = items  # the records of [start, end) only
+        self.start = start
+        self.end: int | None = end
+
+    def prompts(self, first: int, cursor: list[int] | None, render_chat: Any, tokenizer: Any
+                ) -> Iterator[Prompt]:
+        """``(index, prompt, None)`` for the records from ``first`` on."""
+        for i in range(first, self.end or 0):
+            try:
+                prompt = to_prompt(self.items[i - self.start], render_chat)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"--input record {i}: {exc}") from None
+            yield i, prompt, None
+
+
+class DatasetSource:
+    """The contexts of ``--dataset``, built while the dataset streams by (its length is not
+    known in advance): one request per context, with the cursor to resume after it."""
+
+    def __init__(self, ds: Any, spec: DatasetSpec, settings: ContextSettings) -> None:
+        self.ds = ds
+        self.spec = spec
+        self.settings = settings
+        self.start = 0
+        self.end: int | None = None
+
+    def prompts(self, first: int, cursor: list[int] | None, render_chat: Any, tokenizer: Any
+                ) -> Iterator[Prompt]:
+        """``(context index, token ids, cursor after it)`` from context ``first`` on, which
+        ``cursor`` (the one reported with context ``first - 1``) locates in the dataset."""
+        cur = Cursor.from_list(cursor)
+        skip = cur.records - 1 if cur.carry else cur.records
+        docs = documents(self.ds, self.spec.column, skip, tokenize_fn(tokenizer))
+        for k, (ctx, after) in enumerate(build_contexts(docs, self.settings, cur)):
+            yield first + k, ctx, after.to_list()

@@ -16,23 +16,32 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tapllm.collect.contexts import ContextSettings
+from tapllm.collect.hf_input import DatasetSpec
+from tapllm.collect.inputs import DatasetSource, ItemSource
 from tapllm.collect.writer import Manifest, ShardEntry, ShardWriter
 from tapllm.config import EngineConfig
-from tapllm.dtypes import dtype_name
+from tapllm.dtypes import dtype_from_name, dtype_name
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
 from tapllm.hidden_states.spec import HEAD_POINTS, HIDDEN_POINTS, HiddenStatesSpec
-from tapllm.inputs import Item, to_prompt
 from tapllm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class CollectConfig:
     """Everything that defines a collection run, and ``engine``: the engine to run it with
-    (its model, dtype and limits; ``max_num_seqs`` is 64 unless given)."""
+    (its model, dtype and limits; ``max_num_seqs`` is 64 unless given).
 
-    input: Path
+    The input is either ``input`` (a JSONL/Parquet file or ``save_to_disk`` folder of prompt
+    records, one request each) or ``dataset`` (any ``datasets`` dataset, streamed and cut
+    into contexts by ``context_size``, ``packing``, ``truncate``, ``prepend_bos``,
+    ``max_rows`` and ``max_tokens_total``).
+    """
+
     out: Path
+    input: Path | None = None
+    dataset: DatasetSpec | None = None
     layers: list[int] | str = "all"
     points: list[str] = field(default_factory=lambda: ["resid_post"])
     positions: str = "prompt"
@@ -41,16 +50,39 @@ class CollectConfig:
     shard_tokens: int = 65536
     workers: int = 1
     overwrite: bool = False
+    context_size: int | None = None  # None: the model's context
+    packing: bool = False
+    truncate: bool = False
+    prepend_bos: bool | None = None  # None: when the tokenizer has a BOS token
+    max_rows: int | None = None
+    max_tokens_total: int | None = None
+    exclude_special_tokens: bool = False
+    store_dtype: str = "auto"  # auto: the compute dtype (float32 where the format lacks it)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=64))
 
     def validate(self) -> None:
         """``ValueError`` naming the bad setting."""
+        if (self.input is None) == (self.dataset is None):
+            raise ValueError("give the input as either --input FILE or --dataset NAME_OR_PATH")
+        if self.input is not None:
+            used = [flag for flag, v in (("--context-size", self.context_size), ("--packing", self.packing or None),
+                                         ("--truncate", self.truncate or None), ("--prepend-bos", self.prepend_bos),
+                                         ("--max-rows", self.max_rows), ("--max-tokens-total", self.max_tokens_total))
+                    if v is not None]
+            if used:
+                raise ValueError(f"{', '.join(used)} apply to --dataset (--input records are run as they are)")
+        if self.dataset is not None and self.max_tokens > 0:
+            raise ValueError("--max-tokens applies to --input: --dataset contexts are run as prompts only")
+        if self.dataset is not None and self.workers != 1:
+            raise ValueError("--dataset is read as one stream: use it without --workers")
         if self.positions not in ("prompt", "all"):
             raise ValueError(f"--positions must be 'prompt' or 'all', got {self.positions!r}")
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens must be >= 0 (0 = prompts only), got {self.max_tokens}")
         if self.fmt not in ("safetensors", "arrow"):
             raise ValueError(f"--format must be 'safetensors' or 'arrow', got {self.fmt!r}")
+        if self.store_dtype != "auto" and dtype_from_name(self.store_dtype) is None:
+            raise ValueError(f"--store-dtype must be auto, float32, float16 or bfloat16, got {self.store_dtype!r}")
         if self.shard_tokens < 1:
             raise ValueError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
         if self.workers < 1:
@@ -59,6 +91,19 @@ class CollectConfig:
         if inside:
             raise ValueError(f"--points: datasets hold residual-width points ({', '.join(HIDDEN_POINTS)}); "
                              f"{inside} are per head or per neuron: capture them with LLM.encode / generate")
+
+    def contexts(self, bos_token_id: int | None, max_model_len: int) -> ContextSettings:
+        """How ``--dataset`` records become contexts, for a tokenizer and a model context."""
+        if self.prepend_bos and bos_token_id is None:
+            raise ValueError("--prepend-bos: the tokenizer has no BOS token")
+        size = self.context_size if self.context_size is not None else max_model_len
+        if size > max_model_len:
+            raise ValueError(f"--context-size {size} is longer than the model's context ({max_model_len} positions)")
+        s = ContextSettings(size=size, packing=self.packing, truncate=self.truncate,
+                            bos_token_id=bos_token_id if self.prepend_bos is not False else None,
+                            max_records=self.max_rows, max_tokens=self.max_tokens_total)
+        s.validate()
+        return s
 
     def spec(self) -> HiddenStatesSpec:
         """What every request captures."""
@@ -85,63 +130,78 @@ def build_engine(cfg: CollectConfig, threads: int | None = None) -> LLMEngine:
 
 def check_engine(engine: LLMEngine, run: dict[str, Any]) -> None:
     """The loaded engine is the one ``run`` was described with (a worker node could resolve
-    ``--dtype auto`` differently from the driver)."""
+    ``--dtype auto`` differently from the driver), and it takes the run's contexts."""
     mc = engine.model_config
     dtype = dtype_name(mc.dtype)
     if dtype != run["dtype"] or mc.hidden_size != run["hidden_size"]:
         raise RuntimeError(f"the engine runs {mc.path} in {dtype}, but this run was described as {run['model']} "
                            f"in {run['dtype']}; pass --dtype explicitly")
+    size = (run.get("context") or {}).get("size")
+    if size is not None and size > mc.max_model_len:
+        raise RuntimeError(f"--context-size {size} is longer than the {mc.max_model_len} positions the KV cache "
+                           "holds; give a smaller --context-size or more --kv-cache-memory-gb")
 
 
-def plan_groups(engine: LLMEngine, cfg: CollectConfig, items: list[Item], start: int, first: int, end: int
-                ) -> Iterator[tuple[int, int, list[Request]]]:
-    """The groups of records [first, end) as ``(first, end, [prepared request, ...])``, lazily.
+Source = ItemSource | DatasetSource
 
-    A group ends at the first record where its rows reach ``--shard-tokens``, counting each
-    record's rows from the input alone: its prompt tokens, plus ``max_tokens - 1`` when
-    generated positions are captured (an upper bound; generation may stop early). So the cut
-    after a group depends only on where the group starts, and a run resumed at a group
-    boundary cuts every later group where the uninterrupted run did.
+
+def plan_groups(engine: LLMEngine, cfg: CollectConfig, source: Source, first: int, cursor: list[int] | None
+                ) -> Iterator[tuple[int, int, list[Request], list[int] | None]]:
+    """The groups of the source's prompts from index ``first`` on (``cursor`` locates it in a
+    stream) as ``(first, end, [prepared request, ...], cursor after the group)``, lazily.
+
+    A group ends at the first prompt where its rows reach ``--shard-tokens``, counting each
+    prompt's rows from the input alone: its tokens, plus ``max_tokens - 1`` when generated
+    positions are captured (an upper bound; generation may stop early). So the cut after a
+    group depends only on where the group starts, and a run resumed at a group boundary cuts
+    every later group where the uninterrupted run did.
     """
     params, encode = cfg.params(), cfg.max_tokens == 0
     extra = cfg.max_tokens - 1 if cfg.max_tokens > 0 and cfg.spec().positions == "all" else 0
+    where = "--input record" if isinstance(source, ItemSource) else "--dataset context"
     group: list[Request] = []
-    g0, rows = first, 0
-    for i in range(first, end):
+    g0, rows, last = first, 0, first
+    for i, prompt, after in source.prompts(first, cursor, engine.render_chat, engine.tokenizer):
         try:
-            prompt = to_prompt(items[i - start], engine.render_chat)
             req = engine.prepare(prompt, params, encode=encode, request_id=f"collect-{i}")
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"--input record {i}: {exc}") from None
+            raise ValueError(f"{where} {i}: {exc}") from None
         group.append(req)
         rows += req.num_prompt_tokens + extra
+        cursor, last = after, i + 1
         if rows >= cfg.shard_tokens:
-            yield g0, i + 1, group
-            group, g0, rows = [], i + 1, 0
+            yield g0, last, group, cursor
+            group, g0, rows = [], last, 0
     if group:
-        yield g0, end, group
+        yield g0, last, group, cursor
 
 
-def run_part(engine: LLMEngine, cfg: CollectConfig, items: list[Item], part: int, start: int, end: int,
-             show_progress: bool = True) -> list[ShardEntry]:
-    """Collect input indices [start, end) into this part's shards, resuming after its last complete shard.
+def run_part(engine: LLMEngine, cfg: CollectConfig, source: Source, part: int, show_progress: bool = True
+             ) -> list[ShardEntry]:
+    """Collect the source's prompts into this part's shards, resuming after its last complete shard.
 
-    ``items`` holds the records of [start, end) (a Ray worker gets only its slice). One group
-    at a time: its requests are admitted (at most ``2 * max_num_seqs`` in flight) and run to
-    the end before the next group starts, while the writer thread writes the previous group.
+    One group at a time: its requests are admitted (at most ``2 * max_num_seqs`` in flight)
+    and run to the end before the next group starts, while the writer thread writes the
+    previous group.
     """
     manifest = Manifest(cfg.out, part)
     done = manifest.load()
     manifest.reset_to(done)  # drop a shard written but not recorded, and our temporaries
-    resume = done[-1].requests[1] if done else start
+    resume = done[-1].requests[1] if done else source.start
+    cursor = done[-1].cursor if done else None
+    store = dtype_from_name(cfg.store_dtype)
+    special = (torch.tensor(sorted(engine.tokenizer.all_special_ids), dtype=torch.long)
+               if cfg.exclude_special_tokens else None)
     writer = ShardWriter(manifest, len(done), cfg.fmt)
     window = 2 * engine.config.max_num_seqs
     in_flight: dict[str, int] = {}
-    bar = tqdm(total=end - start, initial=resume - start, desc=f"collecting part {part}" if cfg.workers > 1
+    where = "--input record" if isinstance(source, ItemSource) else "--dataset context"
+    total = source.end - source.start if source.end is not None else None
+    bar = tqdm(total=total, initial=resume - source.start, desc=f"collecting part {part}" if cfg.workers > 1
                else "collecting", unit="req", disable=not show_progress, dynamic_ncols=True)
     t0, rows0 = time.perf_counter(), 0
     try:
-        for g0, g1, staged in plan_groups(engine, cfg, items, start, resume, end):
+        for g0, g1, staged, after in plan_groups(engine, cfg, source, resume, cursor):
             if engine.has_unfinished_requests():
                 raise RuntimeError("the engine still holds requests at a group boundary")
             records: list[dict[str, torch.Tensor] | None] = [None] * len(staged)
@@ -156,14 +216,14 @@ def run_part(engine: LLMEngine, cfg: CollectConfig, items: list[Item], part: int
                     out = engine.make_output(req)
                     if getattr(out, "error", None) or out.hidden_states is None:
                         reason = getattr(out, "error", None) or "no hidden states were captured"
-                        raise RuntimeError(f"--input record {g0 + j}: {reason}")
-                    records[j] = _columns(out, g0 + j)
+                        raise RuntimeError(f"{where} {g0 + j}: {reason}")
+                    records[j] = _columns(out, g0 + j, store, special)
                     rows0 += len(out.hidden_states.positions)
                     bar.update(1)
                     elapsed = max(time.perf_counter() - t0, 1e-9)
                     bar.set_postfix_str(f"{rows0 / elapsed:.0f} tok/s, {writer.bytes_written / 1e6:.0f} MB written",
                                         refresh=False)
-            writer.put(g0, g1, records)  # waits for the previous shard; this one is written meanwhile
+            writer.put(g0, g1, records, after)  # waits for the previous shard; this one is written meanwhile
         entries = writer.close()
     except BaseException:
         for rid in in_flight:
@@ -175,11 +235,18 @@ def run_part(engine: LLMEngine, cfg: CollectConfig, items: list[Item], part: int
     return done + entries
 
 
-def _columns(out: Any, index: int) -> dict[str, torch.Tensor]:
+def _columns(out: Any, index: int, store: torch.dtype | None, special: torch.Tensor | None
+             ) -> dict[str, torch.Tensor]:
+    """One request's rows: ids, positions and each point (in the store dtype), without the
+    rows of special tokens when ``special`` is given."""
     hs = out.hidden_states
     seq = torch.tensor(out.prompt_token_ids + (out.outputs[0].token_ids if out.outputs else []), dtype=torch.long)
     pos = hs.positions
     cols = {"token_id": seq[pos], "request_index": torch.full((len(pos),), index, dtype=torch.long),
             "position": pos.clone()}
-    cols.update({p: hs[p] for p in hs.points})
+    cols.update({p: hs[p] if store is None else hs[p].to(store) for p in hs.points})
+    if special is not None:
+        keep = ~torch.isin(cols["token_id"], special)
+        if not bool(keep.all()):
+            cols = {k: v[keep] for k, v in cols.items()}
     return cols

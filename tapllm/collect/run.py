@@ -20,51 +20,102 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.distributed import run_with_ray
-from tapllm.collect.inputs import fingerprint, read_items
+from tapllm.collect.hf_input import DatasetSpec, open_dataset
+from tapllm.collect.hf_input import fingerprint as dataset_fingerprint
+from tapllm.collect.inputs import DatasetSource, ItemSource, fingerprint, read_items
 from tapllm.collect.lock import LOCK_NAME, OutputLock
 from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
+from tapllm.collect.provenance import model_id, tokenizer_info, weights_sha256
 from tapllm.collect.shards import arrow_dtype_ok, write_file
 from tapllm.collect.writer import Manifest, ShardEntry, remove_temporaries
-from tapllm.dtypes import dtype_name
+from tapllm.dtypes import dtype_from_name, dtype_name
 from tapllm.hidden_states.capture import resolve
 
-__all__ = ["CollectConfig", "collect"]
+__all__ = ["CollectConfig", "DatasetSpec", "collect"]
 
 logger = logging.getLogger("tapllm")
 FORMAT = "tapllm.activations"
 _OURS = ("run.json", "metadata.json", "state.json", "dataset_info.json", LOCK_NAME)
-VERSION = 2  # 2: one shard per group of records decided by the input
+VERSION = 3  # 2: one shard per group of records decided by the input; 3: provenance, --dataset
 
 
-def model_config(cfg: CollectConfig) -> Any:
-    """The model's config (config.json only: no weights; a GGUF is converted once and cached)."""
-    from tapllm.config import ModelConfig
+def model_folder(cfg: CollectConfig) -> Path:
+    """The model's folder (a GGUF is converted once and cached; a Hub id is resolved)."""
     from tapllm.loader import resolve_model
 
-    return ModelConfig.from_folder(resolve_model(cfg.engine.model), cfg.engine.dtype, cfg.engine.device)
+    return resolve_model(cfg.engine.model, cfg.engine.revision, cfg.engine.download_dir)
 
 
-def describe(cfg: CollectConfig, mc: Any, input_sha256: str) -> dict[str, Any]:
-    """The run's identity (``run.json``) from the model's config: model, settings, resolved
-    layers, input hash. ``ValueError`` for a layer or point the model lacks, or Arrow + bf16."""
+def model_config(cfg: CollectConfig, folder: Path | None = None) -> Any:
+    """The model's config (config.json only: no weights)."""
+    from tapllm.config import ModelConfig
+
+    mc = ModelConfig.from_folder(folder or model_folder(cfg), cfg.engine.dtype, cfg.engine.device)
+    if cfg.engine.max_model_len is not None:
+        mc.max_model_len = min(mc.max_model_len, cfg.engine.max_model_len)
+    return mc
+
+
+def store_dtype(cfg: CollectConfig, compute: torch.dtype) -> str:
+    """The dtype the shards hold: ``--store-dtype``, or ``auto``: the compute dtype (float32
+    for a bfloat16 run written as Arrow, which has no bfloat16)."""
+    if cfg.store_dtype == "auto":
+        dtype = compute if cfg.fmt != "arrow" or arrow_dtype_ok(compute) else torch.float32
+    else:
+        dtype = dtype_from_name(cfg.store_dtype)
+        if cfg.fmt == "arrow" and not arrow_dtype_ok(dtype):
+            raise ValueError(f"--format arrow cannot store {cfg.store_dtype} (Arrow has no bfloat16); "
+                             "use --store-dtype float32 or float16, or --format safetensors")
+    return dtype_name(dtype)
+
+
+def describe(cfg: CollectConfig, mc: Any, source: dict[str, Any], folder: Path | None = None,
+             tokenizer: Any | None = None) -> dict[str, Any]:
+    """The run's identity (``run.json``) from the model's config: model (as named, with the
+    sha256 of its weights), tokenizer, settings, resolved layers, input (``source``: the input
+    file and its hash, or the dataset and its context settings). ``ValueError`` for a layer or
+    point the model lacks or a dtype the format cannot store."""
     sel = resolve(cfg.spec(), num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
                   point_shapes=mc.point_shapes(),
                   num_prompt=1, max_positions=1, encode=True)
-    if cfg.fmt == "arrow" and not arrow_dtype_ok(mc.dtype):
-        raise ValueError(f"--format arrow cannot store {mc.dtype} (Arrow has no bfloat16); "
-                         "use --dtype float32 or float16, or --format safetensors")
+    folder = folder or mc.path
+    tok_folder = mc.tokenizer_path or folder
     return {
-        "format": FORMAT, "version": VERSION, "model": str(mc.path), "architecture": mc.architecture,
-        "dtype": dtype_name(mc.dtype), "hidden_size": mc.hidden_size,
+        "format": FORMAT, "version": VERSION, "model": model_id(cfg.engine), "revision": cfg.engine.revision,
+        "weights_sha256": weights_sha256(cfg.engine, folder), "architecture": mc.architecture,
+        "tokenizer": tokenizer_info(cfg.engine, tok_folder, tokenizer),
+        "dtype": dtype_name(mc.dtype), "store_dtype": store_dtype(cfg, mc.dtype), "hidden_size": mc.hidden_size,
         "layers": list(sel.layers), "points": list(cfg.points), "positions": cfg.spec().positions,
-        "max_tokens": cfg.max_tokens, "storage": cfg.fmt, "shard_tokens": cfg.shard_tokens,
-        "workers": cfg.workers, "input": str(cfg.input.resolve()), "input_sha256": input_sha256,
+        "max_tokens": cfg.max_tokens, "exclude_special_tokens": cfg.exclude_special_tokens,
+        "storage": cfg.fmt, "shard_tokens": cfg.shard_tokens, "workers": cfg.workers, **source,
     }
+
+
+def input_source(cfg: CollectConfig) -> dict[str, Any]:
+    """The ``--input`` part of the identity: the file and a hash of its bytes."""
+    assert cfg.input is not None
+    return {"input": str(cfg.input.resolve()), "input_sha256": fingerprint(cfg.input)}
+
+
+def dataset_source(cfg: CollectConfig, ds: Any, settings: ContextSettings) -> dict[str, Any]:
+    """The ``--dataset`` part of the identity: name, split, column, fingerprint, context settings."""
+    spec = cfg.dataset
+    assert spec is not None
+    path = Path(spec.name).expanduser()
+    name = str(path.resolve()) if path.exists() else spec.name
+    return {"dataset": {"name": name, "split": spec.split, "column": spec.column,
+                        "fingerprint": dataset_fingerprint(ds, spec)},
+            "context": {"size": settings.size, "packing": settings.packing, "truncate": settings.truncate,
+                        "prepend_bos": settings.bos_token_id is not None, "bos_token_id": settings.bos_token_id,
+                        "max_rows": settings.max_records, "max_tokens_total": settings.max_tokens}}
 
 
 def check_output(out: Path, run: dict[str, Any], overwrite: bool) -> str:
@@ -138,19 +189,29 @@ def split_parts(n: int, workers: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(workers)]
 
 
-def finalize(out: Path, run: dict[str, Any], parts: list[tuple[int, int]], num_items: int, seconds: float
+def finalize(out: Path, run: dict[str, Any], parts: list[tuple[int, int]], num_items: int | None, seconds: float
              ) -> dict[str, Any]:
-    """Write ``metadata.json`` (and the ``datasets`` files for Arrow) from the parts' manifests."""
+    """Write ``metadata.json`` (and the ``datasets`` files for Arrow) from the parts' manifests.
+
+    ``num_items``: the records the manifests must cover (``None`` for a stream, whose length
+    is what its manifest reached)."""
+    from tapllm import __version__
+
     shards: list[ShardEntry] = []
     for part in range(len(parts)):
         shards.extend(Manifest(out, part).load())
     covered = sum(e.requests[1] - e.requests[0] for e in shards)
+    if num_items is None:
+        num_items = covered
     if covered != num_items:
         raise RuntimeError(f"the manifests cover {covered} of {num_items} records; rerun to complete the dataset")
+    if not shards:
+        raise ValueError("the input gave no records to collect")
     rows = sum(e.rows for e in shards)
     remove_temporaries(out)  # every writer has finished
-    meta = {**run, "num_requests": num_items, "num_rows": rows, "num_shards": len(shards),
-            "bytes": sum(e.bytes for e in shards), "shards": [asdict(e) for e in shards], "seconds": round(seconds, 3)}
+    meta = {**run, "tapllm_version": __version__, "num_requests": num_items, "num_rows": rows,
+            "num_shards": len(shards), "bytes": sum(e.bytes for e in shards), "shards": [asdict(e) for e in shards],
+            "seconds": round(seconds, 3)}
     if run["storage"] == "arrow":
         _write_datasets_files(out, shards)
     _write_json(out / "metadata.json", meta)
@@ -175,14 +236,34 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
     """Run (or resume) a collection; returns the final metadata.
 
     Refusals come before the model's weights are loaded: bad settings, a layer or point the
-    model lacks, Arrow + bfloat16, another run in ``--out`` (its lock), another run's dataset
-    or files that are not a tapllm dataset, a bad input record; a complete dataset is
-    returned as is.
+    model lacks, a store dtype the format lacks, a dataset, split or column that is not there,
+    another run in ``--out`` (its lock), another run's dataset or files that are not a tapllm
+    dataset, a bad input record; a complete dataset is returned as is.
     """
     cfg.validate()
     if ray_address is None and cfg.workers != 1:
         raise ValueError("--workers needs --ray-address (use 'local' for a Ray instance on this machine)")
-    run = describe(cfg, model_config(cfg), fingerprint(cfg.input))
+    if ray_address is not None and cfg.dataset is not None:
+        raise ValueError("--dataset is read as one stream: run it without --ray-address")
+    folder = model_folder(cfg)
+    mc = model_config(cfg, folder)
+    if cfg.engine.tokenizer is not None:
+        from tapllm.loader import resolve_tokenizer
+
+        mc.tokenizer_path = resolve_tokenizer(cfg.engine.tokenizer, cfg.engine.tokenizer_revision,
+                                              cfg.engine.download_dir)
+    ds = settings = tokenizer = None
+    if cfg.dataset is not None:
+        from tapllm.tokenizer import load_tokenizer
+
+        ds = open_dataset(cfg.dataset)
+        tokenizer = load_tokenizer(mc.tokenizer_path or folder)
+        settings = cfg.contexts(tokenizer.bos_token_id, mc.max_model_len)
+        source_id = dataset_source(cfg, ds, settings)
+    else:
+        source_id = input_source(cfg)
+    run = describe(cfg, mc, source_id, folder, tokenizer)
+    cfg = replace(cfg, store_dtype=run["store_dtype"])
     check_foreign(cfg.out)  # before our lock file goes into someone else's folder
     try:
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -194,16 +275,18 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
         if state == "complete":
             logger.info("%s already holds this complete dataset", cfg.out)
             return json.loads((cfg.out / "metadata.json").read_text())
-        items = read_items(cfg.input)
+        items = read_items(cfg.input) if cfg.input is not None else []
         init_output(cfg.out, run, state)
         remove_temporaries(cfg.out)  # a killed run's; no writer runs yet
         parts = split_parts(len(items), cfg.workers)
         if ray_address is None:
             engine = build_engine(cfg)
             check_engine(engine, run)
+            source = (DatasetSource(ds, cfg.dataset, settings) if cfg.dataset is not None and settings is not None
+                      else ItemSource(items, 0, len(items)))
             t0 = time.perf_counter()
-            run_part(engine, cfg, items, 0, 0, len(items), show_progress)
+            run_part(engine, cfg, source, 0, show_progress)
             seconds = time.perf_counter() - t0
         else:
             seconds = run_with_ray(cfg, run, items, parts, ray_address, show_progress)
-        return finalize(cfg.out, run, parts, len(items), seconds)
+        return finalize(cfg.out, run, parts, len(items) if cfg.input is not None else None, seconds)

@@ -86,7 +86,7 @@ def _write_arrow(path: Path, columns: dict[str, torch.Tensor]) -> None:
         names.append(name)
     table = pa.Table.from_arrays(arrays, names=names)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table, max_chunksize=max(1, 64 << 20 // max(1, _row_bytes(columns))))
+        writer.write_table(table, max_chunksize=max(1, (64 << 20) // max(1, _row_bytes(columns))))
 
 
 def _row_bytes(columns: dict[str, torch.Tensor]) -> int:

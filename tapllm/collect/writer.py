@@ -31,6 +31,7 @@ class ShardEntry:
     requests: list[int]  # [first, end) input indices
     bytes: int
     sha256: str
+    cursor: list[int] | None = None  # --dataset: where the input stream stands after this shard
 
 
 class Manifest:
@@ -113,12 +114,13 @@ class ShardWriter:
         self._thread = threading.Thread(target=self._run, name="tapllm-shard-writer", daemon=True)
         self._thread.start()
 
-    def put(self, first: int, end: int, records: list[dict[str, torch.Tensor]]) -> None:
+    def put(self, first: int, end: int, records: list[dict[str, torch.Tensor]], cursor: list[int] | None = None
+            ) -> None:
         """Hand over records [first, end): per record its rows (``token_id``, ``request_index``,
-        ``position``, points), in input order."""
+        ``position``, points), in input order; ``cursor`` goes into the manifest entry."""
         self._queue.join()  # the previous shard is on disk (or failed)
         self._raise_if_failed()
-        self._queue.put((first, end, records))
+        self._queue.put((first, end, records, cursor))
 
     def close(self) -> list[ShardEntry]:
         """Finish the last shard, stop the thread, re-raise any write error."""
@@ -149,13 +151,14 @@ class ShardWriter:
             finally:
                 self._queue.task_done()
 
-    def _write(self, first: int, end: int, records: list[dict[str, torch.Tensor]]) -> None:
+    def _write(self, first: int, end: int, records: list[dict[str, torch.Tensor]], cursor: list[int] | None
+               ) -> None:
         columns = {k: torch.cat([r[k] for r in records]) for k in records[0]}
         records.clear()  # the concatenated copy is all this shard needs now
         rows = int(columns["position"].shape[0])
         name = f"part{self.manifest.part:03d}-{self.seq:05d}{SUFFIX[self.fmt]}"
         size, digest = write_shard(self.manifest.out / name, columns, self.fmt)
-        entry = ShardEntry(name, self.manifest.part, self.seq, rows, [first, end], size, digest)
+        entry = ShardEntry(name, self.manifest.part, self.seq, rows, [first, end], size, digest, cursor)
         self.manifest.append(entry)
         self.entries.append(entry)
         self.bytes_written += size
