@@ -6,8 +6,6 @@ with a 400 naming it, before the body is validated:
 - a field of the OpenAI or vLLM API that tapllm does not implement (``UNSUPPORTED``): "X is
   not supported", unless it holds the value that means "not used" (``tools: []``,
   ``store: false``, ``priority: 0``, ...), which is accepted because it asks for nothing;
-- a field being implemented elsewhere (``OWNED_ELSEWHERE``): refused the same way until its
-  model field exists, after which the model handles it and this set no longer applies;
 - anything else: "unknown field X".
 
 ``user`` (OpenAI's end-user id) is a model field that is accepted and not used: OpenAI
@@ -27,6 +25,10 @@ from tapllm.server.errors import APIError
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "suffix": (None, ""),
+    # vLLM structured-output options tapllm does not implement (it has one backend, llguidance)
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),  # meaningless without tools, which are refused
@@ -90,14 +92,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "reasoning_content": (None,),
 }
 
-# Sampling and structured-output fields other branches are adding (issue 15). Once a body's
-# model has the field, the model validates it and this set is not consulted for that body.
-OWNED_ELSEWHERE = frozenset({
-    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
-    "bad_words", "allowed_token_ids", "truncate_prompt_tokens", "response_format", "structured_outputs",
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structural_tag",
-})
 
 # Nested objects checked the same way: body field -> its model (one object, or each item of a list).
 NESTED: dict[str, str] = {"stream_options": "object", "messages": "list"}
@@ -131,8 +125,6 @@ def _check_object(data: dict[str, Any], model: type[pydantic.BaseModel], where: 
     for key, value in data.items():
         if key in known:
             out[key] = value
-        elif key in OWNED_ELSEWHERE:
-            raise APIError(400, f"{where}{key} is not supported by this server", param=f"{where}{key}")
         elif key in UNSUPPORTED:
             if not _neutral(value, UNSUPPORTED[key]):
                 raise APIError(400, f"{where}{key} is not supported by this server (got {_short(value)})",
