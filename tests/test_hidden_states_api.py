@@ -108,6 +108,37 @@ def test_encode(llm):
         llm.encode(prompts, [dict()], use_tqdm=False)
 
 
+def test_encode_stops_after_the_deepest_captured_block(tiny_models):
+    """A prompt-only capture of early blocks runs only those blocks; its states equal a full
+    forward's, and its partial KV never serves a later request through the prefix cache."""
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    runner = llm.engine.runner
+    ran: list[int] = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+             for i, layer in enumerate(runner.model.layers)]
+    prompts = random_prompts([40, 23, 17], seed=11)  # 40 tokens: whole blocks to cache
+    shallow = dict(layers=[0, 1], points=["resid_pre", "attn_out", "resid_post"])
+    try:
+        outs = llm.encode(prompts, shallow, use_tqdm=False)
+        assert set(ran) == {0, 1}  # block 2 never ran
+        ran.clear()
+        with_final = llm.encode(prompts, dict(shallow, points=["resid_post", "final"]), use_tqdm=False)
+        assert set(ran) == {0, 1, 2}  # "final" needs every block
+    finally:
+        for h in hooks:
+            h.remove()
+    for e, f in zip(outs, with_final):
+        torch.testing.assert_close(e.hidden_states["resid_post"], f.hidden_states["resid_post"], atol=1e-6, rtol=0)
+    # The shallow encode published blocks whose block-2 KV was never written: generation of the
+    # same prompts must not reuse them (same tokens as an engine that never saw them).
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    fresh = LLM(tiny_models["llama"], dtype="float32", enable_prefix_caching=False)
+    llm.encode(prompts, shallow, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in fresh.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
 def test_result_object_and_file_round_trip(llm, tmp_path):
     p = random_prompts([7], seed=9)[0]
     spec = HiddenStatesSpec(layers=[0, 2], points=["embed", "attn_out"], positions=(2, 9), dtype="bfloat16")

@@ -22,6 +22,7 @@ from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem, Scheduler
 from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
+from tapllm.hidden_states.spec import PSEUDO_POINTS
 from tapllm.steering.plan import ResolvedSteer, resolve_steering
 from tapllm.steering.spec import steering_digest
 from tapllm.structured.compiler import GrammarCompiler
@@ -140,6 +141,10 @@ class LLMEngine:
                       cache_salt=self.runner.model.prompt_salt(len(token_ids)))
         if params.hidden_states is not None:
             req.selection = self._selection(token_ids, params, encode, max_tokens)
+            if encode and params.prompt_logprobs is None:
+                req.depth = self._depth(req.selection)
+                if req.depth is not None:  # blocks past it hold no KV: never shared with a full forward
+                    req.cache_salt += b"|depth=%d" % req.depth
         if not encode:
             mc = self.model_config
             bad_words = tokenize_bad_words(self.tokenizer, params.bad_words or ())
@@ -153,6 +158,14 @@ class LLMEngine:
         if params.structured_outputs is not None and not encode:
             req.grammar = self.grammars.matcher(params.structured_outputs)  # compiled here, once per spec
         return req
+
+    def _depth(self, selection: Selection) -> int | None:
+        """Blocks a prompt-only request capturing ``selection`` needs run (``None``: all of them)."""
+        if "final" in selection.points:
+            return None
+        block_points = [p for p in selection.points if p not in PSEUDO_POINTS]
+        depth = max(selection.layers) + 1 if block_points and selection.layers else 0
+        return None if depth >= self.model_config.num_layers else depth
 
     def add(self, req: Request) -> None:
         """Schedule a request made by :meth:`prepare`."""

@@ -168,7 +168,11 @@ class ModelRunner:
         pending_mask = self.token_masks.submit(
             [(i, req.grammar) for i, (_, req) in enumerate(batch.sample_rows) if req.grammar is not None],
             self.mcfg.vocab_size)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap)
+        # Prompt-only requests need the blocks up to their deepest capture; a step of only such
+        # requests stops there (their blocks are salted by that depth: see LLMEngine.prepare).
+        depths = [it.request.depth for it in items]
+        depth = None if None in depths else max(depths)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
         result = StepResult()
         if tap is not None:
             owner = {span.request.capture: span.request for span in batch.spans}

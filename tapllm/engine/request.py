@@ -67,6 +67,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     cache_salt: bytes = b""  # enters every block's hash: no sharing with other salts
+    depth: int | None = None  # prompt-only: blocks its forward needs (None: all; KV of the rest not written)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -179,16 +179,22 @@ class CausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
         tap: Tap | None = None,
-    ) -> torch.Tensor:
+        num_layers: int | None = None,
+    ) -> torch.Tensor | None:
         """Run the ragged batch; returns the final-norm hidden states [T, hidden].
 
         ``tap`` (the step's, or none when no request captures or steers) sees every point.
+        ``num_layers`` stops after that many blocks (a step of prompt-only requests that capture
+        nothing deeper); the blocks after it are not run, their KV not written, and ``None`` is
+        returned.
         """
         tap = no_tap if tap is None else tap
         x = tap("embed", PSEUDO_LAYER, self.embed(input_ids, positions))
         ctx = self.block_context(positions, x.dtype, meta)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             x = layer(x, i, tap, ctx, kv_caches[i], meta)
+        if num_layers is not None and num_layers < len(self.layers):
+            return None
         return tap("final", PSEUDO_LAYER, self.norm(x))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
