@@ -108,7 +108,8 @@ def request_kwargs(kind: str, states: dict, index: int) -> dict[str, Any]:
     if kind == "states":
         extra["hidden_states"] = states
     elif kind == "json":
-        kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+        # the client's completions.create has no response_format argument: the server reads it from the body
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     elif kind == "n4":
         kw.update(n=4, temperature=1.0, seed=index)
     kw["extra_body"] = extra
