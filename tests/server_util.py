@@ -109,3 +109,12 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def serving(model: Path, *args: str, **kw):
+    """A fixture body: a running :class:`Server`, stopped when the fixture ends."""
+    server = Server(model, *args, **kw)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -6,15 +6,13 @@ import openai
 import pytest
 
 from conftest import random_prompts
-from server_util import KEY, Server
+from server_util import KEY, serving
 from tapllm import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    s = Server(tiny_models["llama"], "--api-key", KEY, "--enable-hidden-states")
-    yield s
-    s.stop()
+    yield from serving(tiny_models["llama"], "--api-key", KEY, "--enable-hidden-states")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import random_prompts
-from server_util import Server
+from server_util import serving
 from tapllm import LLM, SamplingParams
 from tapllm.client import decode_hidden_states
 from tapllm.hidden_states.wire import tensor_to_wire
@@ -14,9 +14,7 @@ from tapllm.hidden_states.wire import tensor_to_wire
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    s = Server(tiny_models["llama"], "--enable-hidden-states", "--enable-steering")
-    yield s
-    s.stop()
+    yield from serving(tiny_models["llama"], "--enable-hidden-states", "--enable-steering")
 
 
 @pytest.fixture(scope="module")
