@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import random_prompts
 from tapllm import LLM, SamplingParams
@@ -119,3 +120,30 @@ def test_max_tokens_none_generates_to_the_end_of_the_context(tiny_models):
     prompt = list(range(100, 100 + limit - 5))
     out = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(("logits", "top_k"), [
+    (torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0, 1.5, 0.2]), 5),
+    # 1000 tokens: the top-p cut inside the 256 most likely (peaked) and past them (flat)
+    (torch.cat([torch.tensor([6.0, 5.5, 5.0]), torch.linspace(-4, 0, 997)]), 0),
+    (torch.linspace(-0.5, 0.5, 1000), 0),
+])
+def test_draws_follow_the_distribution_after_temperature_top_k_top_p(logits, top_k):
+    """The sampler's draw, many times from one row, matches the probabilities it should sample
+    from (temperature, then top-k and top-p), and never picks an excluded token."""
+    from tapllm.engine.request import Request
+    from tapllm.engine.sampler import _draw
+
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=0.9, seed=3)
+    req = Request("r", 0, None, [1], params, torch.Generator().manual_seed(3))
+    x = logits / 0.7
+    kept = torch.topk(x, top_k or x.numel()).indices
+    probs = torch.full_like(x, float("-inf")).scatter(0, kept, x[kept]).softmax(-1)
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    probs[order[before >= 0.9]] = 0.0
+    probs /= probs.sum()
+    n = 20000
+    counts = torch.bincount(torch.tensor([_draw(logits, req) for _ in range(n)]), minlength=x.numel()).double() / n
+    assert counts[probs == 0].sum() == 0
+    torch.testing.assert_close(counts, probs.double(), atol=0.015, rtol=0)

