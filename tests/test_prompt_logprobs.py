@@ -26,7 +26,10 @@ def _check(out, ref: torch.Tensor, prompt: list[int]) -> None:
         entry = plp[i]
         got = entry[prompt[i]]
         assert abs(got.logprob - float(row[prompt[i]])) < 1e-4
-        assert got.rank == int((row > row[prompt[i]]).sum()) + 1
+        # The rank counts tokens scored above it; tokens within float noise of it (another CPU's
+        # kernels round differently) may fall on either side, deep in the vocabulary especially.
+        above, near = int((row > row[prompt[i]] + 1e-5).sum()), int((row > row[prompt[i]] - 1e-5).sum())
+        assert above + 1 <= got.rank <= near + 1
         vals, ids = row.topk(TOP)
         for r, (v, t) in enumerate(zip(vals.tolist(), ids.tolist()), start=1):
             assert t in entry and abs(entry[t].logprob - v) < 1e-4
