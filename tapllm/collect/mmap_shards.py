@@ -4,6 +4,10 @@ safetensors: the file is an 8-byte little-endian header length, a JSON header gi
 tensor's dtype, shape and byte range, then the data; each tensor becomes a numpy view into
 one ``np.memmap`` of the file. Arrow: the IPC stream is read with ``pyarrow.memory_map``
 (zero-copy), and each record batch's buffers are viewed as numpy arrays.
+
+The safetensors header is read here rather than through ``safetensors.safe_open``: its slices
+take ranges, not index arrays, so a shuffled batch would cost one call per row, while a numpy
+view of the mapped file gathers any index set in one fancy-indexing copy.
 """
 
 from __future__ import annotations

@@ -36,8 +36,11 @@ def weights_sha256(engine: EngineConfig, folder: Path) -> str:
     if given.is_file():
         return sha256_file(given)
     files = sorted({f for pattern in _WEIGHTS for f in folder.glob(pattern)})
-    if len(files) == 1:
-        return sha256_file(files[0])
+    return sha256_file(files[0]) if len(files) == 1 else _files_digest(files)
+
+
+def _files_digest(files: list[Path]) -> str:
+    """sha256 of the files' ``name sha256`` lines, in the given order."""
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.name} {sha256_file(f)}\n".encode())
@@ -46,12 +49,9 @@ def weights_sha256(engine: EngineConfig, folder: Path) -> str:
 
 def tokenizer_info(engine: EngineConfig, folder: Path, tokenizer: Any | None) -> dict[str, Any]:
     """The tokenizer's name, the sha256 of its files, and its BOS and special token ids."""
-    h = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
-        if (folder / name).is_file():
-            h.update(f"{name} {sha256_file(folder / name)}\n".encode())
+    files = [folder / name for name in _TOKENIZER_FILES if (folder / name).is_file()]
     info: dict[str, Any] = {"name": str(engine.tokenizer) if engine.tokenizer is not None else model_id(engine),
-                            "sha256": h.hexdigest()}
+                            "sha256": _files_digest(files)}
     if tokenizer is not None:
         info["bos_token_id"] = tokenizer.bos_token_id
         info["special_token_ids"] = sorted(tokenizer.all_special_ids)

@@ -427,7 +427,7 @@ class LLMEngine:
             self._fail(req, refused, "server_error")
             return True
         # As in vLLM, nothing stops a request before min_tokens (its sampler bans EOS and stop ids too).
-        may_stop = not p.min_tokens or len(req.token_ids) - req.num_prompt_tokens >= p.min_tokens
+        may_stop = len(req.output_token_ids) >= p.min_tokens
         if delta:
             prev = len(req.text)
             req.text += delta

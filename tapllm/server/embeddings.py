@@ -80,7 +80,7 @@ class EmbeddingRoutes:
         reqs = await asyncio.to_thread(self._admit, body, rid)
         for r in reqs:
             r.times.arrival = arrival
-        outputs = await self.ep._run_all(request, reqs)
+        outputs = await self.ep.run_all(request, reqs)
 
         def build() -> dict[str, Any]:
             data = []

@@ -118,7 +118,7 @@ class Endpoints:
         arrival = time.monotonic()
         body = await parse(request, HiddenStatesOnlyRequest)
         reqs = arrived(await asyncio.to_thread(self.admission.hidden_states, body, f"hs-{uuid.uuid4().hex}"), arrival)
-        outputs = await self._run_all(request, reqs)
+        outputs = await self.run_all(request, reqs)
 
         def build() -> dict[str, Any]:
             data = [{"index": i, "object": "hidden_states", "prompt_tokens": len(out.prompt_token_ids),
@@ -136,7 +136,7 @@ class Endpoints:
         fmt = ChoiceFormat(self.tokenizer, chat=chat, stream=body.stream, top_logprobs=body.num_logprobs())
         if body.stream:
             return StreamingResponse(self._stream(reqs, head, body, fmt), media_type="text/event-stream")
-        outputs = await self._run_all(request, reqs)
+        outputs = await self.run_all(request, reqs)
         encoding = body.hidden_states.encoding if body.hidden_states is not None else None
 
         echo = isinstance(body, CompletionRequest) and body.echo
@@ -234,7 +234,7 @@ class Endpoints:
                 t.cancel()
 
     # ---- running -----------------------------------------------------------------------------
-    async def _run_all(self, request: Request, reqs: list[EngineRequest]) -> list[RequestOutput]:
+    async def run_all(self, request: Request, reqs: list[EngineRequest]) -> list[RequestOutput]:
         """All of a request's prompts; the first to fail ends the others (and the client leaving, all)."""
         tasks = [asyncio.ensure_future(self._result(r)) for r in reqs]
         try:
