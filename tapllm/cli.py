@@ -31,6 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file (or the template text) used instead of the tokenizer's")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the plain PyTorch step instead of the fused C++ kernels (the reference path)")
     p.add_argument("--quiet", action="store_true", help="only print results")
 
 

@@ -219,6 +219,8 @@ class EngineConfig:
         max_logprobs: most ``logprobs`` a request may ask for (vLLM's name and default, 20).
         chat_template: a Jinja chat template, or a file holding one, used instead of the
             tokenizer's (vLLM's ``--chat-template``).
+        enforce_eager: run the plain PyTorch step (vLLM's name): no fused C++ kernels. The
+            eager step is the reference the fused one is tested against.
     """
 
     model: str | Path | None = None
@@ -245,6 +247,7 @@ class EngineConfig:
     max_steers_per_request: int = 16
     max_logprobs: int = 20
     chat_template: str | Path | None = None
+    enforce_eager: bool = False
 
     @classmethod
     def from_cli_args(cls, args: Any, **overrides: Any) -> EngineConfig:
@@ -272,6 +275,8 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if not isinstance(self.max_steers_per_request, int) or self.max_steers_per_request < 0:

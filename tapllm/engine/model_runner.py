@@ -17,6 +17,7 @@ from tapllm.engine.sampler import RowFailure, sample
 from tapllm.engine.scheduler import ScheduledItem
 from tapllm.engine.tap import RowSpan, StepTap
 from tapllm.hidden_states.capture import CopySink
+from tapllm.kernels import fused_kernels
 from tapllm.layers.attention import AttentionMetadata, PrefillChunk, group_prefills
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
@@ -101,6 +102,8 @@ class ModelRunner:
         self.model.load_weights(iter_weights(model_config.path))
         self.model.prepare_for_inference(device)
         self.model.eval()
+        self.kernels = None if engine_config.enforce_eager or device.type != "cpu" else fused_kernels()
+        self.model.use_kernels(self.kernels)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; linear layers: %s",
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
@@ -268,6 +271,7 @@ class ModelRunner:
             decode_lens=lens,
             prompt_lens=torch.tensor([it.request.num_prompt_tokens for it in items for _ in range(it.num_tokens)],
                                      device=dev) if self.model.needs_prompt_lengths else None,
+            kernels=self.kernels,
         )
         return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans,
                          prompt_lp_rows)

@@ -69,6 +69,11 @@ class StepTap:
             record_at(target, x)
         return x
 
+    def steers(self, point: str, layer: int) -> bool:
+        """True when some request of the step steers ``point`` of block ``layer``."""
+        entry = self.targets.get((point, layer))
+        return entry is not None and bool(entry[0])
+
     def wants_pattern(self, layer: int) -> bool:
         """True when some request of the step captures block ``layer``'s attention pattern."""
         return self.capture is not None and self.capture.wants_pattern(layer)

@@ -18,6 +18,7 @@ still serve them, and a model with global layers needs them anyway.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +66,7 @@ class AttentionMetadata:
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     decode_lens: torch.Tensor | None = None  # [num_decodes] context length of each decode row
     prompt_lens: torch.Tensor | None = None  # [T] prompt length of each row's request (models that ask)
+    kernels: Any = None  # tapllm's fused kernel ops when the step runs them (tapllm.kernels), else None
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask_for(self, window: int | None) -> torch.Tensor:
@@ -129,11 +131,14 @@ def paged_attention(
     gathering a sequence's blocks yields a contiguous ``[S, D]`` matrix per head.
     """
     num_kv, dim = k.shape[1], k.shape[2]
-    k_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    # A freed block keeps its values, and padded or partly filled blocks are read with zero
-    # attention weight; 0 * NaN is NaN, so a value that is not finite (one request's overflow)
-    # must never reach the cache where another request could read it that way.
-    v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, _finite(v).transpose(0, 1))
+    if meta.kernels is not None:
+        meta.kernels.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)  # zeroes non-finite V as below
+    else:
+        k_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        # A freed block keeps its values, and padded or partly filled blocks are read with zero
+        # attention weight; 0 * NaN is NaN, so a value that is not finite (one request's overflow)
+        # must never reach the cache where another request could read it that way.
+        v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, _finite(v).transpose(0, 1))
     nd = meta.num_decodes
     if nd == q.shape[0]:
         return _decode_attention(q, k_cache, v_cache, meta, opts)
@@ -188,9 +193,13 @@ def _decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence, against its whole cached context; returns [B, H, D].
 
-    Two batched matmuls with the query heads of each KV group folded together: on CPU this
-    is several times faster than SDPA's flash kernel for a single query row (bfloat16 most).
+    With the fused kernels, one C++ kernel reads each sequence's K/V blocks in place. Else two
+    batched matmuls over the gathered context, with the query heads of each KV group folded
+    together: on CPU several times faster than SDPA's flash kernel for a single query row.
     """
+    if meta.kernels is not None:
+        return meta.kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
+                                             opts.scale, opts.window or 0, opts.softcap or 0.0)
     b, h, d = q.shape
     kv_heads = k_cache.shape[0]
     kd = _gather(k_cache, meta.decode_block_tables)  # [Hkv, B, S, D], contiguous

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dimension, with a learned scale."""
+    """Root-mean-square norm over the last dimension, with a learned scale.
+
+    ``kernels`` (set by the model when tapllm's fused kernels run) computes rows ``[T, dim]``
+    in one pass with the same roundings (``kernel_mode`` says which order).
+    """
+
+    kernels: Any = None
+    kernel_mode = 0  # tapllm.kernels.reference.RMS_LLAMA
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -16,6 +25,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.stride(1) == 1:
+            return self.kernels.rms_norm(x, self.weight, self.eps, self.kernel_mode)
+        return self.eager(x)
+
+    def add_and_norm(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + r, norm(x + r))``; with the fused kernels ``x`` is updated in place in the same pass."""
+        if self.kernels is not None and x.dim() == 2 and x.stride(1) == 1 and r.stride(1) == 1:
+            return x, self.kernels.add_rms_norm_(x, r, self.weight, self.eps, self.kernel_mode)
+        s = x + r
+        return s, self.forward(s)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
+        """The plain PyTorch norm (the reference of the kernel)."""
         # Normalise in float32, cast back, then scale: the reference implementation's order.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -45,7 +67,9 @@ class GemmaRMSNorm(RMSNorm):
     the scale happens in float32 before the cast back (the reference's order for Gemma).
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    kernel_mode = 2  # tapllm.kernels.reference.RMS_GEMMA
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
@@ -54,7 +78,9 @@ class GemmaRMSNorm(RMSNorm):
 class RMSNormScaledInFloat32(RMSNorm):
     """RMSNorm that scales in float32 and then casts back (OLMo-2's order; equal in float32)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    kernel_mode = 1  # tapllm.kernels.reference.RMS_FLOAT_SCALE
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * h).to(x.dtype)

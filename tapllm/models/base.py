@@ -20,6 +20,7 @@ from torch import nn
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
 from tapllm.layers.linear import Linear, pack_linears, packing_available
+from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import apply_rotary
 from tapllm.models.tap import PSEUDO_LAYER, Tap, no_tap
 
@@ -36,6 +37,8 @@ class Attention(nn.Module):
     rotary, e.g. GPT-2's learned positions). Subclasses may normalise q and k: ``norm_qk``
     sees the flat projections (OLMo-2), ``norm_heads`` the per-head ones (Qwen3, Gemma-3).
     """
+
+    kernels: Any = None  # tapllm's fused kernel ops, when the model runs them (see CausalLM.use_kernels)
 
     def __init__(self, cfg: ModelConfig, layer: int, *, qkv_bias: bool, o_bias: bool, scale: float | None = None,
                  softcap: float | None = None, rotary_dim: int | None = None) -> None:
@@ -69,7 +72,10 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv, self.head_dim)
         v = v.reshape(t, self.num_kv, self.head_dim)
         q, k = self.norm_heads(q, k)
-        if self.rotary_dim == self.head_dim:
+        if self.rotary_dim and self.kernels is not None and cos_sin[0].shape[-1] == self.rotary_dim:
+            cos, sin = cos_sin
+            self.kernels.rotary_(q, k, cos.view(t, self.rotary_dim), sin.view(t, self.rotary_dim))
+        elif self.rotary_dim == self.head_dim:
             q, k = apply_rotary(q, k, cos_sin)
         elif self.rotary_dim:
             r = self.rotary_dim
@@ -85,17 +91,23 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with fused gate/up projection (SwiGLU, GeGLU)."""
 
+    kernels: Any = None  # tapllm's fused kernel ops, when the model runs them (see CausalLM.use_kernels)
+
     def __init__(self, cfg: ModelConfig, act: Callable[[torch.Tensor], torch.Tensor], bias: bool = False,
                  intermediate: int | None = None) -> None:
         super().__init__()
         inter = int(intermediate if intermediate is not None else cfg.hf_config.intermediate_size)
         self.inter = inter
         self.act = act
+        self.kernel_act = _KERNEL_ACTS.get(act)  # the fused kernel's mode for this activation, if it has one
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias, cfg.dtype)
         self.down_proj = Linear(inter, cfg.hidden_size, bias, cfg.dtype)
 
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and self.kernel_act is not None and gate_up.dim() == 2:
+            return self.down_proj(tap("mlp_post", i, self.kernels.gated_act(gate_up, self.kernel_act)))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(tap("mlp_post", i, self.act(gate) * up))
 
 
@@ -130,6 +142,10 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# Activations the fused gated-MLP kernel computes (tapllm.kernels.reference: ACT_SILU, ACT_GELU_TANH).
+_KERNEL_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], int] = {F.silu: 0, _gelu_tanh: 1}
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation transformers calls ``name``; ``ValueError`` for one not supported."""
     try:
@@ -148,6 +164,7 @@ class CausalLM(nn.Module):
     """
 
     final_logit_softcap: float | None = None
+    kernels: Any = None  # tapllm's fused kernel ops (see use_kernels)
     needs_prompt_lengths = False  # True: the runner fills AttentionMetadata.prompt_lens each step
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -209,6 +226,14 @@ class CausalLM(nn.Module):
         """The logit lens: logits from residual-stream states ``[N, hidden]`` (final norm, then unembedding)."""
         x = x.to(self.cfg.dtype)
         return self.compute_logits(x if point == "final" else self.norm(x))
+
+    def use_kernels(self, ops: Any) -> None:
+        """Run the norms, rotary and gated activations of every block with tapllm's fused
+        kernels ``ops`` (``tapllm.kernels.fused_kernels()``); ``None`` restores the eager code."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | GatedMLP):
+                module.kernels = ops
+        self.kernels = ops
 
     # ---- weights -----------------------------------------------------------------------
     def prepare_for_inference(self, device: torch.device) -> None:

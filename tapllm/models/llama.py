@@ -34,8 +34,13 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = tap("resid_pre", i, x)
         a = tap("attn_out", i, self.self_attn(self.input_layernorm(x), cos_sin, kv, meta, tap, i))
-        mid = tap("resid_mid", i, x + a)
-        m = tap("mlp_out", i, self.mlp(self.post_attention_layernorm(mid), tap, i))
+        if tap.steers("resid_mid", i):  # the norm must read the steered value
+            mid = tap("resid_mid", i, x + a)
+            h = self.post_attention_layernorm(mid)
+        else:  # one pass for the residual add and the norm (in place with the fused kernels)
+            mid, h = self.post_attention_layernorm.add_and_norm(x, a)
+            mid = tap("resid_mid", i, mid)
+        m = tap("mlp_out", i, self.mlp(h, tap, i))
         return tap("resid_post", i, mid + m)
 
 

@@ -5,7 +5,9 @@ with the block index, ``embed`` and ``final`` with :data:`PSEUDO_LAYER`; inside 
 ``q``, ``k``, ``v`` ``[T, heads, head_dim]`` and ``z``, inside the MLP ``mlp_post``) and goes on
 with what the tap returns. Attention also asks ``tap.wants_pattern(layer)``: when some
 request of the step captures ``attn_pattern`` there, it hands the tap its queries and the
-layer's key cache (``tap.pattern``). The engine's tap (``tapllm.engine.tap.StepTap``) steers
+layer's key cache (``tap.pattern``). ``tap.steers(point, layer)`` tells whether the tap may
+change ``x`` at that point, so a model may compute what reads the point before calling the
+tap only when it does not (e.g. a residual add fused with the next norm). The engine's tap (``tapllm.engine.tap.StepTap``) steers
 and records the rows of the requests that asked; :data:`no_tap` is used when none did.
 """
 
@@ -25,6 +27,8 @@ class Tap(Protocol):
 
     def wants_pattern(self, layer: int) -> bool: ...
 
+    def steers(self, point: str, layer: int) -> bool: ...
+
     def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: Any) -> None: ...
 
 
@@ -37,6 +41,9 @@ class _NoTap:
         return x
 
     def wants_pattern(self, layer: int) -> bool:
+        return False
+
+    def steers(self, point: str, layer: int) -> bool:
         return False
 
     def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: Any) -> None:

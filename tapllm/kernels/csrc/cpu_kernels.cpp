@@ -1,0 +1,431 @@
+// tapllm's fused CPU kernels: one source, compiled once per instruction set (AVX512, AVX2)
+// with ATen's at::vec, registered as torch.library ops in the namespace TAPLLM_NS.
+//
+// Every kernel reproduces the rounding steps of the eager PyTorch code it replaces (values
+// are rounded to the tensor dtype where the eager code produces a tensor of that dtype), so
+// the compiled step and the eager step differ only in the order of floating-point sums.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// float32, bfloat16 and float16, with the element type as scalar_t in the body.
+#define TAPLLM_DISPATCH(TYPE, NAME, ...)                                                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                   \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+template <typename T>
+inline Vec loadf(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+template <typename T>
+inline void storef(T* p, const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, W);
+  }
+}
+
+// The value a float takes once stored in T and read back (identity for float).
+template <typename T>
+inline Vec round_to(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    alignas(64) T tmp[2 * W];
+    at::vec::convert_from_float<T>(v, v).store(tmp, W);
+    return loadf<T>(tmp);
+  }
+}
+
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// ---- RMSNorm: w * round(x * rsqrt(mean(x^2) + eps)), optionally after x += r -------------
+template <typename T>
+void rms_norm_rows(T* x, const T* r, const T* w, T* out, int64_t rows, int64_t n, int64_t x_stride,
+                   int64_t r_stride, int64_t out_stride, float eps, int64_t mode) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* xi = x + i * x_stride;
+      if (r != nullptr) {  // residual add, rounded to T as the eager add is
+        const T* ri = r + i * r_stride;
+        int64_t j = 0;
+        for (; j + W <= n; j += W) storef<T>(xi + j, loadf<T>(xi + j) + loadf<T>(ri + j));
+        for (; j < n; ++j) xi[j] = static_cast<T>(static_cast<float>(xi[j]) + static_cast<float>(ri[j]));
+      }
+      Vec acc(0.f);
+      float tail = 0.f;
+      int64_t j = 0;
+      for (; j + W <= n; j += W) {
+        Vec v = loadf<T>(xi + j);
+        acc = at::vec::fmadd(v, v, acc);
+      }
+      for (; j < n; ++j) tail += static_cast<float>(xi[j]) * static_cast<float>(xi[j]);
+      float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc) + tail;
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      const Vec vinv(inv);
+      T* oi = out + i * out_stride;
+      j = 0;
+      if (mode == 0) {  // Llama: normalise, round, then scale in T
+        for (; j + W <= n; j += W) storef<T>(oi + j, loadf<T>(w + j) * round_to<T>(loadf<T>(xi + j) * vinv));
+        for (; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(w[j]) * round_to<T>(static_cast<float>(xi[j]) * inv));
+      } else if (mode == 1) {  // scale in float32, round once (OLMo-2)
+        for (; j + W <= n; j += W) storef<T>(oi + j, loadf<T>(w + j) * (loadf<T>(xi + j) * vinv));
+        for (; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(w[j]) * (static_cast<float>(xi[j]) * inv));
+      } else {  // Gemma: (1 + w) in float32, round once
+        const Vec one(1.f);
+        for (; j + W <= n; j += W) storef<T>(oi + j, (loadf<T>(w + j) + one) * (loadf<T>(xi + j) * vinv));
+        for (; j < n; ++j) oi[j] = static_cast<T>((1.f + static_cast<float>(w[j])) * (static_cast<float>(xi[j]) * inv));
+      }
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t mode) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(), "bad weight");
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  TAPLLM_DISPATCH(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            x.size(0), x.size(1), x.stride(0), 0, out.stride(0), eps, mode);
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& r, const at::Tensor& w, double eps, int64_t mode) {
+  check_rows(x, "x");
+  check_rows(r, "residual");
+  TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type(), "residual must match x");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(), "bad weight");
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  TAPLLM_DISPATCH(x.scalar_type(), "add_rms_norm_", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), r.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(),
+                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), r.stride(0), out.stride(0),
+                            eps, mode);
+  });
+  return out;
+}
+
+// ---- gated activation: round(round(act(gate)) * up) over [T, 2I] -> [T, I] -----------------
+template <typename T>
+void gated_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t in_stride, int64_t mode) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const Vec one(1.f), half(0.5f), c0(0.7978845608028654f), c1(0.044715f);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* g = gu + i * in_stride;
+      const T* u = g + inter;
+      T* o = out + i * inter;
+      int64_t j = 0;
+      auto act = [&](Vec x) {
+        if (mode == 0) return x / (one + x.neg().exp());  // SiLU
+        return half * x * (one + (c0 * (x + c1 * x * x * x)).tanh());  // GELU, tanh approximation
+      };
+      for (; j + W <= inter; j += W) storef<T>(o + j, round_to<T>(act(loadf<T>(g + j))) * loadf<T>(u + j));
+      for (; j < inter; ++j) {
+        float x = static_cast<float>(g[j]);
+        float a = mode == 0 ? x / (1.f + std::exp(-x))
+                            : 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+        o[j] = static_cast<T>(round_to<T>(a) * static_cast<float>(u[j]));
+      }
+    }
+  });
+}
+
+at::Tensor gated_act(const at::Tensor& gu, int64_t mode) {
+  check_rows(gu, "gate_up");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gate_up must have an even width");
+  const int64_t inter = gu.size(1) / 2;
+  auto out = at::empty({gu.size(0), inter}, gu.options());
+  TAPLLM_DISPATCH(gu.scalar_type(), "gated_act", [&] {
+    gated_rows<scalar_t>(gu.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gu.size(0), inter, gu.stride(0), mode);
+  });
+  return out;
+}
+
+// ---- rotary (rotate-half layout) on the first R dims of every head, in place --------------
+// cos/sin are rows [T, R] (one per token). In T (what the eager code casts them to) each
+// product and the sum are rounded to T, as there; in float32 (OLMo-2) the rotation is
+// computed in float32 and rounded once.
+template <typename T, typename C>
+void rotary_heads(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t head_stride, const C* cos,
+                  const C* sin, int64_t cs_stride, int64_t rdim) {
+  const int64_t half = rdim / 2;
+  constexpr bool steps = std::is_same_v<T, C>;
+  auto r = [](const Vec& v) { return steps ? round_to<T>(v) : v; };
+  auto rs = [](float v) { return steps ? round_to<T>(v) : v; };
+  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / heads, h = t % heads;
+      T* v = x + i * row_stride + h * head_stride;
+      const C* c = cos + i * cs_stride;
+      const C* s = sin + i * cs_stride;
+      int64_t j = 0;
+      for (; j + W <= half; j += W) {
+        Vec a = loadf<T>(v + j), b = loadf<T>(v + j + half);
+        Vec lo = r(a * loadf<C>(c + j)) + r(b.neg() * loadf<C>(s + j));
+        Vec hi = r(b * loadf<C>(c + j + half)) + r(a * loadf<C>(s + j + half));
+        storef<T>(v + j, lo);
+        storef<T>(v + j + half, hi);
+      }
+      for (; j < half; ++j) {
+        float a = static_cast<float>(v[j]), b = static_cast<float>(v[j + half]);
+        float lo = rs(a * static_cast<float>(c[j])) + rs(-b * static_cast<float>(s[j]));
+        float hi = rs(b * static_cast<float>(c[j + half])) + rs(a * static_cast<float>(s[j + half]));
+        v[j] = static_cast<T>(lo);
+        v[j + half] = static_cast<T>(hi);
+      }
+    }
+  });
+}
+
+void check_heads(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be [T, heads, head_dim] with contiguous heads");
+}
+
+template <typename T, typename C>
+void rotary_both(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, int64_t rdim) {
+  rotary_heads<T, C>(q.data_ptr<T>(), q.size(0), q.size(1), q.stride(0), q.stride(1), cos.data_ptr<C>(),
+                     sin.data_ptr<C>(), cos.stride(0), rdim);
+  rotary_heads<T, C>(k.data_ptr<T>(), k.size(0), k.size(1), k.stride(0), k.stride(1), cos.data_ptr<C>(),
+                     sin.data_ptr<C>(), cos.stride(0), rdim);
+}
+
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  check_heads(q, "q");
+  check_heads(k, "k");
+  TORCH_CHECK(cos.dim() == 2 && cos.stride(1) == 1 && sin.sizes() == cos.sizes() && sin.strides() == cos.strides() &&
+                  cos.size(0) == q.size(0) && k.size(0) == q.size(0), "cos/sin must be [T, R] rows");
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type() && k.scalar_type() == q.scalar_type() &&
+                  (cos.scalar_type() == q.scalar_type() || cos.scalar_type() == at::kFloat), "dtype mismatch");
+  const int64_t rdim = cos.size(1);
+  TORCH_CHECK(rdim % 2 == 0 && rdim <= q.size(2) && rdim <= k.size(2), "bad rotary width");
+  const bool fcos = cos.scalar_type() == at::kFloat;
+  TAPLLM_DISPATCH(q.scalar_type(), "rotary_", [&] {
+    if (fcos) rotary_both<scalar_t, float>(q, k, cos, sin, rdim);
+    else rotary_both<scalar_t, scalar_t>(q, k, cos, sin, rdim);
+  });
+}
+
+// ---- KV cache write: cache [Hkv, blocks, block_size, D] at flat slots; V made finite ------
+template <typename T>
+void write_rows(const T* k, const T* v, T* kc, T* vc, const int64_t* slots, int64_t rows, int64_t heads,
+                int64_t d, int64_t k_row, int64_t k_head, int64_t v_row, int64_t v_head, int64_t head_slots) {
+  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / heads, h = t % heads;
+      const int64_t slot = slots[i];
+      const T* ks = k + i * k_row + h * k_head;
+      const T* vs = v + i * v_row + h * v_head;
+      T* kd = kc + (h * head_slots + slot) * d;
+      T* vd = vc + (h * head_slots + slot) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        kd[j] = ks[j];
+        const float x = static_cast<float>(vs[j]);
+        vd[j] = std::isfinite(x) ? vs[j] : static_cast<T>(0.f);  // a non-finite value must never reach the cache
+      }
+    }
+  });
+}
+
+void check_cache(const at::Tensor& c, const char* name) {
+  TORCH_CHECK(c.dim() == 4 && c.is_contiguous(), name, " must be a contiguous [Hkv, blocks, block_size, D] cache");
+}
+
+void kv_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots) {
+  check_heads(k, "k");
+  check_heads(v, "v");
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "bad slots");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "dtype mismatch");
+  const int64_t head_slots = k_cache.size(1) * k_cache.size(2);
+  TAPLLM_DISPATCH(k.scalar_type(), "kv_write", [&] {
+    write_rows<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                         v_cache.data_ptr<scalar_t>(), slots.data_ptr<int64_t>(), k.size(0), k.size(1), k.size(2),
+                         k.stride(0), k.stride(1), v.stride(0), v.stride(1), head_slots);
+  });
+}
+
+// ---- decode attention: one query per sequence, K/V read in place from their blocks --------
+// Each task is one (sequence, KV head): the G query heads that share the KV head read its key
+// and value rows (from L1/L2 after the first head). Scores, softmax and the weighted sum are
+// computed in float32. NV (vectors per head row) is a template constant for the common head
+// sizes so a head's query and accumulator stay in registers; 0 means "at run time".
+template <typename T, int NV>
+void decode_task(const T* q, const T* kh, const T* vh, T* out, const int64_t* table, int64_t first, int64_t len,
+                 int64_t group, int64_t d, int64_t block_size, int64_t q_head, float scale, float softcap,
+                 float* scores, float* qf, float* acc) {
+  const int64_t nv = NV > 0 ? NV : d / W;
+  const int64_t n = len - first;
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qs = q + g * q_head;
+    for (int64_t j = 0; j < d; ++j) qf[j] = static_cast<float>(qs[j]) * scale;
+    float* sg = scores + g * n;
+    Vec qv[NV > 0 ? NV : 1];
+    if constexpr (NV > 0)
+      for (int v = 0; v < NV; ++v) qv[v] = Vec::loadu(qf + v * W);
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = first; p < len; ++p) {
+      const T* krow = kh + (table[p / block_size] * block_size + p % block_size) * d;
+      Vec a(0.f);
+      for (int64_t v = 0; v < nv; ++v)
+        a = at::vec::fmadd(loadf<T>(krow + v * W), NV > 0 ? qv[NV > 0 ? v : 0] : Vec::loadu(qf + v * W), a);
+      float sc = at::vec::vec_reduce_all<float>(std::plus<Vec>(), a);
+      for (int64_t j = nv * W; j < d; ++j) sc += static_cast<float>(krow[j]) * qf[j];
+      sg[p - first] = sc;
+    }
+    int64_t i = 0;
+    if (softcap > 0.f) {
+      const Vec cap(softcap), inv(1.f / softcap);
+      for (; i + W <= n; i += W) ((Vec::loadu(sg + i) * inv).tanh() * cap).store(sg + i);
+      for (; i < n; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
+    }
+    for (i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+    Vec vmx(mx), vsum(0.f);
+    float sum = 0.f;
+    for (i = 0; i + W <= n; i += W) {
+      Vec e = (Vec::loadu(sg + i) - vmx).exp();
+      e.store(sg + i);
+      vsum = vsum + e;
+    }
+    for (; i < n; ++i) {
+      sg[i] = std::exp(sg[i] - mx);
+      sum += sg[i];
+    }
+    sum += at::vec::vec_reduce_all<float>(std::plus<Vec>(), vsum);
+    const float norm = 1.f / sum;
+    Vec av[NV > 0 ? NV : 1];
+    if constexpr (NV > 0) {
+      for (int v = 0; v < NV; ++v) av[v] = Vec(0.f);
+    } else {
+      std::fill(acc, acc + d, 0.f);
+    }
+    for (int64_t p = first; p < len; ++p) {
+      const T* vrow = vh + (table[p / block_size] * block_size + p % block_size) * d;
+      const float w = sg[p - first];
+      const Vec vw(w);
+      if constexpr (NV > 0) {
+        for (int v = 0; v < NV; ++v) av[v] = at::vec::fmadd(vw, loadf<T>(vrow + v * W), av[v]);
+      } else {
+        int64_t j = 0;
+        for (; j + W <= d; j += W) at::vec::fmadd(vw, loadf<T>(vrow + j), Vec::loadu(acc + j)).store(acc + j);
+        for (; j < d; ++j) acc[j] += w * static_cast<float>(vrow[j]);
+      }
+    }
+    T* o = out + g * d;
+    if constexpr (NV > 0) {
+      for (int v = 0; v < NV; ++v) storef<T>(o + v * W, av[v] * Vec(norm));
+    } else {
+      for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[j] * norm);
+    }
+  }
+}
+
+template <typename T>
+void decode_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* tables, const int64_t* lens,
+                 int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, int64_t head_slots,
+                 int64_t table_width, int64_t q_row, int64_t q_head, float scale, int64_t window, float softcap) {
+  const int64_t group = heads / kv_heads;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b]);
+  auto run = [&](auto nv_tag) {
+    constexpr int NV = decltype(nv_tag)::value;
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(group * std::max<int64_t>(longest, 1)), qf(d), acc(d);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / kv_heads, hk = task % kv_heads;
+        const int64_t len = lens[b];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        decode_task<T, NV>(q + b * q_row + hk * group * q_head, kc + hk * head_slots * d, vc + hk * head_slots * d,
+                           out + (b * heads + hk * group) * d, tables + b * table_width, first, len, group, d,
+                           block_size, q_head, scale, softcap, scores.data(), qf.data(), acc.data());
+      }
+    });
+  };
+  const bool exact = d % W == 0;
+  switch (exact ? d / W : 0) {
+    case 2: run(std::integral_constant<int, 2>()); break;
+    case 4: run(std::integral_constant<int, 4>()); break;
+    case 5: run(std::integral_constant<int, 5>()); break;
+    case 6: run(std::integral_constant<int, 6>()); break;
+    case 8: run(std::integral_constant<int, 8>()); break;
+    case 10: run(std::integral_constant<int, 10>()); break;
+    case 12: run(std::integral_constant<int, 12>()); break;
+    case 16: run(std::integral_constant<int, 16>()); break;
+    default: run(std::integral_constant<int, 0>()); break;
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
+                            double softcap) {
+  check_heads(q, "q");
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == q.size(0), "block_tables must be int64 [B, blocks]");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == q.size(0), "bad lens");
+  const int64_t kv_heads = k_cache.size(0), d = k_cache.size(3);
+  TORCH_CHECK(q.size(2) == d && q.size(1) % kv_heads == 0, "q heads must be a multiple of the KV heads");
+  auto out = at::empty({q.size(0), q.size(1), d}, q.options());
+  const int64_t head_slots = k_cache.size(1) * k_cache.size(2);
+  TAPLLM_DISPATCH(q.scalar_type(), "decode_attention", [&] {
+    decode_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          out.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                          q.size(0), q.size(1), kv_heads, d, k_cache.size(2), head_slots, block_tables.size(1),
+                          q.stride(0), q.stride(1), scale, window, softcap);
+  });
+  return out;
+}
+
+}  // namespace
+
+// TORCH_LIBRARY pastes its namespace argument; the indirection expands TAPLLM_NS first.
+#define TAPLLM_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define TAPLLM_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+TAPLLM_LIBRARY(TAPLLM_NS, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, int mode) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor residual, Tensor w, float eps, int mode) -> Tensor");
+  m.def("gated_act(Tensor gate_up, int mode) -> Tensor");
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("kv_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "
+        "int window, float softcap) -> Tensor");
+}
+
+TAPLLM_LIBRARY_IMPL(TAPLLM_NS, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("gated_act", &gated_act);
+  m.impl("rotary_", &rotary_);
+  m.impl("kv_write", &kv_write);
+  m.impl("decode_attention", &decode_attention);
+}

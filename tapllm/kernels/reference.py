@@ -1,0 +1,119 @@
+"""Plain-PyTorch definitions of every fused kernel: the probe's yardstick and the tests' reference.
+
+Each function computes exactly what the eager model code computes at that place (same
+roundings to the tensor dtype), so a kernel may differ from it only by summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+RMS_LLAMA, RMS_FLOAT_SCALE, RMS_GEMMA = 0, 1, 2
+ACT_SILU, ACT_GELU_TANH = 0, 1
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int) -> torch.Tensor:
+    """RMSNorm of rows ``x`` [T, N]: Llama's order (``mode`` 0), scale in float32 (1), Gemma's ``1 + w`` (2)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if mode == RMS_LLAMA:
+        return w * h.to(x.dtype)
+    if mode == RMS_FLOAT_SCALE:
+        return (w * h).to(x.dtype)
+    return (h * (1.0 + w.float())).to(x.dtype)
+
+
+def gated_act(gate_up: torch.Tensor, mode: int) -> torch.Tensor:
+    """``act(gate) * up`` of ``[T, 2I]`` rows (gate first): SiLU (``mode`` 0) or tanh-GELU (1)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) if mode == ACT_SILU else F.gelu(gate, approximate="tanh")
+    return act * up
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary on the first ``cos.shape[1]`` dims of each head; cos/sin are ``[T, R]`` rows."""
+    r = cos.shape[1]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        head, rest = x[..., :r], x[..., r:]
+        half = r // 2
+        turned = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
+        out = (head * cos[:, None] + turned * sin[:, None]).to(x.dtype)
+        return torch.cat((out, rest), dim=-1)
+
+    return rot(q), rot(k)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
+    """One query per sequence over its cached keys, in float32: ``[B, H, D]``."""
+    kv_heads, _, bs, d = k_cache.shape
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        slots = torch.cat([tables[b, p // bs : p // bs + 1] * bs + p % bs for p in range(n)])
+        keys = k_cache.reshape(kv_heads, -1, d)[:, slots].float()  # [Hkv, n, D]
+        vals = v_cache.reshape(kv_heads, -1, d)[:, slots].float()
+        group = q.shape[1] // kv_heads
+        qs = q[b].float().view(kv_heads, group, d)
+        s = torch.einsum("hgd,hnd->hgn", qs, keys) * scale
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
+        if window > 0:
+            s[..., : max(0, n - window)] = float("-inf")
+        out[b] = torch.einsum("hgn,hnd->hgd", s.softmax(-1), vals).reshape(-1, d).to(q.dtype)
+    return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
+
+
+def check_all(ops: Any) -> str | None:
+    """Run every op of ``ops`` on small random inputs in float32 and bfloat16; the first mismatch, or None."""
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)):
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g).to(dtype)
+
+        x, w = rand(5, 40), rand(40)
+        for mode in (RMS_LLAMA, RMS_FLOAT_SCALE, RMS_GEMMA):
+            if not _close(ops.rms_norm(x, w, 1e-5, mode), rms_norm(x, w, 1e-5, mode), tol):
+                return f"rms_norm mode {mode} ({dtype})"
+        r = rand(5, 40)
+        x2 = x.clone()
+        out = ops.add_rms_norm_(x2, r, w, 1e-5, RMS_LLAMA)
+        if not _close(x2, x + r, tol) or not _close(out, rms_norm(x + r, w, 1e-5, RMS_LLAMA), tol):
+            return f"add_rms_norm_ ({dtype})"
+        gu = rand(3, 2 * 37)
+        for mode in (ACT_SILU, ACT_GELU_TANH):
+            if not _close(ops.gated_act(gu, mode), gated_act(gu, mode), tol):
+                return f"gated_act mode {mode} ({dtype})"
+        qkv = rand(4, 3 * 24 + 2 * 24)
+        q, k = qkv[:, :72].view(4, 3, 24), qkv[:, 72:96].view(4, 1, 24)
+        cos, sin = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+        for c, s in ((cos.to(dtype), sin.to(dtype)), (cos, sin)):
+            rq, rk = rotary(q, k, c, s)
+            q2, k2 = q.clone(), k.clone()
+            ops.rotary_(q2, k2, c, s)
+            if not _close(q2, rq, tol) or not _close(k2, rk, tol):
+                return f"rotary_ ({dtype}, cos {c.dtype})"
+        kc, vc = torch.zeros(2, 6, 4, 16, dtype=dtype), torch.zeros(2, 6, 4, 16, dtype=dtype)
+        kk, vv = rand(9, 2, 16), rand(9, 2, 16)
+        vv[0, 0, 0] = float("nan")
+        slots = torch.tensor([0, 1, 2, 3, 4, 8, 9, 10, 20])
+        ops.kv_write(kk, vv, kc, vc, slots)
+        if not _close(kc.view(2, -1, 16)[:, slots], kk.transpose(0, 1), 0) or \
+                not _close(vc.view(2, -1, 16)[:, slots], torch.nan_to_num(vv, nan=0.0).transpose(0, 1), 0):
+            return f"kv_write ({dtype})"
+        tables = torch.tensor([[0, 1, 0], [2, 5, 0]])
+        lens = torch.tensor([5, 7])
+        qd = rand(2, 4, 16)
+        for window, cap in ((0, 0.0), (3, 0.0), (0, 5.0)):
+            got = ops.decode_attention(qd, kc, vc, tables, lens, 0.25, window, cap)
+            if not _close(got, decode_attention(qd, kc, vc, tables, lens, 0.25, window, cap), tol):
+                return f"decode_attention window={window} softcap={cap} ({dtype})"
+    return None
