@@ -61,19 +61,25 @@ def _workload(hidden: int) -> tuple[list[list[int]], list[SamplingParams]]:
     every = HiddenStatesSpec(layers="all", points=list(HIDDEN_POINTS), positions="all")
     steer = [Steer(point="resid_mid", layers=[1], vector=torch.randn(hidden, generator=g), scale=2.0),
              Steer(point="attn_out", layers=[0], vector=torch.randn(hidden, generator=g))]
-    base = dict(max_tokens=7, temperature=0, ignore_eos=True, logprobs=2)
-    params = [SamplingParams(**base, hidden_states=every), SamplingParams(**base),
-              SamplingParams(**base, steering=steer, hidden_states=every), SamplingParams(**base),
-              SamplingParams(**base, hidden_states=HiddenStatesSpec(layers=[-1], points=["resid_mid"],
-                                                                      positions="last", reduce="mean")),
-              SamplingParams(**base, steering=[Steer(point="resid_mid", layers=[0], op="ablate",
-                                                     vector=torch.randn(hidden, generator=g))])]
+    base = dict(temperature=0, ignore_eos=True, logprobs=2)
+    # Lengths differ so that late steps hold only requests that tap a few blocks (or none): the
+    # untapped blocks of those decode steps run as one fused call, the tapped ones in Python.
+    params = [SamplingParams(**base, max_tokens=3, hidden_states=every), SamplingParams(**base, max_tokens=9),
+              SamplingParams(**base, max_tokens=6, steering=steer, hidden_states=HiddenStatesSpec(
+                  layers=[1], points=["resid_post", "mlp_post", "k"], positions="all")),
+              SamplingParams(**base, max_tokens=9),
+              SamplingParams(**base, max_tokens=7, hidden_states=HiddenStatesSpec(
+                  layers=[-1], points=["resid_mid"], positions="last", reduce="mean")),
+              SamplingParams(**base, max_tokens=8, steering=[Steer(point="resid_mid", layers=[0], op="ablate",
+                                                                   vector=torch.randn(hidden, generator=g))])]
     return prompts, params
 
 
 def _run(folder: Path, eager: bool, **options) -> list:
     llm = LLM(folder, dtype="float32", enforce_eager=eager, **options)
     assert (llm.engine.runner.kernels is None) == eager
+    stackable = folder.name in ("llama", "llama3-rope-tied", "qwen2") or folder.name.startswith("phi3")
+    assert (llm.engine.runner.model.stack is not None) == (stackable and not eager), folder.name
     prompts, params = _workload(llm.engine.model_config.hidden_size)
     return llm.generate(prompts, params, use_tqdm=False)
 

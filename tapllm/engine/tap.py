@@ -46,6 +46,7 @@ class StepTap:
         for key, target in (capture.targets if capture else {}).items():
             targets[key] = (targets.get(key, ([], None))[0], target)
         self.targets = targets
+        self.layers = {layer for _, layer in targets}
 
     @classmethod
     def build(cls, spans: Sequence[RowSpan], device: torch.device, sink: CopySink) -> StepTap | None:
@@ -68,6 +69,10 @@ class StepTap:
         if target is not None:
             record_at(target, x)
         return x
+
+    def touches(self, layer: int) -> bool:
+        """True when some request of the step steers or captures anything in block ``layer``."""
+        return layer in self.layers or self.wants_pattern(layer)
 
     def steers(self, point: str, layer: int) -> bool:
         """True when some request of the step steers ``point`` of block ``layer``."""

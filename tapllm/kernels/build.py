@@ -27,7 +27,9 @@ import torch
 
 logger = logging.getLogger("tapllm")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decoder.cpp")
+HEADERS = (CSRC / "kernels.h",)
 
 # Compiler flags of each instruction-set variant (ATen's own names for its capability macros).
 VARIANTS: dict[str, list[str]] = {
@@ -68,7 +70,7 @@ def _command(cxx: str, variant: str, output: Path) -> list[str]:
            "-D_GLIBCXX_USE_CXX11_ABI=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
            f"-DTAPLLM_NS=tapllm_{variant}", *VARIANTS[variant]]
     cmd += [f"-I{p}" for p in include_paths()]
-    cmd += ["-I" + sysconfig.get_paths()["include"], str(SOURCE), "-o", str(output)]
+    cmd += ["-I" + sysconfig.get_paths()["include"], *map(str, SOURCES), "-o", str(output)]
     cmd += [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs]
     cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
     return cmd
@@ -82,7 +84,7 @@ def build(variant: str) -> Path:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    key_parts = [SOURCE.read_bytes(), torch.__version__.encode(), str(torch.version.git_version).encode(),
+    key_parts = [*(f.read_bytes() for f in SOURCES + HEADERS), torch.__version__.encode(), str(torch.version.git_version).encode(),
                  _compiler_version(cxx).encode(), " ".join(VARIANTS[variant]).encode(), sys.version.encode()]
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
     folder = cache_dir() / f"{variant}-{key}"
@@ -100,7 +102,7 @@ def build(variant: str) -> Path:
             out = Path(tmp) / target.name
             proc = subprocess.run(_command(cxx, variant, out), capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"compiling {SOURCE.name} for {variant} failed:\n{proc.stderr[-4000:]}")
+                raise RuntimeError(f"compiling tapllm's kernels for {variant} failed:\n{proc.stderr[-4000:]}")
             os.replace(out, target)  # atomic: a reader sees the whole library or none
         logger.info("built tapllm's %s kernels in %.1fs", variant, time.perf_counter() - t0)
     return target

@@ -21,6 +21,7 @@ from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
+from tapllm.models.stack import DecoderStack
 from tapllm.layers.rotary import apply_rotary
 from tapllm.models.tap import PSEUDO_LAYER, Tap, no_tap
 
@@ -165,6 +166,7 @@ class CausalLM(nn.Module):
 
     final_logit_softcap: float | None = None
     kernels: Any = None  # tapllm's fused kernel ops (see use_kernels)
+    stack: DecoderStack | None = None  # runs untapped blocks of decode steps in C++ (see use_kernels)
     needs_prompt_lengths = False  # True: the runner fills AttentionMetadata.prompt_lens each step
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -208,8 +210,19 @@ class CausalLM(nn.Module):
         tap = no_tap if tap is None else tap
         x = tap("embed", PSEUDO_LAYER, self.embed(input_ids, positions))
         ctx = self.block_context(positions, x.dtype, meta)
-        for i, layer in enumerate(self.layers[:num_layers]):
-            x = layer(x, i, tap, ctx, kv_caches[i], meta)
+        layers = self.layers[:num_layers]
+        stack = self.stack if self.stack is not None and self.stack.applies(meta, x.shape[0]) else None
+        i = 0
+        while i < len(layers):
+            if stack is not None and not tap.touches(i):  # a run of blocks nobody taps: one C++ call
+                j = i + 1
+                while j < len(layers) and not tap.touches(j):
+                    j += 1
+                x = stack.run(x, i, j, ctx, kv_caches, meta)
+                i = j
+                continue
+            x = layers[i](x, i, tap, ctx, kv_caches[i], meta)
+            i += 1
         if num_layers is not None and num_layers < len(self.layers):
             return None
         return tap("final", PSEUDO_LAYER, self.norm(x))
@@ -234,6 +247,7 @@ class CausalLM(nn.Module):
             if isinstance(module, RMSNorm | Attention | GatedMLP):
                 module.kernels = ops
         self.kernels = ops
+        self.stack = DecoderStack.maybe(ops, self.layers)
 
     # ---- weights -----------------------------------------------------------------------
     def prepare_for_inference(self, device: torch.device) -> None:

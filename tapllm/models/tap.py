@@ -7,7 +7,9 @@ with what the tap returns. Attention also asks ``tap.wants_pattern(layer)``: whe
 request of the step captures ``attn_pattern`` there, it hands the tap its queries and the
 layer's key cache (``tap.pattern``). ``tap.steers(point, layer)`` tells whether the tap may
 change ``x`` at that point, so a model may compute what reads the point before calling the
-tap only when it does not (e.g. a residual add fused with the next norm). The engine's tap (``tapllm.engine.tap.StepTap``) steers
+tap only when it does not (e.g. a residual add fused with the next norm), and
+``tap.touches(layer)`` whether it does anything at all in block ``layer`` (blocks it leaves
+alone may run as fused code that calls no tap). The engine's tap (``tapllm.engine.tap.StepTap``) steers
 and records the rows of the requests that asked; :data:`no_tap` is used when none did.
 """
 
@@ -29,6 +31,8 @@ class Tap(Protocol):
 
     def steers(self, point: str, layer: int) -> bool: ...
 
+    def touches(self, layer: int) -> bool: ...
+
     def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: Any) -> None: ...
 
 
@@ -44,6 +48,9 @@ class _NoTap:
         return False
 
     def steers(self, point: str, layer: int) -> bool:
+        return False
+
+    def touches(self, layer: int) -> bool:
         return False
 
     def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: Any) -> None:

@@ -10,6 +10,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -19,7 +21,7 @@
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                   \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
-namespace {
+namespace tapllm {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
@@ -405,7 +407,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
-}  // namespace
+}  // namespace tapllm
 
 // TORCH_LIBRARY pastes its namespace argument; the indirection expands TAPLLM_NS first.
 #define TAPLLM_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
@@ -422,10 +424,10 @@ TAPLLM_LIBRARY(TAPLLM_NS, m) {
 }
 
 TAPLLM_LIBRARY_IMPL(TAPLLM_NS, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("gated_act", &gated_act);
-  m.impl("rotary_", &rotary_);
-  m.impl("kv_write", &kv_write);
-  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &tapllm::rms_norm);
+  m.impl("add_rms_norm_", &tapllm::add_rms_norm_);
+  m.impl("gated_act", &tapllm::gated_act);
+  m.impl("rotary_", &tapllm::rotary_);
+  m.impl("kv_write", &tapllm::kv_write);
+  m.impl("decode_attention", &tapllm::decode_attention);
 }

@@ -1,0 +1,17 @@
+// The host functions of tapllm's fused CPU kernels (cpu_kernels.cpp), for the layer runner.
+#pragma once
+#include <ATen/ATen.h>
+
+namespace tapllm {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t mode);
+at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& r, const at::Tensor& w, double eps, int64_t mode);
+at::Tensor gated_act(const at::Tensor& gate_up, int64_t mode);
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+void kv_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slots);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
+                            double softcap);
+
+}  // namespace tapllm

@@ -1,0 +1,89 @@
+"""Blocks that nobody taps, run by one C++ call per step (``decoder_layers`` of tapllm.kernels).
+
+In a step of decodes the per-operator Python dispatch of a block (~15 calls) costs more than
+its arithmetic on a small model. For pre-norm Llama-style blocks (Llama, Mistral, Qwen2,
+Phi-3: fused qkv with optional bias, full or partial rotary, a gated SiLU/GELU MLP, no
+q/k norms or soft-caps) the model hands every run of consecutive blocks that the step's tap
+leaves alone to the C++ runner; blocks some request captures or steers run in Python as
+always, so taps see exactly the values they would see on the eager path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tapllm.layers.attention import AttentionMetadata
+from tapllm.layers.linear import Linear
+from tapllm.layers.norm import RMSNorm
+
+
+def _weight(linear: Linear) -> torch.Tensor:
+    return linear.packed if linear.packed is not None else linear.weight
+
+
+class DecoderStack:
+    """The C++ runner's view of a model's blocks; built by :meth:`maybe` when every block fits."""
+
+    def __init__(self, ops: Any, layers: nn.ModuleList, scale: float, eps: float, act: int, packed: bool) -> None:
+        self.ops = ops
+        self.layers = layers
+        self.scale, self.eps, self.act, self.packed = scale, eps, act, packed
+        first = layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv, first.head_dim
+        self.windows = [layer.self_attn.opts.window or 0 for layer in layers]
+        self._kv: list | None = None
+        self._params: list[list[torch.Tensor | None]] = []
+
+    @classmethod
+    def maybe(cls, ops: Any, layers: nn.ModuleList) -> DecoderStack | None:
+        """A stack over ``layers`` when all are plain pre-norm Llama-style blocks, else None."""
+        from tapllm.models.base import Attention, GatedMLP
+        from tapllm.models.llama import DecoderLayer
+
+        if ops is None or not hasattr(ops, "decoder_layers") or not len(layers):
+            return None
+        attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+        eps = getattr(layers[0].input_layernorm, "eps", None)
+        packed = {layer.self_attn.qkv_proj.packed is not None for layer in layers}
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not GatedMLP
+                    or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm
+                    or attn.opts.softcap is not None or attn.opts.scale != attn0.opts.scale or not attn.rotary_dim
+                    or mlp.kernel_act is None or mlp.kernel_act != mlp0.kernel_act
+                    or layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps):
+                return None
+        if len(packed) != 1:
+            return None
+        return cls(ops, layers, attn0.opts.scale, eps, mlp0.kernel_act, packed.pop())
+
+    def applies(self, meta: AttentionMetadata, rows: int) -> bool:
+        """True for a step of decodes only (prefill chunks keep the Python blocks and SDPA)."""
+        return meta.kernels is not None and meta.num_decodes == rows and not meta.prefills and not meta.prefill_groups
+
+    def _layer_params(self, kv_caches: list) -> list[list[torch.Tensor | None]]:
+        if self._kv is not kv_caches:
+            params = []
+            for layer, (k, v) in zip(self.layers, kv_caches):
+                attn, mlp = layer.self_attn, layer.mlp
+                params.append([layer.input_layernorm.weight, _weight(attn.qkv_proj), attn.qkv_proj.bias,
+                               _weight(attn.o_proj), attn.o_proj.bias, layer.post_attention_layernorm.weight,
+                               _weight(mlp.gate_up_proj), mlp.gate_up_proj.bias, _weight(mlp.down_proj),
+                               mlp.down_proj.bias, k, v])
+            self._kv, self._params = kv_caches, params
+        return self._params
+
+    def run(self, x: torch.Tensor, start: int, stop: int, ctx: Any, kv_caches: list,
+            meta: AttentionMetadata) -> torch.Tensor:
+        """Blocks ``[start, stop)`` on ``x`` [T, hidden] (updated in place); ``ctx`` is the rotary (cos, sin)."""
+        params = [p for layer in self._layer_params(kv_caches)[start:stop] for p in layer]
+        cos, sin = ctx
+        t = x.shape[0]
+        x = x.contiguous()
+        return self.ops.decoder_layers(x, params, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping,
+                                       meta.decode_block_tables, meta.decode_lens, self.heads, self.kv_heads,
+                                       self.head_dim, self.eps, self.scale, self.windows[start:stop], self.act,
+                                       self.packed)
