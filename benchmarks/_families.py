@@ -17,7 +17,8 @@ VOCAB = 49152
 
 
 def _configs() -> dict[str, Any]:
-    from transformers import (Gemma2Config, Gemma3TextConfig, GPT2Config, GPTNeoXConfig, Olmo2Config, Phi3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, Olmo2Config,
+                              Phi3Config)
 
     return {
         # GPT-2 small (124M with its own vocabulary).
@@ -37,13 +38,21 @@ def _configs() -> dict[str, Any]:
         # Phi-3-mini's block shape, 2 layers.
         "phi3": Phi3Config(vocab_size=VOCAB, hidden_size=3072, num_hidden_layers=2, num_attention_heads=32,
                            num_key_value_heads=32, intermediate_size=8192, max_position_embeddings=4096),
+        # Llama-3.2-1B's shape (16 blocks of hidden 2048, GQA 32/8, MLP 8192, tied embeddings); the
+        # vocabulary is the default tokenizer's 49,152 instead of 128,256.
+        "llama1b": LlamaConfig(vocab_size=VOCAB, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                               num_key_value_heads=8, head_dim=64, intermediate_size=8192, tie_word_embeddings=True,
+                               max_position_embeddings=4096, rms_norm_eps=1e-5,
+                               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 8192}),
         # OLMo-2-1B's block shape, 2 layers.
         "olmo2": Olmo2Config(vocab_size=VOCAB, hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,
                              num_key_value_heads=16, intermediate_size=8192, max_position_embeddings=4096),
     }
 
 
-FAMILIES = ("gpt2", "pythia", "gemma2", "gemma3", "phi3", "olmo2")
+FAMILIES = ("gpt2", "pythia", "gemma2", "gemma3", "phi3", "olmo2", "llama1b")
 
 
 def family_model(name: str) -> Path:

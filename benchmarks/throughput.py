@@ -73,7 +73,8 @@ if str(REPO_ROOT) not in sys.path:
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
-ENGINES = ("tapllm", "hf", "vllm", "llamacpp")
+ENGINES = ("tapllm", "eager", "hf", "vllm", "llamacpp")  # eager: tapllm with enforce_eager=True
+STREAM_GB = 1.6  # the bandwidth probe's matrix (benchmarks/_bandwidth.py)
 FIRST_TOKEN_ID = 32  # random prompts avoid the low ids, where SmolLM2 keeps its special tokens
 Prompts = list[list[int]]
 Runner = Callable[[Any, Prompts, int], tuple[int, float]]  # (engine, prompts, new tokens) -> (tokens, s)
@@ -122,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-lens", type=int_list, default=[128, 512])
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--dtypes", type=str_list, default=["bf16", "fp32"], help="bf16,fp32")
-    p.add_argument("--engines", type=str_list, default=["tapllm", "hf"], help="tapllm,hf[,vllm][,llamacpp]")
+    p.add_argument("--engines", type=str_list, default=["tapllm", "hf"], help="tapllm,hf[,eager][,vllm][,llamacpp]")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -221,8 +222,9 @@ def kv_cache_gb(folder: Path, dtype: str, configs: list[Config]) -> float:
     return max(2.0, 1.25 * tokens * per_token / 1e9)
 
 
-def build_tapllm(folder: Path, dtype: str, configs: list[Config]) -> Any:
-    """The engine under test, sized for the largest batch of ``configs`` at full length (no prefix cache)."""
+def build_tapllm(folder: Path, dtype: str, configs: list[Config], eager: bool = False) -> Any:
+    """The engine under test, sized for the largest batch of ``configs`` at full length (no prefix cache);
+    ``eager``: the plain PyTorch step (``enforce_eager=True``) instead of the fused kernels."""
     from tapllm import LLM
     from tapllm.config import EngineConfig
 
@@ -233,6 +235,7 @@ def build_tapllm(folder: Path, dtype: str, configs: list[Config]) -> Any:
         max_num_batched_tokens=2048,
         kv_cache_memory_gb=kv_cache_gb(folder, dtype, configs),
         enable_prefix_caching=False,
+        enforce_eager=eager,
     ))
 
 
@@ -298,8 +301,8 @@ def run_phase(
     start_rss = current_rss_mib()
     reset_ok = reset_peak_rss()
     runner: Runner
-    if engine == "tapllm":
-        handle, runner = build_tapllm(folder, dtype, configs), run_tapllm
+    if engine in ("tapllm", "eager"):
+        handle, runner = build_tapllm(folder, dtype, configs, eager=engine == "eager"), run_tapllm
     else:
         handle, runner = build_hf(folder, dtype), run_hf
     runner(handle, warm_prompts(prompts), 4)
@@ -314,6 +317,8 @@ def run_phase(
             f"{tokens / seconds:9.1f} tok/s",
             flush=True,
         )
+    if engine == "tapllm" and any(c.batch == 1 for c in configs):
+        report.notes.append(bandwidth_note(handle, folder, dtype))
     what = "peak RSS" if reset_ok else "peak RSS of the process so far"
     at_start = f", RSS at phase start {start_rss:.0f} MiB" if start_rss is not None else ""
     report.memory.append(
@@ -321,6 +326,19 @@ def run_phase(
     )
     del handle
     gc.collect()
+
+
+def bandwidth_note(llm: Any, folder: Path, dtype: str) -> str:
+    """tapllm's batch-1 decode step against the time to stream the weights once at this machine's bandwidth."""
+    from _bandwidth import decode_step_ms, stream_bandwidth_gbs, streamed_weight_bytes
+
+    vocab = llm.engine.model_config.vocab_size
+    step = decode_step_ms(llm, vocab, first_id=min(FIRST_TOKEN_ID, vocab - 1))
+    gbs = stream_bandwidth_gbs(DTYPES[dtype])
+    nbytes = streamed_weight_bytes(folder, DTYPES[dtype])
+    bound = nbytes / (gbs * 1e9) * 1e3
+    return (f"{dtype} b=1 decode step {step:.2f} ms; bandwidth {gbs:.1f} GB/s (GEMV over {STREAM_GB:.1f} GB), "
+            f"weights {nbytes / 1e6:.0f} MB -> bound {bound:.2f} ms; step / bound = {step / bound:.2f}x")
 
 
 # --------------------------------------------------------------------------- vLLM
@@ -522,7 +540,7 @@ def fmt_ratio(num: float | None, den: float | None) -> str:
 def print_table(configs: list[Config], engines: list[str], report: Report) -> None:
     """config | tapllm tok/s | HF tok/s | tapllm/HF [| vllm tok/s | tapllm/vllm] [| llama.cpp ...]"""
     header = ["config", "tapllm tok/s", "HF tok/s", "tapllm/HF"]
-    peers = [e for e in PEERS if e in engines]
+    peers = [e for e in ("eager", *PEERS) if e in engines]
     for peer in peers:
         header += [f"{peer} tok/s", f"tapllm/{peer}"]
     rows = []
