@@ -141,6 +141,6 @@ def test_without_a_compiler_or_when_turned_off_the_eager_step_runs():
             "from tapllm.kernels import fused_kernels\nassert fused_kernels() is None\n")
     off = _python(code, TAPLLM_KERNELS="0")
     assert off.returncode == 0 and "TAPLLM_KERNELS=0" in off.stderr, off.stderr[-2000:]
-    broken = _python(code, CXX="/bin/false", PATH="/nonexistent", TAPLLM_CACHE_DIR=os.path.join(
+    broken = _python(code, CXX="/bin/false", PATH="/nonexistent", TAPLLM_KERNEL_CACHE=os.path.join(
         os.environ.get("TMPDIR", "/tmp"), f"tapllm-nocxx-{os.getpid()}"))
     assert broken.returncode == 0 and "fused CPU kernels off" in broken.stderr, broken.stderr[-2000:]

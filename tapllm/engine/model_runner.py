@@ -259,7 +259,8 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev)
-            decode_mask = (torch.arange(width * bs, device=dev)[None, :] >= lens[:, None])[:, None, :]
+            if self.kernels is None:  # the fused decode kernel reads only each row's own length
+                decode_mask = (torch.arange(width * bs, device=dev)[None, :] >= lens[:, None])[:, None, :]
         groups, alone = group_prefills(prefills, dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),

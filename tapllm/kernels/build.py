@@ -41,8 +41,11 @@ VARIANTS: dict[str, list[str]] = {
 
 
 def cache_dir() -> Path:
-    """Where built kernels live: ``$TAPLLM_CACHE_DIR/kernels`` or ``~/.cache/tapllm/kernels``."""
-    root = os.environ.get("TAPLLM_CACHE_DIR") or os.path.join(
+    """Where built kernels live: ``$TAPLLM_KERNEL_CACHE``, else ``kernels/`` in tapllm's cache
+    (``$TAPLLM_CACHE`` or ``~/.cache/tapllm``, as for converted checkpoints)."""
+    if os.environ.get("TAPLLM_KERNEL_CACHE"):
+        return Path(os.environ["TAPLLM_KERNEL_CACHE"])
+    root = os.environ.get("TAPLLM_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tapllm")
     return Path(root) / "kernels"
 
@@ -66,7 +69,7 @@ def _command(cxx: str, variant: str, output: Path) -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     libs = library_paths()
-    cmd = [cxx, "-O3", "-shared", "-fPIC", "-std=c++17", "-fopenmp", "-fvisibility=hidden",
+    cmd = [cxx, "-O3", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-fvisibility=hidden",
            "-D_GLIBCXX_USE_CXX11_ABI=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
            f"-DTAPLLM_NS=tapllm_{variant}", *VARIANTS[variant]]
     cmd += [f"-I{p}" for p in include_paths()]
