@@ -87,8 +87,10 @@ def build(variant: str) -> Path:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    key_parts = [*(f.read_bytes() for f in SOURCES + HEADERS), torch.__version__.encode(), str(torch.version.git_version).encode(),
-                 _compiler_version(cxx).encode(), " ".join(VARIANTS[variant]).encode(), sys.version.encode()]
+    flags = " ".join(_command(cxx, variant, Path("out.so")))  # every flag and include path
+    key_parts = [*(f.read_bytes() for f in SOURCES + HEADERS), torch.__version__.encode(),
+                 str(torch.version.git_version).encode(), _compiler_version(cxx).encode(), flags.encode(),
+                 sys.version.encode()]
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
     folder = cache_dir() / f"{variant}-{key}"
     target = folder / f"libtapllm_{variant}.so"
