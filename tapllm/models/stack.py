@@ -45,12 +45,14 @@ class DecoderStack:
 
         if ops is None or not hasattr(ops, "decoder_layers") or not len(layers):
             return None
+        if any(type(layer) is not DecoderLayer for layer in layers):
+            return None
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         eps = getattr(layers[0].input_layernorm, "eps", None)
         packed = {layer.self_attn.qkv_proj.packed is not None for layer in layers}
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if (type(layer) is not DecoderLayer or type(attn) is not Attention or type(mlp) is not GatedMLP
+            if (type(attn) is not Attention or type(mlp) is not GatedMLP
                     or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm
                     or attn.opts.softcap is not None or attn.opts.scale != attn0.opts.scale or not attn.rotary_dim
                     or mlp.kernel_act is None or mlp.kernel_act != mlp0.kernel_act
