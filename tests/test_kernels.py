@@ -144,3 +144,31 @@ def test_without_a_compiler_or_when_turned_off_the_eager_step_runs():
     broken = _python(code, CXX="/bin/false", PATH="/nonexistent", TAPLLM_KERNEL_CACHE=os.path.join(
         os.environ.get("TMPDIR", "/tmp"), f"tapllm-nocxx-{os.getpid()}"))
     assert broken.returncode == 0 and "fused CPU kernels off" in broken.stderr, broken.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 80), (8, 2, 128), (6, 3, 40)])
+def test_prefill_attention_of_chunks_with_cached_context(dtype, heads, kv_heads, dim):
+    """Chunks of 1-150 tokens after 0-90 cached ones (several key tiles and query blocks), scattered blocks,
+    windows down to 1 token (rows that see no key of a tile), soft-caps; other rows stay zero."""
+    g = torch.Generator().manual_seed(heads + dim)
+    bs, blocks = 16, 64
+    k_cache, v_cache = _cache(dtype, kv_heads, blocks, bs, dim, g)
+    lens = torch.tensor([5, 150, 1, 70, 33])
+    contexts = torch.tensor([0, 0, 90, 17, 64])
+    starts = torch.tensor([2, 7, 157, 158, 228])  # rows 0-1 are not part of any chunk
+    tables = torch.randperm(blocks, generator=g)[:60].view(5, 12)
+    q_rows = torch.randn(261, heads * dim + 8, generator=g).to(dtype)
+    q = q_rows[:, : heads * dim].view(261, heads, dim)
+    for window, softcap in ((0, 0.0), (1, 0.0), (7, 0.0), (100, 0.0), (0, 20.0), (9, 3.0)):
+        got = ops.prefill_attention(q, k_cache, v_cache, starts, lens, contexts, tables, dim**-0.5, window, softcap)
+        want = reference.prefill_attention(q, k_cache, v_cache, starts, lens, contexts, tables, dim**-0.5, window,
+                                           softcap)
+        _close(got, want, dtype)
+
+
+def test_prefill_attention_refuses_a_block_table_too_short():
+    k_cache = torch.zeros(1, 4, 4, 8)
+    with pytest.raises(RuntimeError, match="block table"):
+        ops.prefill_attention(torch.zeros(6, 1, 8), k_cache, k_cache, torch.tensor([0]), torch.tensor([6]),
+                              torch.tensor([4]), torch.zeros(1, 2, dtype=torch.long), 1.0, 0, 0.0)

@@ -18,7 +18,7 @@ from tapllm.engine.scheduler import ScheduledItem
 from tapllm.engine.tap import RowSpan, StepTap
 from tapllm.hidden_states.capture import CopySink
 from tapllm.kernels import fused_kernels
-from tapllm.layers.attention import AttentionMetadata, PrefillChunk, group_prefills
+from tapllm.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, group_prefills
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 from tapllm.platform import available_memory_bytes, cpu_support, tune_cpu_allocator
@@ -226,6 +226,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[tuple[int, Request]] = []
         prefills: list[PrefillChunk] = []
+        prefill_tables: list[list[int]] = []  # every chunk's blocks (the fused attention reads them all)
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         spans: list[RowSpan] = []
@@ -245,6 +246,7 @@ class ModelRunner:
                 # With cached context, attention reads context and chunk back from the blocks.
                 used = torch.tensor(table[: -(-(start + n) // bs)], device=self.device) if start else None
                 prefills.append(PrefillChunk(row, n, start, used))
+                prefill_tables.append(table[: -(-(start + n) // bs)])
             if it.samples and not req.encode_only:
                 sample_rows.append((row + n - 1, req))
                 # Samples waiting for this prompt draw their first tokens from the same logits.
@@ -261,7 +263,12 @@ class ModelRunner:
             lens = torch.tensor(decode_lens, device=dev)
             if self.kernels is None:  # the fused decode kernel reads only each row's own length
                 decode_mask = (torch.arange(width * bs, device=dev)[None, :] >= lens[:, None])[:, None, :]
-        groups, alone = group_prefills(prefills, dev)
+        prefill_batch = None
+        if self.kernels is not None and prefills:  # one fused call attends every chunk
+            prefill_batch = PrefillBatch.build(prefills, prefill_tables, dev)
+            groups, alone = [], prefills
+        else:
+            groups, alone = group_prefills(prefills, dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev),
             num_decodes=len(decode_tables),
@@ -273,6 +280,7 @@ class ModelRunner:
             prompt_lens=torch.tensor([it.request.num_prompt_tokens for it in items for _ in range(it.num_tokens)],
                                      device=dev) if self.model.needs_prompt_lengths else None,
             kernels=self.kernels,
+            prefill_batch=prefill_batch,
         )
         return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans,
                          prompt_lp_rows)

@@ -68,6 +68,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,
+                      lens: torch.Tensor, contexts: torch.Tensor, tables: torch.Tensor, scale: float, window: int,
+                      softcap: float) -> torch.Tensor:
+    """Causal attention of prefill chunks (queries at positions ``context..context + len``) over their
+    cached keys, in float32: ``[T, H, D]`` (rows outside every chunk are zero)."""
+    kv_heads, _, bs, d = k_cache.shape
+    out = torch.zeros_like(q)
+    for c in range(starts.shape[0]):
+        s0, n, ctx = int(starts[c]), int(lens[c]), int(contexts[c])
+        total = ctx + n
+        slots = torch.tensor([int(tables[c, p // bs]) * bs + p % bs for p in range(total)])
+        keys = k_cache.reshape(kv_heads, -1, d)[:, slots].float()  # [Hkv, total, D]
+        vals = v_cache.reshape(kv_heads, -1, d)[:, slots].float()
+        group = q.shape[1] // kv_heads
+        qs = q[s0 : s0 + n].float().view(n, kv_heads, group, d)
+        scores = torch.einsum("nhgd,hkd->nhgk", qs, keys) * scale
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
+        qpos = torch.arange(ctx, total)[:, None]
+        kpos = torch.arange(total)[None, :]
+        allowed = kpos <= qpos
+        if window > 0:
+            allowed &= kpos > qpos - window
+        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        out[s0 : s0 + n] = torch.einsum("nhgk,hkd->nhgd", scores.softmax(-1), vals).reshape(n, -1, d).to(q.dtype)
+    return out
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
 
@@ -116,4 +144,11 @@ def check_all(ops: Any) -> str | None:
             got = ops.decode_attention(qd, kc, vc, tables, lens, 0.25, window, cap)
             if not _close(got, decode_attention(qd, kc, vc, tables, lens, 0.25, window, cap), tol):
                 return f"decode_attention window={window} softcap={cap} ({dtype})"
+        qp = rand(9, 4, 16)
+        starts, plens, ctxs = torch.tensor([0, 4]), torch.tensor([4, 5]), torch.tensor([1, 2])
+        for window, cap in ((0, 0.0), (3, 0.0), (0, 5.0)):
+            got = ops.prefill_attention(qp, kc, vc, starts, plens, ctxs, tables, 0.25, window, cap)
+            want = prefill_attention(qp, kc, vc, starts, plens, ctxs, tables, 0.25, window, cap)
+            if not _close(got, want, tol):
+                return f"prefill_attention window={window} softcap={cap} ({dtype})"
     return None

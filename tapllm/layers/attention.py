@@ -45,6 +45,25 @@ class PrefillGroup:
     rows: torch.Tensor  # [n] batch rows those real slots go back to
 
 
+@dataclass(slots=True)
+class PrefillBatch:
+    """Every prefill chunk of a step as tensors, for the fused prefill-attention kernel."""
+
+    starts: torch.Tensor  # [chunks] first batch row of each chunk
+    lens: torch.Tensor  # [chunks] its tokens
+    contexts: torch.Tensor  # [chunks] tokens cached before it
+    tables: torch.Tensor  # [chunks, blocks] its sequence's blocks, zero-padded
+
+    @classmethod
+    def build(cls, chunks: list[PrefillChunk], tables: list[list[int]], device: torch.device) -> PrefillBatch:
+        """From the step's chunks and each one's block table (covering context and chunk)."""
+        width = max(len(t) for t in tables)
+        return cls(torch.tensor([c.start for c in chunks], device=device),
+                   torch.tensor([c.length for c in chunks], device=device),
+                   torch.tensor([c.context_len for c in chunks], device=device),
+                   torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device))
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionOptions:
     """How one layer attends: its score scale, sliding window and logit soft-cap."""
@@ -67,6 +86,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [num_decodes] context length of each decode row
     prompt_lens: torch.Tensor | None = None  # [T] prompt length of each row's request (models that ask)
     kernels: Any = None  # tapllm's fused kernel ops when the step runs them (tapllm.kernels), else None
+    prefill_batch: PrefillBatch | None = None  # the prefill chunks as tensors, when ``kernels`` attends them
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask_for(self, window: int | None) -> torch.Tensor:
@@ -142,6 +162,13 @@ def paged_attention(
     nd = meta.num_decodes
     if nd == q.shape[0]:
         return _decode_attention(q, k_cache, v_cache, meta, opts)
+    if meta.prefill_batch is not None:  # the fused kernel reads every chunk's keys from the cache in place
+        pb = meta.prefill_batch
+        out = meta.kernels.prefill_attention(q, k_cache, v_cache, pb.starts, pb.lens, pb.contexts, pb.tables,
+                                             opts.scale, opts.window or 0, opts.softcap or 0.0)
+        if nd:
+            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, opts)
+        return out
     out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, opts)

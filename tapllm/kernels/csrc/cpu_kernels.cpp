@@ -51,10 +51,8 @@ template <typename T>
 inline Vec round_to(const Vec& v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
-  } else {
-    alignas(64) T tmp[2 * W];
-    at::vec::convert_from_float<T>(v, v).store(tmp, W);
-    return loadf<T>(tmp);
+  } else {  // in registers: narrow (round to nearest even, as a store to T does) and widen back
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
   }
 }
 

@@ -14,4 +14,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
                             double softcap);
 
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& contexts,
+                             const at::Tensor& block_tables, double scale, int64_t window, double softcap);
+
 }  // namespace tapllm
