@@ -37,7 +37,7 @@ from tapllm.collect.provenance import model_id, tokenizer_info, weights_sha256
 from tapllm.collect.shards import arrow_dtype_ok, write_file
 from tapllm.collect.writer import Manifest, ShardEntry, remove_temporaries
 from tapllm.dtypes import dtype_from_name, dtype_name
-from tapllm.hidden_states.capture import resolve
+from tapllm.hidden_states.selection import resolve
 
 __all__ = ["CollectConfig", "DatasetSpec", "collect"]
 

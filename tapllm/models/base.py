@@ -21,7 +21,7 @@ from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.rotary import apply_rotary
-from tapllm.models.tap import PSEUDO_LAYER, Tap, no_tap
+from tapllm.tap import PSEUDO_LAYER, Tap, no_tap
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # A checkpoint tensor's destinations: (parameter name, first row or None for all of it, the tensor).

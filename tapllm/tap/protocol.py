@@ -5,8 +5,8 @@ with the block index, ``embed`` and ``final`` with :data:`PSEUDO_LAYER`; inside 
 ``q``, ``k``, ``v`` ``[T, heads, head_dim]`` and ``z``, inside the MLP ``mlp_post``) and goes on
 with what the tap returns. Attention also asks ``tap.wants_pattern(layer)``: when some
 request of the step captures ``attn_pattern`` there, it hands the tap its queries and the
-layer's key cache (``tap.pattern``). The engine's tap (``tapllm.engine.tap.StepTap``) steers
-and records the rows of the requests that asked; :data:`no_tap` is used when none did.
+layer's key cache (``tap.pattern``). The engine's tap (``tapllm.engine.step_tap.StepTap``)
+steers and records the rows of the requests that asked; :data:`no_tap` is used when none did.
 """
 
 from __future__ import annotations
