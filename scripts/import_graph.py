@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent / "tapllm"
 
 # Lowest first. A module belongs to the layer of the longest prefix listed; the rest is top.
 LAYERS: list[tuple[str, ...]] = [
-    ("tapllm.tap", "tapllm._text", "tapllm._options", "tapllm._files", "tapllm.dtypes"),
+    ("tapllm.tap", "tapllm._text", "tapllm._options", "tapllm._files", "tapllm._version", "tapllm.dtypes"),
     ("tapllm.platform", "tapllm.layers", "tapllm.kernels"),
     ("tapllm.config", "tapllm.models", "tapllm.loader"),
     ("tapllm.outputs", "tapllm.hidden_states", "tapllm.steering", "tapllm.structured", "tapllm.sampling_params",

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.server.admission import Admission
 from tapllm.server.async_engine import AsyncEngine
+from tapllm.server.context import RouteContext
 from tapllm.server.endpoints import BODIES, Endpoints, validation_error
 from tapllm.server.errors import APIError
 from tapllm.server.guard import Guard
@@ -64,7 +65,8 @@ def create_app(engine: LLMEngine, served_model_name: str, api_key: str | None = 
     )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     _add_error_handlers(app)
-    Endpoints(runner, admission, metrics, lifecycle, served_model_name, engine.tokenizer).add_routes(app.router)
+    ctx = RouteContext(runner, admission, metrics, lifecycle, served_model_name, engine.tokenizer)
+    Endpoints(ctx).add_routes(app.router)
     return app
 
 

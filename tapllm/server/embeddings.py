@@ -17,7 +17,7 @@ import asyncio
 import base64
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from fastapi import APIRouter, Request
@@ -26,11 +26,10 @@ from pydantic import BaseModel, ConfigDict
 
 from tapllm.hidden_states.spec import HIDDEN_POINTS, PSEUDO_POINTS, HiddenStatesSpec
 from tapllm.server.bodies import json_response, parse
+from tapllm.server.context import RouteContext
 from tapllm.server.errors import APIError
 from tapllm.server.protocol import PromptInput
 
-if TYPE_CHECKING:
-    from tapllm.server.endpoints import Endpoints
 
 
 class EmbeddingRequest(BaseModel):
@@ -64,10 +63,10 @@ class EmbeddingRequest(BaseModel):
 
 
 class EmbeddingRoutes:
-    """The embeddings route, over the shared ``Endpoints`` (admission, engine thread, metrics)."""
+    """The embeddings route, over the app's ``RouteContext`` (admission, engine thread, metrics)."""
 
-    def __init__(self, endpoints: Endpoints) -> None:
-        self.ep = endpoints
+    def __init__(self, ctx: RouteContext) -> None:
+        self.ctx = ctx
 
     def add_routes(self, router: APIRouter, openapi_extra: dict[str, Any]) -> None:
         """Register ``POST /v1/embeddings`` on ``router``."""
@@ -80,7 +79,7 @@ class EmbeddingRoutes:
         reqs = await asyncio.to_thread(self._admit, body, rid)
         for r in reqs:
             r.times.arrival = arrival
-        outputs = await self.ep.run_all(request, reqs)
+        outputs = await self.ctx.run_all(request, reqs)
 
         def build() -> dict[str, Any]:
             data = []
@@ -89,13 +88,13 @@ class EmbeddingRoutes:
                 data.append({"object": "embedding", "index": i,
                              "embedding": encode_vector(vector, body.encoding_format)})
             n = sum(len(out.prompt_token_ids) for out in outputs)
-            return {"id": rid, "object": "list", "created": int(time.time()), "model": self.ep.served_model_name,
+            return {"id": rid, "object": "list", "created": int(time.time()), "model": self.ctx.served_model_name,
                     "data": data, "usage": {"prompt_tokens": n, "total_tokens": n}}
 
         return await json_response(build)
 
     def _admit(self, body: EmbeddingRequest, request_id: str) -> list[Any]:
-        admission = self.ep.admission
+        admission = self.ctx.admission
         admission.check_model(body.model)
         mc = admission.engine.model_config
         width = mc.hidden_size

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
@@ -23,15 +23,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tapllm.engine.request import Request as EngineRequest
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
-from tapllm.server.admission import Admission
-from tapllm.server.async_engine import AsyncEngine, Update
-from tapllm.server.bodies import json_response, parse, until_disconnect, validation_error
+from tapllm.server.async_engine import Update
+from tapllm.server.bodies import json_response, parse, validation_error
+from tapllm.server.context import RouteContext, arrived
 from tapllm.server.embeddings import EmbeddingRequest, EmbeddingRoutes
-from tapllm.server.errors import ERROR_STATUS, APIError
 from tapllm.server.formatting import ChoiceFormat, sse, sse_error
-from tapllm.server.metrics import ServerMetrics
 from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, HiddenStatesOnlyRequest, _Sampling
-from tapllm.server.serving import Lifecycle
 from tapllm.server.tokenize_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeRoutes
 
 logger = logging.getLogger("tapllm")
@@ -55,16 +52,10 @@ def _body_of(*models: str) -> dict[str, Any]:
 
 
 class Endpoints:
-    """The API's handlers, with the helpers they share; :meth:`add_routes` puts them on a router."""
+    """The API's handlers over the app's :class:`RouteContext`; :meth:`add_routes` puts them on a router."""
 
-    def __init__(self, engine: AsyncEngine, admission: Admission, metrics: ServerMetrics, lifecycle: Lifecycle,
-                 served_model_name: str, tokenizer: Any) -> None:
-        self.engine = engine
-        self.admission = admission
-        self.metrics = metrics
-        self.lifecycle = lifecycle
-        self.served_model_name = served_model_name
-        self.tokenizer = tokenizer  # decodes logprob tokens
+    def __init__(self, ctx: RouteContext) -> None:
+        self.ctx = ctx
 
     def add_routes(self, router: APIRouter) -> None:
         """Register every route on ``router`` itself (the app's: the ``Guard`` labels metrics by route)."""
@@ -76,56 +67,56 @@ class Endpoints:
         add("/v1/chat/completions", self.chat, methods=["POST"], openapi_extra=_body_of("ChatCompletionRequest"))
         add("/v1/hidden_states", self.hidden_states, methods=["POST"],
             openapi_extra=_body_of("HiddenStatesOnlyRequest"))
-        EmbeddingRoutes(self).add_routes(router, _body_of("EmbeddingRequest"))
-        TokenizeRoutes(self).add_routes(router, {
+        EmbeddingRoutes(self.ctx).add_routes(router, _body_of("EmbeddingRequest"))
+        TokenizeRoutes(self.ctx).add_routes(router, {
             "/tokenize": _body_of("TokenizeCompletionRequest", "TokenizeChatRequest"),
             "/detokenize": _body_of("DetokenizeRequest")})
 
     # ---- GET -----------------------------------------------------------------------------
     async def health(self) -> Response:
-        if self.lifecycle.draining:
+        if self.ctx.lifecycle.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        if not self.engine.alive:
+        if not self.ctx.engine.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self) -> Response:
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(self.ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "tapllm", "max_model_len": self.admission.max_len}]}
+        return {"object": "list", "data": [{"id": self.ctx.served_model_name, "object": "model", "created": 0,
+                                            "owned_by": "tapllm", "max_model_len": self.ctx.admission.max_len}]}
 
     # ---- POST ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = await parse(request, CompletionRequest)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs = arrived(await asyncio.to_thread(self.admission.completion, body, rid), arrival)
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.served_model_name}
+        reqs = arrived(await asyncio.to_thread(self.ctx.admission.completion, body, rid), arrival)
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.ctx.served_model_name}
         return await self._respond(request, body, reqs, head, chat=False)
 
     async def chat(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = await parse(request, ChatCompletionRequest)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        req = arrived([await asyncio.to_thread(self.admission.chat, body, rid)], arrival)[0]
+        req = arrived([await asyncio.to_thread(self.ctx.admission.chat, body, rid)], arrival)[0]
         head = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
-                "created": int(time.time()), "model": self.served_model_name}
+                "created": int(time.time()), "model": self.ctx.served_model_name}
         return await self._respond(request, body, [req], head, chat=True)
 
     async def hidden_states(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = await parse(request, HiddenStatesOnlyRequest)
-        reqs = arrived(await asyncio.to_thread(self.admission.hidden_states, body, f"hs-{uuid.uuid4().hex}"), arrival)
-        outputs = await self.run_all(request, reqs)
+        reqs = arrived(await asyncio.to_thread(self.ctx.admission.hidden_states, body, f"hs-{uuid.uuid4().hex}"), arrival)
+        outputs = await self.ctx.run_all(request, reqs)
 
         def build() -> dict[str, Any]:
             data = [{"index": i, "object": "hidden_states", "prompt_tokens": len(out.prompt_token_ids),
                      "hidden_states": self._states(out, body.hidden_states.encoding)}
                     for i, out in enumerate(outputs)]
             n = sum(d["prompt_tokens"] for d in data)
-            return {"object": "list", "model": self.served_model_name, "data": data,
+            return {"object": "list", "model": self.ctx.served_model_name, "data": data,
                     "usage": {"prompt_tokens": n, "total_tokens": n}}
 
         return await json_response(build)
@@ -133,10 +124,10 @@ class Endpoints:
     # ---- completions and chat ----------------------------------------------------------------
     async def _respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                        reqs: list[EngineRequest], head: dict[str, Any], chat: bool) -> Response:
-        fmt = ChoiceFormat(self.tokenizer, chat=chat, stream=body.stream, top_logprobs=body.num_logprobs())
+        fmt = ChoiceFormat(self.ctx.tokenizer, chat=chat, stream=body.stream, top_logprobs=body.num_logprobs())
         if body.stream:
             return StreamingResponse(self._stream(reqs, head, body, fmt), media_type="text/event-stream")
-        outputs = await self.run_all(request, reqs)
+        outputs = await self.ctx.run_all(request, reqs)
         encoding = body.hidden_states.encoding if body.hidden_states is not None else None
 
         echo = isinstance(body, CompletionRequest) and body.echo
@@ -147,7 +138,7 @@ class Endpoints:
             choices = []
             for i, out in enumerate(outputs):
                 prompt_text = "" if not echo else \
-                    out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+                    out.prompt if out.prompt is not None else self.ctx.tokenizer.decode(out.prompt_token_ids)
                 for j, c in enumerate(out.outputs):  # n completions a prompt: choice i * n + j
                     index = i * body.n + j
                     if echo:  # the prompt, then the completion; the prompt's first token has no logprob
@@ -176,7 +167,7 @@ class Endpoints:
 
         async def pump(i: int, req: EngineRequest) -> None:
             try:
-                async for update in self.engine.generate(req):
+                async for update in self.ctx.engine.generate(req):
                     await merged.put((i, update))
             except Exception as exc:  # noqa: BLE001 - delivered to the consumer below
                 await merged.put((i, exc))
@@ -189,7 +180,7 @@ class Endpoints:
                     yield sse({**head, "choices": [fmt.choice(j, "", [], None, role="assistant")]})
             elif isinstance(body, CompletionRequest) and body.echo:  # each prompt first (no logprobs: refused)
                 for i, r in enumerate(reqs):
-                    text = r.prompt if r.prompt is not None else self.tokenizer.decode(r.prompt_token_ids)
+                    text = r.prompt if r.prompt is not None else self.ctx.tokenizer.decode(r.prompt_token_ids)
                     for j in range(body.n):
                         yield sse({**head, "choices": [fmt.choice(i * body.n + j, text, [], None)]})
             while len(finals) < len(tasks):
@@ -228,53 +219,17 @@ class Endpoints:
             if body.include_usage():
                 yield sse({**head, "choices": [], "usage": formatting.usage(finals)})
             yield formatting.DONE
-            self._count_tokens(finals)
+            self.ctx.count_tokens(finals)
         finally:
             for t in tasks:  # client gone or done: cancelling a pump aborts its engine request
                 t.cancel()
-
-    # ---- running -----------------------------------------------------------------------------
-    async def run_all(self, request: Request, reqs: list[EngineRequest]) -> list[RequestOutput]:
-        """All of a request's prompts; the first to fail ends the others (and the client leaving, all)."""
-        tasks = [asyncio.ensure_future(self._result(r)) for r in reqs]
-        try:
-            outputs = await until_disconnect(request, asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
-        self._count_tokens(outputs)
-        return outputs
-
-    async def _result(self, req: EngineRequest) -> RequestOutput:
-        last = None
-        async for update in self.engine.generate(req):
-            last = update
-        assert last is not None and last.finished
-        if last.error:
-            kind = last.error_type or "server_error"
-            raise APIError(ERROR_STATUS.get(kind, 500), last.error, kind)
-        assert last.output is not None
-        return last.output
-
-    def _count_tokens(self, outputs: Sequence[RequestOutput]) -> None:
-        for out in outputs:
-            self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-            for c in out.outputs:
-                self.metrics.generation_tokens.inc(len(c.token_ids))
 
     def _states(self, out: RequestOutput | CompletionOutput, encoding: str | None) -> dict[str, Any] | None:
         """A request's (or one completion's) hidden states on the wire (``None`` without), counted in the metrics."""
         if encoding is None or out.hidden_states is None:
             return None
-        self.metrics.hidden_states_bytes.inc(out.hidden_states.nbytes)
+        self.ctx.metrics.hidden_states_bytes.inc(out.hidden_states.nbytes)
         return formatting.hidden_states_json(out.hidden_states, encoding)
-
-
-def arrived(reqs: list[EngineRequest], arrival: float) -> list[EngineRequest]:
-    """``reqs`` stamped with when their HTTP request came in (latency metrics start there)."""
-    for r in reqs:
-        r.times.arrival = arrival
-    return reqs
 
 
 def _without_completion(out: RequestOutput) -> RequestOutput:

@@ -1,0 +1,70 @@
+"""What every route shares, and nothing more: the one narrow object route modules are given.
+
+Routes (``endpoints``, ``embeddings``, ``tokenize_api``) import this module, never each other,
+so the server's import graph has no circle back to a hub.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from tapllm.engine.request import Request as EngineRequest
+from tapllm.outputs import RequestOutput
+from tapllm.server.admission import Admission
+from tapllm.server.async_engine import AsyncEngine
+from tapllm.server.bodies import until_disconnect
+from tapllm.server.errors import ERROR_STATUS, APIError
+from tapllm.server.metrics import ServerMetrics
+from tapllm.server.serving import Lifecycle
+
+
+@dataclass(slots=True)
+class RouteContext:
+    """The engine thread, admission, metrics and lifecycle of one app, and how routes run requests."""
+
+    engine: AsyncEngine
+    admission: Admission
+    metrics: ServerMetrics
+    lifecycle: Lifecycle
+    served_model_name: str
+    tokenizer: Any  # decodes logprob tokens
+
+    async def run_all(self, request: Request, reqs: list[EngineRequest]) -> list[RequestOutput]:
+        """All of a request's prompts; the first to fail ends the others (and the client leaving, all)."""
+        tasks = [asyncio.ensure_future(self._result(r)) for r in reqs]
+        try:
+            outputs = await until_disconnect(request, asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+        self.count_tokens(outputs)
+        return outputs
+
+    async def _result(self, req: EngineRequest) -> RequestOutput:
+        last = None
+        async for update in self.engine.generate(req):
+            last = update
+        assert last is not None and last.finished
+        if last.error:
+            kind = last.error_type or "server_error"
+            raise APIError(ERROR_STATUS.get(kind, 500), last.error, kind)
+        assert last.output is not None
+        return last.output
+
+    def count_tokens(self, outputs: Sequence[RequestOutput]) -> None:
+        for out in outputs:
+            self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+            for c in out.outputs:
+                self.metrics.generation_tokens.inc(len(c.token_ids))
+
+
+def arrived(reqs: list[EngineRequest], arrival: float) -> list[EngineRequest]:
+    """``reqs`` stamped with when their HTTP request came in (latency metrics start there)."""
+    for r in reqs:
+        r.times.arrival = arrival
+    return reqs
