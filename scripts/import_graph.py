@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("tapllm.outputs", "tapllm.hidden_states", "tapllm.steering", "tapllm.structured", "tapllm.sampling_params",
      "tapllm.tokenizer"),
     ("tapllm.engine",),
-    ("tapllm.llm", "tapllm.server", "tapllm.collect", "tapllm.inputs", "tapllm.datasets", "tapllm.client"),
+    ("tapllm.llm", "tapllm.server", "tapllm.collect", "tapllm.prompt_records", "tapllm.datasets",
+     "tapllm.client"),
 ]
 LEAVES = ("tapllm.tap",)
 

@@ -188,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
     from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
     from tapllm.config import EngineConfig
     from tapllm.hidden_states.summary import summarize
-    from tapllm.inputs import Item, read_jsonl, to_prompt
+    from tapllm.prompt_records import Item, read_jsonl, to_prompt
 
     encode = args.command == "encode"
     if (args.prompt is None) == (args.input is None):

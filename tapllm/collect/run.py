@@ -30,7 +30,7 @@ from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.distributed import run_with_ray
 from tapllm.collect.hf_input import DatasetSpec, open_dataset
 from tapllm.collect.hf_input import fingerprint as dataset_fingerprint
-from tapllm.collect.inputs import DatasetSource, ItemSource, fingerprint, read_items
+from tapllm.collect.sources import DatasetSource, ItemSource, fingerprint, read_items
 from tapllm.collect.lock import LOCK_NAME, OutputLock
 from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
 from tapllm.collect.provenance import model_id, tokenizer_info, weights_sha256

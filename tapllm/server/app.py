@@ -23,11 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.server.admission import Admission
 from tapllm.server.async_engine import AsyncEngine
+from tapllm.server.bodies import validation_error
 from tapllm.server.context import RouteContext
-from tapllm.server.endpoints import BODIES, Endpoints, validation_error
 from tapllm.server.errors import APIError
 from tapllm.server.guard import Guard
 from tapllm.server.metrics import ServerMetrics
+from tapllm.server.routes import BODIES, add_routes
 from tapllm.server.serving import Lifecycle
 
 logger = logging.getLogger("tapllm")
@@ -66,7 +67,7 @@ def create_app(engine: LLMEngine, served_model_name: str, api_key: str | None = 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     _add_error_handlers(app)
     ctx = RouteContext(runner, admission, metrics, lifecycle, served_model_name, engine.tokenizer)
-    Endpoints(ctx).add_routes(app.router)
+    add_routes(app.router, ctx)
     return app
 
 

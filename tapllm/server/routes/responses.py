@@ -1,9 +1,8 @@
-"""The routes of the API: completions, chat, hidden states, models, health and metrics (and, from their
-own modules, embeddings, tokenize and detokenize).
+"""The response of a completions or chat request: one JSON body, or a stream of server-sent events.
 
-A handler parses its body and admits its prompts off the event loop (``admission``), runs
-them on the engine thread (``async_engine``), and writes the response off the loop too
-(``formatting``), so ``/health`` stays responsive while a large request is handled.
+Both run the admitted requests on the engine thread (``RouteContext.run_all`` or
+``AsyncEngine.generate``) and write the response off the event loop (``formatting``), so
+``/health`` stays responsive while a large request is handled.
 """
 
 from __future__ import annotations
@@ -11,122 +10,36 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pydantic
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 
 from tapllm.engine.request import Request as EngineRequest
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
 from tapllm.server.async_engine import Update
-from tapllm.server.bodies import json_response, parse, validation_error
-from tapllm.server.context import RouteContext, arrived
-from tapllm.server.embeddings import EmbeddingRequest, EmbeddingRoutes
+from tapllm.server.bodies import json_response
+from tapllm.server.context import RouteContext
 from tapllm.server.formatting import ChoiceFormat, sse, sse_error
-from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, HiddenStatesOnlyRequest, _Sampling
-from tapllm.server.tokenize_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeRoutes
+from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from tapllm.server.routes.hidden_states import wire_states
 
 logger = logging.getLogger("tapllm")
 
-__all__ = ["BODIES", "Endpoints", "validation_error"]
 
-# Bodies are parsed off the event loop (not by FastAPI): their schemas are added to the OpenAPI
-# document by name (``app.create_app``).
-BODIES: dict[str, type[pydantic.BaseModel]] = {
-    "CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest,
-    "HiddenStatesOnlyRequest": HiddenStatesOnlyRequest, "EmbeddingRequest": EmbeddingRequest,
-    "TokenizeCompletionRequest": TokenizeCompletionRequest, "TokenizeChatRequest": TokenizeChatRequest,
-    "DetokenizeRequest": DetokenizeRequest,
-}
-
-
-def _body_of(*models: str) -> dict[str, Any]:
-    refs = [{"$ref": f"#/components/schemas/{m}"} for m in models]
-    schema = refs[0] if len(refs) == 1 else {"oneOf": refs}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
-
-
-class Endpoints:
-    """The API's handlers over the app's :class:`RouteContext`; :meth:`add_routes` puts them on a router."""
+class Responder:
+    """Answers completions and chat requests, over the app's ``RouteContext``."""
 
     def __init__(self, ctx: RouteContext) -> None:
         self.ctx = ctx
 
-    def add_routes(self, router: APIRouter) -> None:
-        """Register every route on ``router`` itself (the app's: the ``Guard`` labels metrics by route)."""
-        add = router.add_api_route
-        add("/health", self.health, methods=["GET"])
-        add("/metrics", self.prometheus, methods=["GET"])
-        add("/v1/models", self.models, methods=["GET"])
-        add("/v1/completions", self.completions, methods=["POST"], openapi_extra=_body_of("CompletionRequest"))
-        add("/v1/chat/completions", self.chat, methods=["POST"], openapi_extra=_body_of("ChatCompletionRequest"))
-        add("/v1/hidden_states", self.hidden_states, methods=["POST"],
-            openapi_extra=_body_of("HiddenStatesOnlyRequest"))
-        EmbeddingRoutes(self.ctx).add_routes(router, _body_of("EmbeddingRequest"))
-        TokenizeRoutes(self.ctx).add_routes(router, {
-            "/tokenize": _body_of("TokenizeCompletionRequest", "TokenizeChatRequest"),
-            "/detokenize": _body_of("DetokenizeRequest")})
-
-    # ---- GET -----------------------------------------------------------------------------
-    async def health(self) -> Response:
-        if self.ctx.lifecycle.draining:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
-        if not self.ctx.engine.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    async def prometheus(self) -> Response:
-        return Response(self.ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.ctx.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "tapllm", "max_model_len": self.ctx.admission.max_len}]}
-
-    # ---- POST ----------------------------------------------------------------------------
-    async def completions(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await parse(request, CompletionRequest)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs = arrived(await asyncio.to_thread(self.ctx.admission.completion, body, rid), arrival)
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.ctx.served_model_name}
-        return await self._respond(request, body, reqs, head, chat=False)
-
-    async def chat(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await parse(request, ChatCompletionRequest)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        req = arrived([await asyncio.to_thread(self.ctx.admission.chat, body, rid)], arrival)[0]
-        head = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
-                "created": int(time.time()), "model": self.ctx.served_model_name}
-        return await self._respond(request, body, [req], head, chat=True)
-
-    async def hidden_states(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await parse(request, HiddenStatesOnlyRequest)
-        reqs = arrived(await asyncio.to_thread(self.ctx.admission.hidden_states, body, f"hs-{uuid.uuid4().hex}"), arrival)
-        outputs = await self.ctx.run_all(request, reqs)
-
-        def build() -> dict[str, Any]:
-            data = [{"index": i, "object": "hidden_states", "prompt_tokens": len(out.prompt_token_ids),
-                     "hidden_states": self._states(out, body.hidden_states.encoding)}
-                    for i, out in enumerate(outputs)]
-            n = sum(d["prompt_tokens"] for d in data)
-            return {"object": "list", "model": self.ctx.served_model_name, "data": data,
-                    "usage": {"prompt_tokens": n, "total_tokens": n}}
-
-        return await json_response(build)
-
-    # ---- completions and chat ----------------------------------------------------------------
-    async def _respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+    async def respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
                        reqs: list[EngineRequest], head: dict[str, Any], chat: bool) -> Response:
         fmt = ChoiceFormat(self.ctx.tokenizer, chat=chat, stream=body.stream, top_logprobs=body.num_logprobs())
         if body.stream:
-            return StreamingResponse(self._stream(reqs, head, body, fmt), media_type="text/event-stream")
+            return StreamingResponse(self.stream(reqs, head, body, fmt), media_type="text/event-stream")
         outputs = await self.ctx.run_all(request, reqs)
         encoding = body.hidden_states.encoding if body.hidden_states is not None else None
 
@@ -159,7 +72,7 @@ class Endpoints:
 
         return await json_response(build)
 
-    async def _stream(self, reqs: list[EngineRequest], head: dict[str, Any], body: _Sampling, fmt: ChoiceFormat
+    async def stream(self, reqs: list[EngineRequest], head: dict[str, Any], body: _Sampling, fmt: ChoiceFormat
                       ) -> AsyncIterator[str]:
         """SSE chunks; any failure ends the stream with an error event and ``data: [DONE]``."""
         merged: asyncio.Queue[tuple[int, Update | BaseException]] = asyncio.Queue()
@@ -224,13 +137,9 @@ class Endpoints:
             for t in tasks:  # client gone or done: cancelling a pump aborts its engine request
                 t.cancel()
 
-    def _states(self, out: RequestOutput | CompletionOutput, encoding: str | None) -> dict[str, Any] | None:
-        """A request's (or one completion's) hidden states on the wire (``None`` without), counted in the metrics."""
-        if encoding is None or out.hidden_states is None:
-            return None
-        self.ctx.metrics.hidden_states_bytes.inc(out.hidden_states.nbytes)
-        return formatting.hidden_states_json(out.hidden_states, encoding)
 
+    def _states(self, out: RequestOutput | CompletionOutput, encoding: str | None) -> dict[str, Any] | None:
+        return wire_states(self.ctx, out, encoding)
 
 def _without_completion(out: RequestOutput) -> RequestOutput:
     """``out`` with its completion emptied (echo with max_tokens=0 returns the prompt alone)."""
