@@ -40,9 +40,9 @@ class LLMEngine:
     """Runs requests to completion with continuous batching over a paged KV cache.
 
     The public surface, used by ``LLM``, the server and ``tapllm collect`` alike:
-    :meth:`prepare` (tokenize, check and resolve one request; raises naming the field),
-    :meth:`add` (schedule it), :meth:`step`, :meth:`abort`, :meth:`make_output`,
-    :meth:`render_chat` and :meth:`stats`.
+    :meth:`prepare` (tokenize, check and resolve one request; raises naming the field; the
+    input processor's), :meth:`add` (schedule it), :meth:`step`, :meth:`abort`,
+    :meth:`make_output` (the output processor's), :meth:`render_chat` and :meth:`stats`.
     """
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device) -> None:
@@ -59,10 +59,11 @@ class LLMEngine:
         )
         self._fit_context_to_cache()
         self.scheduler = Scheduler(engine_config, self.blocks)
-        self.inputs = InputProcessor(model_config, engine_config, self.tokenizer, device, self.runner.model.prompt_salt,
-                                     point_shapes(self.runner.model), self.context_limited_by_cache)
-        self.outputs = OutputProcessor(self.tokenizer, model_config.eos_token_ids, model_config.max_model_len)
-        self.grammars = self.inputs.grammars
+        self.input_processor = InputProcessor(model_config, engine_config, self.tokenizer, device,
+                                              self.runner.model.prompt_salt, point_shapes(self.runner.model),
+                                              self.context_limited_by_cache)
+        self.output_processor = OutputProcessor(self.tokenizer, model_config.eos_token_ids, model_config.max_model_len)
+        self.grammars = self.input_processor.grammars
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(engine_config.seed)
         self.requests: dict[str, Request] = {}
@@ -108,18 +109,19 @@ class LLMEngine:
     def prepare(self, prompt: str | Sequence[int], params: SamplingParams, *, encode: bool = False,
                 request_id: str | None = None) -> Request:
         """Tokenize, check and resolve one request (see ``InputProcessor.prepare``); :meth:`add` schedules it."""
-        return self.inputs.prepare(prompt, params, encode=encode, request_id=request_id)
+        return self.input_processor.prepare(prompt, params, encode=encode, request_id=request_id)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
                     continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
                     ) -> str:
         """A conversation rendered with the chat template (see ``InputProcessor.render_chat``)."""
-        return self.inputs.render_chat(messages, add_generation_prompt, continue_final_message=continue_final_message,
-                                       chat_template_kwargs=chat_template_kwargs)
+        return self.input_processor.render_chat(messages, add_generation_prompt,
+                                                continue_final_message=continue_final_message,
+                                                chat_template_kwargs=chat_template_kwargs)
 
     def make_output(self, req: Request) -> RequestOutput:
         """The user-facing result of a request (see ``OutputProcessor.make_output``)."""
-        return self.outputs.make_output(req)
+        return self.output_processor.make_output(req)
 
     # ---- the core --------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -140,7 +142,7 @@ class LLMEngine:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             req.generator = torch.Generator().manual_seed(seed)
-        req.detokenizer = self.outputs.detokenizer(req)
+        req.detokenizer = self.output_processor.detokenizer(req)
         if not req.encode_only:
             req.samples = [self._new_sample(req, i, seed) for i in range(1, params.num_samples)]
             req.forks = list(req.samples)
@@ -170,7 +172,7 @@ class LLMEngine:
                          parent=req)
         if req.grammar is not None:  # each sample walks the grammar on its own (compiled once, cached)
             sample.grammar = self.grammars.matcher(req.params.structured_outputs)
-        sample.detokenizer = self.outputs.detokenizer(req)
+        sample.detokenizer = self.output_processor.detokenizer(req)
         return sample
 
     def abort(self, request_id: str) -> None:
@@ -240,7 +242,7 @@ class LLMEngine:
                 continue
             req.times.on_token(now)
             self.num_generated_tokens += 1
-            end = self.outputs.append_token(req, token)
+            end = self.output_processor.append_token(req, token)
             if end is None:
                 continue
             if end.error_type is not None:

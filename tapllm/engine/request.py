@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -48,6 +49,17 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class PositionFeature(Protocol):
+    """What the engine asks of a feature that reads a request's positions as they run (hidden-state
+    capture, prompt logprobs): where it still needs the request run, and what a chunk gives it."""
+
+    def first_needed(self, num_tokens: int) -> int:
+        """The first position it still needs run (``num_tokens`` or more: none)."""
+
+    def window(self, start: int, num_tokens: int) -> tuple[int, int] | None:
+        """The positions ``[a, b)`` it takes from a chunk running ``[start, start + num_tokens)``."""
 
 
 @dataclass(slots=True, eq=False)
@@ -120,11 +132,14 @@ class Request:
         the rest of its prefix may come from the cache (the last token is always run).
         """
         first = self.num_tokens - 1
-        if self.capture is not None:
-            first = min(first, self.capture.first_needed(self.num_tokens))
-        if self.prompt_lp is not None:
-            first = min(first, self.prompt_lp.first_needed())
+        for feature in self.position_features:
+            first = min(first, feature.first_needed(self.num_tokens))
         return first
+
+    @property
+    def position_features(self) -> list[PositionFeature]:
+        """The features that read this request's positions as they run (capture, prompt logprobs)."""
+        return [f for f in (self.capture, self.prompt_lp) if f is not None]
 
     @property
     def max_hidden_states_bytes(self) -> int:

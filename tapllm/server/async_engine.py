@@ -219,7 +219,7 @@ class AsyncEngine:
         done = req.group_finished
         group = req.group
         updates = []
-        for d in self.engine.outputs.deltas(req, stream.cursor):  # stop-string hold-back is done there
+        for d in self.engine.output_processor.deltas(req, stream.cursor):  # stop-string hold-back is done there
             if d.token_ids and d.index == 0 and self.observer is not None:
                 self._observe(stream, len(d.token_ids))
             updates.append(Update(d.text, d.token_ids, d.logprobs, index=d.index))

@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from fastapi import Request
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from tapllm.engine.request import Request as EngineRequest
 from tapllm.outputs import RequestOutput
@@ -68,3 +69,24 @@ def arrived(reqs: list[EngineRequest], arrival: float) -> list[EngineRequest]:
     for r in reqs:
         r.times.arrival = arrival
     return reqs
+
+
+class PostRoute:
+    """A route answering ``POST path`` with :meth:`handle`, over the app's :class:`RouteContext`.
+
+    ``name`` is the route's name (its OpenAPI operation id starts with it).
+    """
+
+    path: ClassVar[str]
+    name: ClassVar[str]
+
+    def __init__(self, ctx: RouteContext) -> None:
+        self.ctx = ctx
+
+    def add_routes(self, router: APIRouter, openapi_extra: dict[str, Any]) -> None:
+        """Register ``POST path`` on ``router``."""
+        router.add_api_route(self.path, self.handle, methods=["POST"], name=self.name, openapi_extra=openapi_extra)
+
+    async def handle(self, request: Request) -> Response:
+        """Answer one request."""
+        raise NotImplementedError

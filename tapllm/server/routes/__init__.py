@@ -14,10 +14,10 @@ from fastapi import APIRouter
 
 from tapllm.server.context import RouteContext
 from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, HiddenStatesOnlyRequest
-from tapllm.server.routes.chat import ChatRoutes
-from tapllm.server.routes.completions import CompletionRoutes
-from tapllm.server.routes.embeddings import EmbeddingRequest, EmbeddingRoutes
-from tapllm.server.routes.hidden_states import HiddenStatesRoutes
+from tapllm.server.routes.chat import ChatRoute
+from tapllm.server.routes.completions import CompletionRoute
+from tapllm.server.routes.embeddings import EmbeddingRequest, EmbeddingRoute
+from tapllm.server.routes.hidden_states import HiddenStatesRoute
 from tapllm.server.routes.status import StatusRoutes
 from tapllm.server.routes.tokenize import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                            TokenizeRoutes)
@@ -43,10 +43,10 @@ def _body_of(*models: str) -> dict[str, Any]:
 def add_routes(router: APIRouter, ctx: RouteContext) -> None:
     """Register every route on ``router`` itself (the app's: the ``Guard`` labels metrics by route)."""
     StatusRoutes(ctx).add_routes(router)
-    CompletionRoutes(ctx).add_routes(router, _body_of("CompletionRequest"))
-    ChatRoutes(ctx).add_routes(router, _body_of("ChatCompletionRequest"))
-    HiddenStatesRoutes(ctx).add_routes(router, _body_of("HiddenStatesOnlyRequest"))
-    EmbeddingRoutes(ctx).add_routes(router, _body_of("EmbeddingRequest"))
+    CompletionRoute(ctx).add_routes(router, _body_of("CompletionRequest"))
+    ChatRoute(ctx).add_routes(router, _body_of("ChatCompletionRequest"))
+    HiddenStatesRoute(ctx).add_routes(router, _body_of("HiddenStatesOnlyRequest"))
+    EmbeddingRoute(ctx).add_routes(router, _body_of("EmbeddingRequest"))
     TokenizeRoutes(ctx).add_routes(router, {
         "/tokenize": _body_of("TokenizeCompletionRequest", "TokenizeChatRequest"),
         "/detokenize": _body_of("DetokenizeRequest")})

@@ -5,29 +5,27 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from tapllm.server.bodies import parse
-from tapllm.server.context import RouteContext, arrived
+from tapllm.server.context import PostRoute, RouteContext, arrived
 from tapllm.server.protocol import CompletionRequest
 from tapllm.server.routes.responses import Responder
 
 
-class CompletionRoutes:
-    """The ``/v1/completions`` route, over the app's ``RouteContext``."""
+class CompletionRoute(PostRoute):
+    """``POST /v1/completions``."""
+
+    path = "/v1/completions"
+    name = "completions"
 
     def __init__(self, ctx: RouteContext) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.responder = Responder(ctx)
 
-    def add_routes(self, router: APIRouter, openapi_extra: dict[str, Any]) -> None:
-        """Register ``POST /v1/completions`` on ``router``."""
-        router.add_api_route("/v1/completions", self.completions, methods=["POST"], openapi_extra=openapi_extra)
-
-    async def completions(self, request: Request) -> Response:
+    async def handle(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = await parse(request, CompletionRequest)
         rid = f"cmpl-{uuid.uuid4().hex}"

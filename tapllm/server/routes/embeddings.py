@@ -20,13 +20,13 @@ import uuid
 from typing import Any, Literal
 
 import torch
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from tapllm.hidden_states.spec import HIDDEN_POINTS, PSEUDO_POINTS, HiddenStatesSpec
 from tapllm.server.bodies import json_response, parse
-from tapllm.server.context import RouteContext
+from tapllm.server.context import PostRoute
 from tapllm.server.errors import APIError
 from tapllm.server.protocol import PromptInput
 
@@ -62,17 +62,13 @@ class EmbeddingRequest(BaseModel):
                                 dtype="float32")
 
 
-class EmbeddingRoutes:
-    """The embeddings route, over the app's ``RouteContext`` (admission, engine thread, metrics)."""
+class EmbeddingRoute(PostRoute):
+    """``POST /v1/embeddings``."""
 
-    def __init__(self, ctx: RouteContext) -> None:
-        self.ctx = ctx
+    path = "/v1/embeddings"
+    name = "embeddings"
 
-    def add_routes(self, router: APIRouter, openapi_extra: dict[str, Any]) -> None:
-        """Register ``POST /v1/embeddings`` on ``router``."""
-        router.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"], openapi_extra=openapi_extra)
-
-    async def embeddings(self, request: Request) -> Response:
+    async def handle(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = await parse(request, EmbeddingRequest)
         rid = f"embd-{uuid.uuid4().hex}"

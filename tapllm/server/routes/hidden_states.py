@@ -7,28 +7,23 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
 from tapllm.server.bodies import json_response, parse
-from tapllm.server.context import RouteContext, arrived
+from tapllm.server.context import PostRoute, RouteContext, arrived
 from tapllm.server.protocol import HiddenStatesOnlyRequest
 
 
-class HiddenStatesRoutes:
-    """The hidden-states route, over the app's ``RouteContext``."""
+class HiddenStatesRoute(PostRoute):
+    """``POST /v1/hidden_states``."""
 
-    def __init__(self, ctx: RouteContext) -> None:
-        self.ctx = ctx
+    path = "/v1/hidden_states"
+    name = "hidden_states"
 
-    def add_routes(self, router: APIRouter, openapi_extra: dict[str, Any]) -> None:
-        """Register ``POST /v1/hidden_states`` on ``router``."""
-        router.add_api_route("/v1/hidden_states", self.hidden_states, methods=["POST"],
-                             openapi_extra=openapi_extra)
-
-    async def hidden_states(self, request: Request) -> Response:
+    async def handle(self, request: Request) -> Response:
         arrival = time.monotonic()
         body = await parse(request, HiddenStatesOnlyRequest)
         rid = f"hs-{uuid.uuid4().hex}"
