@@ -7,7 +7,9 @@ so the server's import graph has no circle back to a hub.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -18,7 +20,7 @@ from tapllm.engine.request import Request as EngineRequest
 from tapllm.outputs import RequestOutput
 from tapllm.server.admission import Admission
 from tapllm.server.async_engine import AsyncEngine
-from tapllm.server.bodies import until_disconnect
+from tapllm.server.bodies import parse, until_disconnect
 from tapllm.server.errors import ERROR_STATUS, APIError
 from tapllm.server.metrics import ServerMetrics
 from tapllm.server.serving import Lifecycle
@@ -90,3 +92,12 @@ class PostRoute:
     async def handle(self, request: Request) -> Response:
         """Answer one request."""
         raise NotImplementedError
+
+    async def admit(self, request: Request, body_type: Any, admit: Callable[[Any, str], list[EngineRequest]],
+                    prefix: str) -> tuple[Any, str, list[EngineRequest]]:
+        """Parse the body, admit its prompts off the event loop (``admit(body, request_id)``) and stamp
+        when they arrived; returns the body, the request id (``prefix-<hex>``) and the prepared requests."""
+        arrival = time.monotonic()
+        body = await parse(request, body_type)
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return body, rid, arrived(await asyncio.to_thread(admit, body, rid), arrival)

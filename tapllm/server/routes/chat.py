@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from tapllm.server.bodies import parse
-from tapllm.server.context import PostRoute, RouteContext, arrived
+from tapllm.server.context import PostRoute, RouteContext
 from tapllm.server.protocol import ChatCompletionRequest
 from tapllm.server.routes.responses import Responder
 
@@ -26,10 +23,8 @@ class ChatRoute(PostRoute):
         self.responder = Responder(ctx)
 
     async def handle(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await parse(request, ChatCompletionRequest)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        req = arrived([await asyncio.to_thread(self.ctx.admission.chat, body, rid)], arrival)[0]
+        body, rid, (req,) = await self.admit(request, ChatCompletionRequest,
+                                             lambda b, r: [self.ctx.admission.chat(b, r)], "chatcmpl")
         head = {"id": rid, "object": "chat.completion.chunk" if body.stream else "chat.completion",
                 "created": int(time.time()), "model": self.ctx.served_model_name}
         return await self.responder.respond(request, body, [req], head, chat=True)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from tapllm.server.bodies import parse
-from tapllm.server.context import PostRoute, RouteContext, arrived
+from tapllm.server.context import PostRoute, RouteContext
 from tapllm.server.protocol import CompletionRequest
 from tapllm.server.routes.responses import Responder
 
@@ -26,10 +23,7 @@ class CompletionRoute(PostRoute):
         self.responder = Responder(ctx)
 
     async def handle(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await parse(request, CompletionRequest)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs = arrived(await asyncio.to_thread(self.ctx.admission.completion, body, rid), arrival)
+        body, rid, reqs = await self.admit(request, CompletionRequest, self.ctx.admission.completion, "cmpl")
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": self.ctx.served_model_name}
         return await self.responder.respond(request, body, reqs, head, chat=False)

@@ -13,10 +13,8 @@ started with ``--enable-hidden-states``.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
-import uuid
 from typing import Any, Literal
 
 import torch
@@ -25,7 +23,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from tapllm.hidden_states.spec import HIDDEN_POINTS, PSEUDO_POINTS, HiddenStatesSpec
-from tapllm.server.bodies import json_response, parse
+from tapllm.server.bodies import json_response
 from tapllm.server.context import PostRoute
 from tapllm.server.errors import APIError
 from tapllm.server.protocol import PromptInput
@@ -69,12 +67,7 @@ class EmbeddingRoute(PostRoute):
     name = "embeddings"
 
     async def handle(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await parse(request, EmbeddingRequest)
-        rid = f"embd-{uuid.uuid4().hex}"
-        reqs = await asyncio.to_thread(self._admit, body, rid)
-        for r in reqs:
-            r.times.arrival = arrival
+        body, rid, reqs = await self.admit(request, EmbeddingRequest, self._admit, "embd")
         outputs = await self.ctx.run_all(request, reqs)
 
         def build() -> dict[str, Any]:

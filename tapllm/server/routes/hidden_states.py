@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-import uuid
 from typing import Any
 
 from fastapi import Request
@@ -12,8 +9,8 @@ from fastapi.responses import Response
 
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
-from tapllm.server.bodies import json_response, parse
-from tapllm.server.context import PostRoute, RouteContext, arrived
+from tapllm.server.bodies import json_response
+from tapllm.server.context import PostRoute, RouteContext
 from tapllm.server.protocol import HiddenStatesOnlyRequest
 
 
@@ -24,10 +21,7 @@ class HiddenStatesRoute(PostRoute):
     name = "hidden_states"
 
     async def handle(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await parse(request, HiddenStatesOnlyRequest)
-        rid = f"hs-{uuid.uuid4().hex}"
-        reqs = arrived(await asyncio.to_thread(self.ctx.admission.hidden_states, body, rid), arrival)
+        body, _, reqs = await self.admit(request, HiddenStatesOnlyRequest, self.ctx.admission.hidden_states, "hs")
         outputs = await self.ctx.run_all(request, reqs)
 
         def build() -> dict[str, Any]:
