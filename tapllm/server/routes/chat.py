@@ -7,20 +7,15 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from tapllm.server.context import PostRoute, RouteContext
 from tapllm.server.protocol import ChatCompletionRequest
-from tapllm.server.routes.responses import Responder
+from tapllm.server.routes.responses import GenerationRoute
 
 
-class ChatRoute(PostRoute):
+class ChatRoute(GenerationRoute):
     """``POST /v1/chat/completions``."""
 
     path = "/v1/chat/completions"
     name = "chat"
-
-    def __init__(self, ctx: RouteContext) -> None:
-        super().__init__(ctx)
-        self.responder = Responder(ctx)
 
     async def handle(self, request: Request) -> Response:
         body, rid, (req,) = await self.admit(request, ChatCompletionRequest,

@@ -7,20 +7,15 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from tapllm.server.context import PostRoute, RouteContext
 from tapllm.server.protocol import CompletionRequest
-from tapllm.server.routes.responses import Responder
+from tapllm.server.routes.responses import GenerationRoute
 
 
-class CompletionRoute(PostRoute):
+class CompletionRoute(GenerationRoute):
     """``POST /v1/completions``."""
 
     path = "/v1/completions"
     name = "completions"
-
-    def __init__(self, ctx: RouteContext) -> None:
-        super().__init__(ctx)
-        self.responder = Responder(ctx)
 
     async def handle(self, request: Request) -> Response:
         body, rid, reqs = await self.admit(request, CompletionRequest, self.ctx.admission.completion, "cmpl")

@@ -21,7 +21,7 @@ from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
 from tapllm.server.async_engine import Update
 from tapllm.server.bodies import json_response
-from tapllm.server.context import RouteContext
+from tapllm.server.context import PostRoute, RouteContext
 from tapllm.server.formatting import ChoiceFormat, sse, sse_error
 from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from tapllm.server.routes.hidden_states import wire_states
@@ -140,6 +140,14 @@ class Responder:
 
     def _states(self, out: RequestOutput | CompletionOutput, encoding: str | None) -> dict[str, Any] | None:
         return wire_states(self.ctx, out, encoding)
+
+
+class GenerationRoute(PostRoute):
+    """A route whose requests generate: answered by a :class:`Responder` (completions, chat)."""
+
+    def __init__(self, ctx: RouteContext) -> None:
+        super().__init__(ctx)
+        self.responder = Responder(ctx)
 
 def _without_completion(out: RequestOutput) -> RequestOutput:
     """``out`` with its completion emptied (echo with max_tokens=0 returns the prompt alone)."""
