@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat, hidden states, models, health, metrics.
 
 Cost per request is bounded before the engine sees it: the ``Guard`` middleware limits and
-reads the body (after auth); the routes (``endpoints``) parse and validate bodies, admit
+reads the body (after auth); the routes (``routes/``) parse and validate bodies, admit
 their prompts (``admission``: length-checked, tokenized and prepared by the engine) and
 serialize responses (``formatting``) off the event loop, so ``/health`` stays responsive
 while a large request is handled.

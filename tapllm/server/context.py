@@ -1,7 +1,8 @@
 """What every route shares, and nothing more: the one narrow object route modules are given.
 
-Routes (``endpoints``, ``embeddings``, ``tokenize_api``) import this module, never each other,
-so the server's import graph has no circle back to a hub.
+The route modules (``routes/``) import this module, and one another only downward (completions
+and chat use ``responses``, which uses ``hidden_states``), so the server's import graph has no
+circle back to a hub. :class:`PostRoute` is the shape of a ``POST`` route over the context.
 """
 
 from __future__ import annotations
