@@ -62,7 +62,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(model_config, engine_config, self.tokenizer, device,
                                               self.runner.model.prompt_salt, point_shapes(self.runner.model),
                                               self.context_limited_by_cache)
-        self.output_processor = OutputProcessor(self.tokenizer, model_config.eos_token_ids, model_config.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, model_config)
         self.grammars = self.input_processor.grammars
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(engine_config.seed)

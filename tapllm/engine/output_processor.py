@@ -10,10 +10,10 @@ builds its ``RequestOutput``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tapllm.config import ModelConfig
 from tapllm.engine.request import Request
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tapllm.tokenizer import IncrementalDetokenizer
@@ -49,10 +49,9 @@ class StreamCursor:
 class OutputProcessor:
     """Turns sampled tokens into text, stop decisions and outputs, for one tokenizer and model."""
 
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], max_model_len: int) -> None:
+    def __init__(self, tokenizer: Any, model_config: ModelConfig) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len  # the context, as capped to the KV cache
+        self.model_config = model_config  # its EOS ids and context (as capped to the KV cache), read at each token
 
     def detokenizer(self, req: Request) -> IncrementalDetokenizer:
         """A fresh detokenizer for ``req``'s output, in the context of its prompt."""
@@ -79,11 +78,12 @@ class OutputProcessor:
             req.text += delta
             if p.stop_strings and may_stop and (hit := self._stop_string(req, prev)) is not None:
                 return Finish("stop", hit)
-        if may_stop and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids):
+        mc = self.model_config
+        if may_stop and ((not p.ignore_eos and token in mc.eos_token_ids) or token in p.stop_token_ids):
             return Finish("stop", token)
         if req.grammar is not None and req.grammar.terminated:  # the output is complete: nothing can follow
             return Finish("stop")
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= mc.max_model_len:
             return Finish("length")
         return None
 
