@@ -59,7 +59,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer  # noqa: E402
-from tapllm.engine.tap import StepTap  # noqa: E402
+from tapllm.engine.step_tap import StepTap  # noqa: E402
 from tapllm.loader import resolve_model  # noqa: E402
 
 

@@ -1,5 +1,6 @@
 """tapllm: generated text and hidden states from one call, at serving speed."""
 
+from tapllm._version import __version__
 from tapllm.hidden_states import HiddenStates, HiddenStatesSpec, register_reducer
 from tapllm.llm import LLM
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -11,4 +12,3 @@ __all__ = [
     "LLM", "SamplingParams", "HiddenStatesSpec", "HiddenStates", "RequestOutput", "CompletionOutput", "Logprob",
     "register_reducer", "Steer", "StructuredOutputsParams",
 ]
-__version__ = "0.1.0"

@@ -12,6 +12,7 @@ from typing import Any
 
 from tapllm import lens_cli
 from tapllm._files import atomic_write
+from tapllm.tap.points import POINTS
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +48,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 _SPEC_HELP = (
     'what to capture, e.g. "layers=0,-1 points=resid_post positions=prompt reduce=mean"; keys: '
-    "layers (all | i,j,..), points (embed,resid_pre,attn_out,resid_mid,mlp_out,resid_post,final), "
+    f"layers (all | i,j,..), points ({','.join(POINTS)}), "
     "positions (prompt | generated | all | last_prompt | last | start:stop), reduce (mean | sum | max | "
     "min | first | last | plugin), dtype (float32 | float16 | bfloat16)"
 )
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dtype of the stored states (default: the compute dtype; float32 for bfloat16 in Arrow)")
     col.add_argument("--out", type=Path, required=True, help="output folder")
     col.add_argument("--layers", default="all", help="block indices, e.g. 0,12,-1, or 'all'")
-    col.add_argument("--points", default="resid_post", help="comma-separated points")
+    col.add_argument("--points", default="resid_post", help=f"comma-separated points: {', '.join(POINTS)}")
     col.add_argument("--positions", default="prompt", choices=["prompt", "all"])
     col.add_argument("--max-tokens", type=int, default=0,
                      help="0 = prompts only; > 0 generates (greedy) and also captures generated positions "
@@ -190,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
     from tapllm.config import EngineConfig
     from tapllm.hidden_states.summary import summarize
-    from tapllm.inputs import Item, read_jsonl, to_prompt
+    from tapllm.prompt_records import Item, read_jsonl, to_prompt
 
     encode = args.command == "encode"
     if (args.prompt is None) == (args.input is None):

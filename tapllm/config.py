@@ -77,14 +77,6 @@ class ModelConfig:
             sliding_windows=_sliding_windows(hf, int(hf.num_hidden_layers)),
         )
 
-    def point_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The row shape of the points inside attention and the MLP, per block."""
-        hf = self.hf_config
-        d_mlp = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * self.hidden_size
-        return {"q": (self.num_heads, self.head_dim), "z": (self.num_heads, self.head_dim),
-                "k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim),
-                "mlp_post": (int(d_mlp),)}
-
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V cache per token across all layers."""

@@ -6,6 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from tapllm.tap.points import LENS_POINTS
+
+# "final" is what the LM head reads: its lens is the model's own prediction, not a layer's.
+_LENS_CHOICES = [p for p in LENS_POINTS if p != "final"]
+
 
 def add_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     """Register the ``lens`` subcommand."""
@@ -13,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--layers", default="all", help="block indices, e.g. 0,6,-1, or 'all'")
-    p.add_argument("--point", default="resid_post", choices=["embed", "resid_pre", "resid_mid", "resid_post"],
+    p.add_argument("--point", default="resid_post", choices=_LENS_CHOICES,
                    help="the residual-stream point the lens reads (default resid_post)")
     p.add_argument("--top", type=int, default=5, help="top tokens kept per cell (the pictures show the first)")
     p.add_argument("--png", type=Path, help="write the heatmap as a PNG (matplotlib)")

@@ -95,7 +95,7 @@ class LLM:
         params_list = []
         for i, spec in enumerate(specs):
             try:
-                params_list.append(SamplingParams(max_tokens=1, temperature=0, hidden_states=spec))
+                params_list.append(SamplingParams.encode(spec))
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
         return self._submit(prompt_list, params_list, use_tqdm, encode=True)

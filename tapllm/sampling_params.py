@@ -91,6 +91,12 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
         self.validate()
 
+    @classmethod
+    def encode(cls, hidden_states: HiddenStatesSpec | dict[str, Any]) -> SamplingParams:
+        """The parameters of a prompt-only request capturing ``hidden_states`` (``LLM.encode``, the
+        server's ``/v1/hidden_states`` and embeddings): the one place they are built."""
+        return cls(max_tokens=1, temperature=0, hidden_states=hidden_states)
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and its limit if a value is out of range.
 

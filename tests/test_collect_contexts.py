@@ -11,7 +11,7 @@ import pytest
 
 from tapllm.collect.contexts import ContextSettings, Cursor, build_contexts
 from tapllm.collect.hf_input import DatasetSpec, documents, open_dataset, tokenize_fn
-from tapllm.collect.inputs import DatasetSource
+from tapllm.collect.sources import DatasetSource
 
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "seven", "quiet", "north", "café", "9"]
 

@@ -213,7 +213,7 @@ def test_cli_generate_and_encode_with_states(tiny_models, tmp_path, capsys):
 
 def test_a_step_without_capture_or_steering_builds_no_tap(tiny_models, monkeypatch):
     """Requests that ask for nothing cost nothing: no plan is built and the model gets no tap."""
-    import tapllm.engine.tap as tap_module
+    import tapllm.engine.step_tap as tap_module
 
     llm = LLM(tiny_models["llama"], dtype="float32")
     built = []

@@ -17,9 +17,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tapllm.collect.inputs import ItemSource
+from tapllm.collect.sources import ItemSource
 from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
-from tapllm.inputs import Item
+from tapllm.prompt_records import Item
 
 logger = logging.getLogger("tapllm")
 MAX_RESTARTS = 2

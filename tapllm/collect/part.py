@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.hf_input import DatasetSpec
-from tapllm.collect.inputs import DatasetSource, ItemSource
+from tapllm.collect.sources import DatasetSource, ItemSource
 from tapllm.collect.writer import Manifest, ShardEntry, ShardWriter
 from tapllm.config import EngineConfig
 from tapllm.dtypes import dtype_from_name, dtype_name

@@ -30,14 +30,15 @@ from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.distributed import run_with_ray
 from tapllm.collect.hf_input import DatasetSpec, open_dataset
 from tapllm.collect.hf_input import fingerprint as dataset_fingerprint
-from tapllm.collect.inputs import DatasetSource, ItemSource, fingerprint, read_items
+from tapllm.collect.sources import DatasetSource, ItemSource, fingerprint, read_items
 from tapllm.collect.lock import LOCK_NAME, OutputLock
 from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
 from tapllm.collect.provenance import model_id, tokenizer_info, weights_sha256
 from tapllm.collect.shards import arrow_dtype_ok, write_file
 from tapllm.collect.writer import Manifest, ShardEntry, remove_temporaries
 from tapllm.dtypes import dtype_from_name, dtype_name
-from tapllm.hidden_states.capture import resolve
+from tapllm.hidden_states.selection import resolve
+from tapllm.models.shapes import config_point_shapes
 
 __all__ = ["CollectConfig", "DatasetSpec", "collect"]
 
@@ -84,7 +85,7 @@ def describe(cfg: CollectConfig, mc: Any, source: dict[str, Any], folder: Path |
     file and its hash, or the dataset and its context settings). ``ValueError`` for a layer or
     point the model lacks or a dtype the format cannot store."""
     sel = resolve(cfg.spec(), num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
-                  point_shapes=mc.point_shapes(),
+                  point_shapes=config_point_shapes(mc),
                   num_prompt=1, max_positions=1, encode=True)
     folder = folder or mc.path
     tok_folder = mc.tokenizer_path or folder
@@ -195,7 +196,7 @@ def finalize(out: Path, run: dict[str, Any], parts: list[tuple[int, int]], num_i
 
     ``num_items``: the records the manifests must cover (``None`` for a stream, whose length
     is what its manifest reached)."""
-    from tapllm import __version__
+    from tapllm._version import __version__
 
     shards: list[ShardEntry] = []
     for part in range(len(parts)):

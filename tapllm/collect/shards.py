@@ -98,29 +98,6 @@ def arrow_dtype_ok(dtype: torch.dtype) -> bool:
     return dtype in ARROW_DTYPES
 
 
-def read_shard(path: Path, fmt: str) -> dict[str, torch.Tensor]:
-    """Load a whole shard as tensors (``[rows, layers, hidden]`` per point)."""
-    if fmt == "safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    import pyarrow as pa
-
-    with pa.memory_map(str(path)) as source:
-        table = pa.ipc.open_stream(source).read_all()
-    out = {}
-    for name in table.column_names:
-        col = table.column(name).combine_chunks()
-        if name in INDEX_COLUMNS:
-            out[name] = torch.from_numpy(col.to_numpy().copy())
-        else:
-            layers = col.type.list_size
-            hidden = col.type.value_type.list_size
-            flat = col.flatten().flatten().to_numpy(zero_copy_only=False)
-            out[name] = torch.from_numpy(flat.copy()).view(len(col), layers, hidden)
-    return out
-
-
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file's bytes."""
     h = hashlib.sha256()

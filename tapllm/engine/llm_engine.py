@@ -1,11 +1,14 @@
-"""The step loop: admit requests, schedule, execute, sample, detokenize, finish."""
+"""The engine's core: add, step, fork and abort requests over the scheduler and the model runner.
+
+Admission is the input processor's (``engine/input_processor.py``); stops, detokenization
+and outputs are the output processor's (``engine/output_processor.py``).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
 import logging
-import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,23 +18,20 @@ import torch
 
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.block_manager import BlockManager
-from tapllm.engine.logits_processors import resolve_controls, tokenize_bad_words
+from tapllm.engine.input_processor import InputProcessor
 from tapllm.engine.model_runner import ModelRunner, StepResult
+from tapllm.engine.output_processor import OutputProcessor
 from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem, Scheduler
-from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
-from tapllm.hidden_states.spec import PSEUDO_POINTS
-from tapllm.steering.plan import ResolvedSteer, resolve_steering
-from tapllm.steering.spec import steering_digest
-from tapllm.structured.compiler import GrammarCompiler
-from tapllm.outputs import CompletionOutput, RequestOutput
-from tapllm._text import check_unicode
-from tapllm.sampling_params import SamplingParams
+from tapllm.hidden_states.capture import RequestCapture
 from tapllm.loader import resolve_model, resolve_tokenizer
+from tapllm.models.shapes import point_shapes
+from tapllm.outputs import RequestOutput
 from tapllm.platform import resolve_device
-from tapllm.tokenizer import IncrementalDetokenizer, load_chat_template, load_tokenizer, render_chat
+from tapllm.sampling_params import SamplingParams
+from tapllm.tokenizer import load_chat_template, load_tokenizer
 
 logger = logging.getLogger("tapllm")
 
@@ -40,9 +40,9 @@ class LLMEngine:
     """Runs requests to completion with continuous batching over a paged KV cache.
 
     The public surface, used by ``LLM``, the server and ``tapllm collect`` alike:
-    :meth:`prepare` (tokenize, check and resolve one request; raises naming the field),
-    :meth:`add` (schedule it), :meth:`step`, :meth:`abort`, :meth:`make_output`,
-    :meth:`render_chat` and :meth:`stats`.
+    :meth:`prepare` (tokenize, check and resolve one request; raises naming the field; the
+    input processor's), :meth:`add` (schedule it), :meth:`step`, :meth:`abort`,
+    :meth:`make_output` (the output processor's), :meth:`render_chat` and :meth:`stats`.
     """
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device) -> None:
@@ -59,12 +59,15 @@ class LLMEngine:
         )
         self._fit_context_to_cache()
         self.scheduler = Scheduler(engine_config, self.blocks)
-        self._ids = itertools.count()
+        self.input_processor = InputProcessor(model_config, engine_config, self.tokenizer, device,
+                                              self.runner.model.prompt_salt, point_shapes(self.runner.model),
+                                              self.context_limited_by_cache)
+        self.output_processor = OutputProcessor(self.tokenizer, model_config)
+        self.grammars = self.input_processor.grammars
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(engine_config.seed)
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
-        self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -102,71 +105,25 @@ class LLMEngine:
             )
             mc.max_model_len = cache_tokens
 
-    # ---- admission -------------------------------------------------------------------
+    # ---- admission (the input processor's) and output (the output processor's) --------
+    def prepare(self, prompt: str | Sequence[int], params: SamplingParams, *, encode: bool = False,
+                request_id: str | None = None) -> Request:
+        """Tokenize, check and resolve one request (see ``InputProcessor.prepare``); :meth:`add` schedules it."""
+        return self.input_processor.prepare(prompt, params, encode=encode, request_id=request_id)
+
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
                     continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
                     ) -> str:
-        """A conversation rendered with the chat template (messages checked first; see ``tokenizer.render_chat``)."""
-        return render_chat(self.tokenizer, messages, add_generation_prompt,
-                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+        """A conversation rendered with the chat template (see ``InputProcessor.render_chat``)."""
+        return self.input_processor.render_chat(messages, add_generation_prompt,
+                                                continue_final_message=continue_final_message,
+                                                chat_template_kwargs=chat_template_kwargs)
 
-    def prepare(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        *,
-        encode: bool = False,
-        request_id: str | None = None,
-    ) -> Request:
-        """Tokenize, check and resolve one request; nothing is scheduled until :meth:`add`.
+    def make_output(self, req: Request) -> RequestOutput:
+        """The user-facing result of a request (see ``OutputProcessor.make_output``)."""
+        return self.output_processor.make_output(req)
 
-        Everything that can be refused is refused here, with a ``ValueError`` (``TypeError``
-        for a wrong type) naming the field and its limit: the prompt, the sampling values as
-        the sampler will use them, the hidden-state spec and the steers against the model and
-        the instance's policy. Specs and steering vectors are resolved (and moved to the
-        device) once, here. ``encode`` runs the prompt for its hidden states only.
-        """
-        text, token_ids = self._tokenize(prompt)
-        params.validate()
-        if params.truncate_prompt_tokens is not None and not encode:
-            keep = params.truncate_prompt_tokens
-            token_ids = token_ids[-(self.model_config.max_model_len if keep == -1 else keep):]
-        self._check_prompt(token_ids, params, encode)
-        if not encode:
-            self._check_samples(params)
-        rid = request_id if request_id is not None else str(next(self._ids))
-        room = self.model_config.max_model_len - len(token_ids)
-        max_tokens = 1 if encode else (params.max_tokens if params.max_tokens is not None else room)
-        req = Request(rid, -1, text, token_ids, params, None, encode_only=encode, max_tokens=max_tokens,
-                      cache_salt=self.runner.model.prompt_salt(len(token_ids)))
-        if params.hidden_states is not None:
-            req.selection = self._selection(token_ids, params, encode, max_tokens)
-            if encode and params.prompt_logprobs is None:
-                req.depth = self._depth(req.selection)
-                if req.depth is not None:  # blocks past it hold no KV: never shared with a full forward
-                    req.cache_salt += b"|depth=%d" % req.depth
-        if not encode:
-            mc = self.model_config
-            bad_words = tokenize_bad_words(self.tokenizer, params.bad_words or ())
-            req.controls = resolve_controls(params, mc.vocab_size, mc.eos_token_ids, bad_words)
-            req.track_cumulative = params.num_samples > params.n
-        if params.steering:
-            req.steering = self._steering(params)
-            # KV computed under a steer is shared only with requests under the same steers at the
-            # same positions (Request.block_salt); unsteered blocks stay shareable with everyone.
-            req.steering_digest = steering_digest(params.steering)
-        if params.structured_outputs is not None and not encode:
-            req.grammar = self.grammars.matcher(params.structured_outputs)  # compiled here, once per spec
-        return req
-
-    def _depth(self, selection: Selection) -> int | None:
-        """Blocks a prompt-only request capturing ``selection`` needs run (``None``: all of them)."""
-        if "final" in selection.points:
-            return None
-        block_points = [p for p in selection.points if p not in PSEUDO_POINTS]
-        depth = max(selection.layers) + 1 if block_points and selection.layers else 0
-        return None if depth >= self.model_config.num_layers else depth
-
+    # ---- the core --------------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Schedule a request made by :meth:`prepare`."""
         if req.arrival >= 0:
@@ -185,7 +142,7 @@ class LLMEngine:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             req.generator = torch.Generator().manual_seed(seed)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        req.detokenizer = self.output_processor.detokenizer(req)
         if not req.encode_only:
             req.samples = [self._new_sample(req, i, seed) for i in range(1, params.num_samples)]
             req.forks = list(req.samples)
@@ -210,13 +167,12 @@ class LLMEngine:
         sample = Request(f"{req.request_id}#{index}", req.arrival, req.prompt, req.prompt_token_ids, req.params,
                          None if seed is None else torch.Generator().manual_seed(sample_seed(seed, index)),
                          cache_salt=req.cache_salt, status=RequestStatus.WAITING, selection=req.selection,
-                         steering=req.steering, steering_digest=req.steering_digest, max_tokens=req.max_tokens,
+                         steering=req.steering, max_tokens=req.max_tokens,
                          controls=req.controls, track_cumulative=req.track_cumulative, sample_index=index,
                          parent=req)
         if req.grammar is not None:  # each sample walks the grammar on its own (compiled once, cached)
             sample.grammar = self.grammars.matcher(req.params.structured_outputs)
-        sample.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                    req.params.skip_special_tokens)
+        sample.detokenizer = self.output_processor.detokenizer(req)
         return sample
 
     def abort(self, request_id: str) -> None:
@@ -242,83 +198,6 @@ class LLMEngine:
         sched, blocks = self.scheduler, self.blocks
         return EngineStats(len(sched.running), len(sched.waiting), blocks.usage(), blocks.hit_tokens,
                            blocks.queried_tokens, self.num_generated_tokens)
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            check_unicode(prompt, "prompt")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, bytes | bytearray | memoryview):
-            raise TypeError("prompt is bytes: pass text as str (decode it first) or token ids as a list of ints")
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, Sequence):
-            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        try:
-            return None, [operator.index(t) for t in prompt]
-        except TypeError:
-            raise ValueError("prompt token ids must be integers") from None
-
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams, encode: bool) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        limit = self.model_config.max_model_len
-        why = (" (capped to what the KV cache holds: raise kv_cache_blocks or kv_cache_memory_gb)"
-               if self.context_limited_by_cache else "")
-        if encode and len(token_ids) > limit:
-            raise ValueError(f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {limit}{why}")
-        if not encode and len(token_ids) >= limit:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens; the model's context (max_model_len) is {limit}{why} "
-                "and must leave room for at least one generated token"
-            )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name}: {value} requested, more than max_logprobs={self.config.max_logprobs} "
-                                 "(the instance's limit)")
-
-    def _check_samples(self, params: SamplingParams) -> None:
-        """``n`` / ``best_of`` against the instance: all samples of a prompt run at once."""
-        limit = self.config.max_num_seqs
-        if params.num_samples > limit:
-            name = "best_of" if params.best_of is not None else "n"
-            raise ValueError(f"{name}: {params.num_samples} samples of one prompt, more than max_num_seqs={limit} "
-                             "(the instance's limit on sequences running at once)")
-
-    def _steering(self, params: SamplingParams) -> list[ResolvedSteer]:
-        """Resolve the request's steers against the model and apply the instance policy."""
-        if not self.config.enable_steering:
-            raise ValueError("steering: this instance was started with enable_steering=False")
-        mc = self.model_config
-        return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype, self.device,
-                                self.config.max_steers_per_request, mc.point_shapes())
-
-    def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool, max_tokens: int) -> Selection:
-        """Resolve the request's hidden-state spec and apply the instance policy."""
-        if not self.config.enable_hidden_states:
-            raise ValueError("hidden_states: this instance was started with enable_hidden_states=False")
-        mc, p = self.model_config, len(token_ids)
-        end = p if encode else min(p + max_tokens, mc.max_model_len) - 1
-        sel = resolve(
-            params.hidden_states, num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
-            num_prompt=p, max_positions=end, encode=encode, vocab_size=mc.vocab_size,
-            point_shapes=mc.point_shapes(),
-        )
-        limit = self.config.hidden_states_max_bytes_per_request
-        samples = 1 if encode else params.num_samples
-        if limit is not None and sel.max_bytes * samples > limit:
-            per = f" (its {samples} samples x {sel.max_bytes:,})" if samples > 1 else ""
-            raise ValueError(
-                f"hidden_states: this request could capture up to {sel.max_bytes * samples:,} bytes{per} "
-                f"({sel.max_positions} positions x {sum(sel.row_size(q) for q in sel.points):,} numbers a position "
-                f"x {sel.dtype}), over hidden_states_max_bytes_per_request={limit:,}; "
-                "select fewer layers or positions, reduce, project, or use a smaller dtype"
-            )
-        return sel
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -362,8 +241,15 @@ class LLMEngine:
             if req.finished:
                 continue
             req.times.on_token(now)
-            if self._append_token(req, token):
-                finished.append(req)
+            self.num_generated_tokens += 1
+            end = self.output_processor.append_token(req, token)
+            if end is None:
+                continue
+            if end.error_type is not None:
+                self._fail(req, end.message or "", end.error_type)
+            else:
+                self._finish(req, end.reason, end.stop_reason)
+            finished.append(req)
         # A prompt with several samples is finished when its last sample is.
         done: dict[int, Request] = {}
         for req in finished:
@@ -414,49 +300,6 @@ class LLMEngine:
         first.failed.update(second.failed)
         return first
 
-    def _append_token(self, req: Request, token: int) -> bool:
-        req.token_ids.append(token)
-        self.num_generated_tokens += 1
-        p = req.params
-        try:
-            delta = req.detokenizer.step(token)
-        except Exception as exc:  # noqa: BLE001 - belongs to this request alone
-            self._fail(req, f"detokenizing token {token} failed: {type(exc).__name__}: {exc}", "server_error")
-            return True
-        if req.grammar is not None and (refused := req.grammar.accept(token)) is not None:
-            self._fail(req, refused, "server_error")
-            return True
-        # As in vLLM, nothing stops a request before min_tokens (its sampler bans EOS and stop ids too).
-        may_stop = len(req.output_token_ids) >= p.min_tokens
-        if delta:
-            prev = len(req.text)
-            req.text += delta
-            if p.stop_strings and may_stop and self._check_stop_strings(req, prev):
-                return True
-        if may_stop and ((not p.ignore_eos and token in self.model_config.eos_token_ids)
-                         or token in p.stop_token_ids):
-            self._finish(req, "stop", token)
-            return True
-        if req.grammar is not None and req.grammar.terminated:  # the output is complete: nothing can follow
-            self._finish(req, "stop", None)
-            return True
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.model_config.max_model_len:
-            self._finish(req, "length", None)
-            return True
-        return False
-
-    def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
-        longest = max(len(s) for s in req.params.stop_strings)
-        begin = max(0, prev_len - longest + 1)
-        hits = [(req.text.find(s, begin), s) for s in req.params.stop_strings]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        idx, s = min(hits)
-        req.text = req.text[:idx]
-        self._finish(req, "stop", s)
-        return True
-
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
         req.times.finished = time.monotonic()
         req.status = RequestStatus.FINISHED
@@ -501,58 +344,6 @@ class LLMEngine:
         req.error, req.error_type = message, error_type
         req.finish_reason = "error"
         req.hidden_states = None
-
-    def _decoded(self, entries: list | None) -> list | None:
-        """Logprob entries with each token's text filled in."""
-        for entry in entries or ():
-            for tid, lp in (entry or {}).items():
-                if lp.decoded_token is None:
-                    lp.decoded_token = self.tokenizer.decode([tid])
-        return entries
-
-    def make_output(self, req: Request) -> RequestOutput:
-        """The user-facing result of a request (``outputs`` is empty for an encode request).
-
-        With ``n`` (or ``best_of``) > 1, ``outputs`` holds ``n`` completions: in sample order, or
-        with ``best_of > n`` the ``n`` of highest cumulative logprob, best first. The request's
-        ``hidden_states`` are those of ``outputs[0]``; each completion has its own. A sample that
-        failed makes the request's ``error`` (the other samples are still returned).
-        """
-        completions = [] if req.encode_only else [self._completion(s) for s in req.group]
-        if req.params.num_samples > req.params.n:
-            completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
-            completions = completions[: req.params.n]
-            for i, c in enumerate(completions):
-                c.index = i
-        failed = next((s for s in req.group if s.error is not None), None) if not req.encode_only else None
-        error, error_type = (req.error, req.error_type) if failed is None else (failed.error, failed.error_type)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
-            outputs=completions,
-            finished=req.group_finished,
-            hidden_states=completions[0].hidden_states if completions else req.hidden_states,
-            metrics={"num_cached_tokens": req.num_cached_tokens,
-                     "num_preemptions": sum(s.num_preemptions for s in req.group)},
-            prompt_logprobs=self._decoded(req.prompt_logprobs),
-            error=error,
-            error_type=error_type,
-        )
-
-    def _completion(self, s: Request) -> CompletionOutput:
-        self._decoded(s.logprobs)
-        tracked = s.logprobs is not None or s.track_cumulative
-        return CompletionOutput(
-            index=s.sample_index,
-            text=s.text,
-            token_ids=list(s.output_token_ids),
-            cumulative_logprob=s.cumulative_logprob if tracked else None,
-            logprobs=s.logprobs,
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-            hidden_states=s.hidden_states,
-        )
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -15,14 +15,15 @@ from tapllm.engine.logits_processors import TokenCounts
 from tapllm.engine.request import Request
 from tapllm.engine.sampler import RowFailure, sample
 from tapllm.engine.scheduler import ScheduledItem
-from tapllm.engine.tap import RowSpan, StepTap
-from tapllm.hidden_states.capture import CopySink
+from tapllm.engine.step_tap import CaptureSpan, StepTap, SteerSpan
+from tapllm.hidden_states.sink import CopySink
 from tapllm.kernels import fused_kernels
 from tapllm.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, group_prefills
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 from tapllm.platform import available_memory_bytes, cpu_support, tune_cpu_allocator
 from tapllm.structured.masks import MaskComputer
+from tapllm.tap import RowSpan
 
 logger = logging.getLogger("tapllm")
 
@@ -75,7 +76,8 @@ class StepBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: list[tuple[int, Request]]  # (batch row, request) of each request that samples
-    spans: list[RowSpan]  # chunks of requests that capture or steer
+    captures: list[CaptureSpan]  # chunks of requests that capture
+    steers: list[SteerSpan]  # chunks of requests that steer
     prompt_logprob_rows: list[tuple[ScheduledItem, int]]  # chunks (and first rows) of prompt-logprob requests
 
 
@@ -166,19 +168,19 @@ class ModelRunner:
         items = sorted(items, key=lambda it: it.num_tokens != 1)  # decodes first
         self.capture_sink.pending.clear()  # a previous failed step may have left staged copies
         batch = self._prepare(items)
-        tap = StepTap.build(batch.spans, self.device, self.capture_sink)
+        tap = StepTap.build(batch.captures, batch.steers, self.device, self.capture_sink)
         # Grammar masks of this step's constrained rows are computed while the forward runs.
         pending_mask = self.token_masks.submit(
             [(i, req.grammar) for i, (_, req) in enumerate(batch.sample_rows) if req.grammar is not None],
             self.mcfg.vocab_size)
         # Prompt-only requests need the blocks up to their deepest capture; a step of only such
-        # requests stops there (their blocks are salted by that depth: see LLMEngine.prepare).
+        # requests stops there (their blocks are salted by that depth: see InputProcessor.prepare).
         depths = [it.request.depth for it in items]
         depth = None if None in depths else max(depths)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
         result = StepResult()
         if tap is not None:
-            owner = {span.request.capture: span.request for span in batch.spans}
+            owner = {it.request.capture: it.request for it in items if it.request.capture is not None}
             for capture, message in tap.finish().items():
                 result.failed[owner[capture]] = RowFailure(message, "server_error")
         for it, row in batch.prompt_logprob_rows:
@@ -229,7 +231,8 @@ class ModelRunner:
         prefill_tables: list[list[int]] = []  # every chunk's blocks (the fused attention reads them all)
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        spans: list[RowSpan] = []
+        captures: list[CaptureSpan] = []
+        steers: list[SteerSpan] = []
         prompt_lp_rows: list[tuple[ScheduledItem, int]] = []
         for it in items:
             req, start, n = it.request, it.start, it.num_tokens
@@ -251,8 +254,10 @@ class ModelRunner:
                 sample_rows.append((row + n - 1, req))
                 # Samples waiting for this prompt draw their first tokens from the same logits.
                 sample_rows.extend((row + n - 1, child) for child in req.forks)
-            if req.capture is not None or req.steering:
-                spans.append(RowSpan(req, row, start, n))
+            if req.capture is not None:
+                captures.append((RowSpan(row, start, n), req.capture, req.block_table))
+            if req.steering is not None:
+                steers.append((RowSpan(row, start, n), req.steering))
             if req.prompt_lp is not None:
                 prompt_lp_rows.append((it, row))
         dev = self.device
@@ -282,5 +287,5 @@ class ModelRunner:
             kernels=self.kernels,
             prefill_batch=prefill_batch,
         )
-        return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, spans,
-                         prompt_lp_rows)
+        return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, captures,
+                         steers, prompt_lp_rows)

@@ -35,9 +35,9 @@ class PromptLogprobs:
         """One past the last logits position needed (the prompt's second-to-last token)."""
         return len(self.targets)
 
-    def first_needed(self) -> int:
-        """The first position this request still has to run for its prompt logprobs."""
-        return self.next_pos if self.next_pos < self.end else 1 << 62
+    def first_needed(self, num_tokens: int) -> int:
+        """The first position this request still has to run for its prompt logprobs (``num_tokens``: none)."""
+        return self.next_pos if self.next_pos < self.end else num_tokens
 
     def window(self, start: int, num_tokens: int) -> tuple[int, int] | None:
         """Logits positions ``[a, b)`` to use from a chunk running ``[start, start + num_tokens)``."""

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from tapllm.engine.logits_processors import LogitsControls
 from tapllm.engine.prompt_logprobs import PromptLogprobs
-from tapllm.hidden_states.capture import RequestCapture, Selection
+from tapllm.hidden_states.capture import RequestCapture
+from tapllm.hidden_states.result import HiddenStates
+from tapllm.hidden_states.selection import Selection
 from tapllm.outputs import Logprob
 from tapllm.sampling_params import SamplingParams
-from tapllm.steering.plan import steering_block_salt
+from tapllm.steering.resolved import RequestSteering
 from tapllm.structured.compiler import GrammarMatcher
+from tapllm.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
@@ -47,6 +51,17 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class PositionFeature(Protocol):
+    """What the engine asks of a feature that reads a request's positions as they run (hidden-state
+    capture, prompt logprobs): where it still needs the request run, and what a chunk gives it."""
+
+    def first_needed(self, num_tokens: int) -> int:
+        """The first position it still needs run (``num_tokens`` or more: none)."""
+
+    def window(self, start: int, num_tokens: int) -> tuple[int, int] | None:
+        """The positions ``[a, b)`` it takes from a chunk running ``[start, start + num_tokens)``."""
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """Tokens, cache blocks, sampling state and output of one request.
@@ -75,20 +90,19 @@ class Request:
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    detokenizer: object | None = None
-    selection: Selection | None = None  # the resolved hidden-state spec (see LLMEngine.prepare)
+    detokenizer: IncrementalDetokenizer | None = None
+    selection: Selection | None = None  # the resolved hidden-state spec (see InputProcessor.prepare)
     capture: RequestCapture | None = None
     prompt_lp: PromptLogprobs | None = None  # prompt logprobs being gathered (params.prompt_logprobs)
     prompt_logprobs: list | None = None  # their result, made when the request finishes
-    hidden_states: object | None = None  # the HiddenStates result, made when the request finishes
-    steering: list | None = None  # ResolvedSteer list
-    steering_digest: bytes = b""  # hash of the request's steers (see block_salt)
+    hidden_states: HiddenStates | None = None  # the result, made when the request finishes
+    steering: RequestSteering | None = None  # its resolved steers (see block_salt)
     encode_only: bool = False  # run the prompt for its hidden states; sample nothing
     max_tokens: int = 1  # params.max_tokens, or the rest of the context when that is None
     error: str | None = None  # why this request alone failed (finish_reason "error")
     error_type: str | None = None  # "invalid_request_error" | "server_error"
     times: RequestTimes = field(default_factory=RequestTimes)  # stage timestamps, for latency metrics
-    controls: LogitsControls | None = None  # logits controls, resolved (see LLMEngine.prepare)
+    controls: LogitsControls | None = None  # logits controls, resolved (see InputProcessor.prepare)
     counts_slot: int = -1  # its row in the runner's TokenCounts (penalties only)
     track_cumulative: bool = False  # sum chosen-token logprobs even without logprobs (best_of > n)
     # Parallel samples (n / best_of > 1): sample 0 is the request itself and runs the prompt; the
@@ -107,11 +121,9 @@ class Request:
 
     def block_salt(self, index: int, block_size: int) -> bytes:
         """What besides the tokens the KV of block ``index`` depends on (its prefix-cache salt)."""
-        if not self.steering:
+        if self.steering is None:
             return self.cache_salt
-        first = index * block_size
-        return self.cache_salt + steering_block_salt(self.steering, self.steering_digest, self.num_prompt_tokens,
-                                                     first, block_size)
+        return self.cache_salt + self.steering.block_salt(index, block_size)
 
     def first_needed(self) -> int:
         """The first position this request must run itself, not read from the prefix cache.
@@ -120,11 +132,14 @@ class Request:
         the rest of its prefix may come from the cache (the last token is always run).
         """
         first = self.num_tokens - 1
-        if self.capture is not None:
-            first = min(first, self.capture.first_needed(self.num_tokens))
-        if self.prompt_lp is not None:
-            first = min(first, self.prompt_lp.first_needed())
+        for feature in self.position_features:
+            first = min(first, feature.first_needed(self.num_tokens))
         return first
+
+    @property
+    def position_features(self) -> list[PositionFeature]:
+        """The features that read this request's positions as they run (capture, prompt logprobs)."""
+        return [f for f in (self.capture, self.prompt_lp) if f is not None]
 
     @property
     def max_hidden_states_bytes(self) -> int:

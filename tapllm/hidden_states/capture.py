@@ -1,4 +1,4 @@
-"""A spec resolved against the model and one request, and that request's capture buffers.
+"""One request's capture buffers: CPU rows by absolute position, or on-device reducers.
 
 Rows are written by absolute position and a high-water mark (``next_pos``) records how far
 capture has got, so a request that is preempted and recomputed, or whose prefix came from
@@ -9,161 +9,15 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 
 import torch
 
+from tapllm.hidden_states.lens import LensBuffers, LensFn
 from tapllm.hidden_states.reducers import Reducer, get_reducer
 from tapllm.hidden_states.result import HiddenStates
-from tapllm.hidden_states.lens import LensBuffers, LensFn
-from tapllm.hidden_states.spec import (DTYPES, HIDDEN_POINTS, LENS_POINTS, PSEUDO_POINTS, QUERY_HEAD_POINTS,
-                                       HiddenStatesSpec)
-from tapllm.models.tap import PSEUDO_LAYER
-
-
-
-@dataclass(slots=True)
-class Selection:
-    """What one request captures, resolved: points, block indices, positions, shapes, dtype."""
-
-    points: tuple[str, ...]
-    layers: tuple[int, ...]
-    lo: int  # first position captured
-    hi: int  # one past the last position the request can reach (an upper bound)
-    last_only: bool  # positions="last": only the latest computed position is kept
-    shapes: dict[str, tuple[int, ...]]  # per point, the shape of one layer's row (after heads / project)
-    dtype: torch.dtype
-    reduce: str | None
-    lens_k: int = 0  # logit lens: top tokens kept per state (0: no lens)
-    lens_targets: int = 0  # logit lens: target tokens reported per state
-    heads: tuple[int, ...] | None = None  # query heads kept for q, z and attn_pattern (None: all)
-
-    def layer_keys(self, point: str) -> tuple[int, ...]:
-        """The model's layer keys of ``point``: block indices, or the pseudo-layer."""
-        return (PSEUDO_LAYER,) if point in PSEUDO_POINTS else self.layers
-
-    @property
-    def max_positions(self) -> int:
-        """Most positions this request can capture."""
-        return 1 if self.last_only else self.hi - self.lo
-
-    def row_size(self, point: str) -> int:
-        """Numbers in one position's row of ``point`` (all its layers)."""
-        return len(self.layer_keys(point)) * math.prod(self.shapes[point])
-
-    @property
-    def max_bytes(self) -> int:
-        """Upper bound on the bytes of the result."""
-        rows = 1 if self.reduce else self.max_positions
-        states = rows * sum(self.row_size(p) for p in self.points) * torch.tensor([], dtype=self.dtype).element_size()
-        lens_layers = sum(len(self.layer_keys(p)) for p in self.points if p in LENS_POINTS)
-        return states + rows * lens_layers * (12 * self.lens_k + 4 * self.lens_targets)  # int64 ids, float32
-
-
-def resolve(
-    spec: HiddenStatesSpec,
-    *,
-    num_layers: int,
-    hidden_size: int,
-    model_dtype: torch.dtype,
-    num_prompt: int,
-    max_positions: int,
-    encode: bool,
-    vocab_size: int | None = None,
-    point_shapes: dict[str, tuple[int, ...]] | None = None,
-) -> Selection:
-    """Check ``spec`` against the model and request; ``ValueError`` names the field.
-
-    ``max_positions`` is how many positions the request can run through the model: the
-    prompt for encode; the prompt plus up to ``max_tokens - 1`` generated tokens otherwise
-    (the last sampled token is never run). ``point_shapes`` gives the model's row shape of
-    the points inside attention and the MLP (``q``/``z`` ``(heads, head_dim)``, ``k``/``v``
-    ``(kv_heads, head_dim)``, ``mlp_post`` ``(d_mlp,)``).
-    """
-    layers = _resolve_layers(spec.layers, num_layers)
-    if all(p in PSEUDO_POINTS for p in spec.points):
-        layers = ()  # only embed/final: no block index applies
-    if spec.project is not None and spec.project.shape[1] != hidden_size:
-        raise ValueError(
-            f"hidden_states.project has width {spec.project.shape[1]}, "
-            f"but the model's hidden size is {hidden_size}: it must be [k, {hidden_size}]"
-        )
-    p, end = num_prompt, max_positions
-    what = "encode runs only the prompt" if encode else f"positions 0..{end - 1} can be computed"
-    last_only = False
-    if spec.positions == "prompt":
-        lo, hi = 0, p
-    elif spec.positions == "generated":
-        lo, hi = p, end
-        if lo >= hi:
-            why = "encode generates no tokens" if encode else "with max_tokens=1 no generated token is run"
-            raise ValueError(f"hidden_states.positions='generated' selects nothing: {why}")
-    elif spec.positions == "all":
-        lo, hi = 0, end
-    elif spec.positions == "last_prompt":
-        lo, hi = p - 1, p
-    elif spec.positions == "last":
-        lo, hi, last_only = p - 1, end, True
-    else:
-        lo, hi = spec.positions
-        if hi > end:
-            raise ValueError(
-                f"hidden_states.positions: window [{lo}, {hi}) lies outside the sequence: {what} "
-                f"(prompt of {p} tokens), so the window must end at or before {end}"
-            )
-    shapes, heads = _point_shapes(spec, hidden_size, point_shapes or {}, hi)
-    dtype = DTYPES[spec.dtype] if spec.dtype else model_dtype
-    targets = list(spec.lens_targets or ())
-    if vocab_size is not None and any(t >= vocab_size for t in targets):
-        raise ValueError(f"hidden_states.lens_targets: token ids must be in [0, {vocab_size}), got {targets}")
-    return Selection(tuple(spec.points), layers, lo, hi, last_only, shapes, dtype, spec.reduce, spec.lens or 0,
-                     len(targets), heads)
-
-
-def _point_shapes(spec: HiddenStatesSpec, hidden: int, model_shapes: dict[str, tuple[int, ...]], hi: int
-                  ) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...] | None]:
-    """Each point's row shape, after the head selection and the projection."""
-    heads = None
-    if spec.heads is not None:
-        n = model_shapes.get("q", (0,))[0]
-        bad = [h for h in spec.heads if not -n <= h < n]
-        if bad:
-            raise ValueError(f"hidden_states.heads: head {bad[0]} is out of range for {n} query heads")
-        heads = tuple(h % n for h in spec.heads)
-        if len(set(heads)) != len(heads):
-            raise ValueError(f"hidden_states.heads names a head twice: {list(spec.heads)}")
-    shapes = {}
-    for point in spec.points:
-        if point in HIDDEN_POINTS:
-            shapes[point] = (spec.project.shape[0],) if spec.project is not None else (hidden,)
-            continue
-        if spec.project is not None:
-            raise ValueError(f"hidden_states.project applies to hidden-size points only, not {point!r}")
-        if point == "attn_pattern":
-            n = model_shapes["q"][0]
-            shapes[point] = (len(heads) if heads is not None else n, hi)
-        elif point not in model_shapes:
-            raise ValueError(f"hidden_states.points: this model does not expose {point!r}")
-        elif point in QUERY_HEAD_POINTS and heads is not None:
-            shapes[point] = (len(heads), *model_shapes[point][1:])
-        else:
-            shapes[point] = model_shapes[point]
-    return shapes, heads
-
-
-def _resolve_layers(layers: list[int] | str, n: int) -> tuple[int, ...]:
-    if layers == "all":
-        return tuple(range(n))
-    out = []
-    for i in layers:
-        if not -n <= i < n:
-            raise ValueError(
-                f"hidden_states.layers: layer {i} is out of range for a {n}-block model (valid: {-n}..{n - 1})"
-            )
-        out.append(i % n)
-    if len(set(out)) != len(out):
-        raise ValueError(f"hidden_states.layers names a block twice: {list(layers)} -> {out}")
-    return tuple(out)
+from tapllm.hidden_states.selection import Selection
+from tapllm.hidden_states.sink import CopySink
+from tapllm.hidden_states.spec import QUERY_HEAD_POINTS, HiddenStatesSpec
 
 
 class RequestCapture:
@@ -303,50 +157,3 @@ class RequestCapture:
         if self.lens is not None:
             lens = self.lens.of_reduced(reduced) if sel.reduce else self.lens.result(n)
         return HiddenStates(tensors, positions, list(sel.layers), sel.reduce, self.spec_dict, lens=lens)
-
-
-class CopySink:
-    """Moves captured rows into CPU buffers.
-
-    On CPU each write is one copy straight into the request's buffer. With ``staged`` (used
-    on CUDA), writes are queued and ``flush`` sends all of a step's rows to the host in one
-    asynchronous copy per dtype into pinned memory, then scatters them into the buffers.
-    """
-
-    def __init__(self, staged: bool) -> None:
-        self.staged = staged
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._host: dict[torch.dtype, torch.Tensor] = {}  # reused: pinned allocation is slow
-
-    def write(self, dest: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` into the CPU tensor ``dest`` (now, or at ``flush``)."""
-        if not self.staged:
-            dest.copy_(src)
-        else:
-            self.pending.append((dest, src.to(dest.dtype)))
-
-    def flush(self) -> None:
-        """Finish the queued copies (a no-op unless staged)."""
-        if not self.pending:
-            return
-        by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for dest, src in self.pending:
-            by_dtype.setdefault(dest.dtype, []).append((dest, src))
-        self.pending = []
-        for dtype, pairs in by_dtype.items():
-            flat = torch.cat([src.reshape(-1) for _, src in pairs])
-            pin = flat.device.type == "cuda"
-            host = self._host.get(dtype)
-            if host is None or host.numel() < flat.numel():
-                host = torch.empty(max(flat.numel(), 2 * (host.numel() if host is not None else 0)),
-                                   dtype=dtype, pin_memory=pin)
-                self._host[dtype] = host
-            host = host[: flat.numel()]
-            host.copy_(flat, non_blocking=pin)
-            if pin:
-                torch.cuda.current_stream(flat.device).synchronize()
-            offset = 0
-            for dest, _ in pairs:
-                n = dest.numel()
-                dest.copy_(host[offset : offset + n].view(dest.shape))
-                offset += n

@@ -1,9 +1,10 @@
 """The per-step capture plan: which batch rows to record at which (point, layer).
 
-Built from the step's row spans; each capturing request's ``window`` says which of its
-positions this step captures. The step's tap calls ``record`` at each named point (after
-steering); per point it gathers the rows of every request that wants that point into one
-step tensor (on the model's device), one layer slot per call. After the forward, ``finish``
+Built from the step's row spans, each with its request's capture and KV block table; each
+capture's ``window`` says which of its positions this step captures. The step's tap calls
+:func:`record_at` at each named point (after steering); per point it gathers the rows of
+every request that wants that point into one step tensor (on the model's device), one layer
+slot per call. After the forward, ``finish``
 hands each request its slice (projection, reduction and the copy to CPU happen there) and
 advances its high-water mark. A step without capturing requests builds no plan.
 """
@@ -12,15 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from tapllm.hidden_states.capture import CopySink, RequestCapture
+from tapllm.hidden_states.capture import RequestCapture
+from tapllm.hidden_states.sink import CopySink
 from tapllm.layers.attention import AttentionOptions, attention_probs, gather_keys
-
-if TYPE_CHECKING:
-    from tapllm.engine.tap import RowSpan
+from tapllm.tap import RowSpan
 
 
 @dataclass(slots=True)
@@ -59,14 +58,14 @@ Target = tuple[_PointPlan, int]  # the point's stage, and the layer's slot in it
 class CapturePlan:
     """Rows and points to record in one step (see the module docstring)."""
 
-    def __init__(self, spans: Sequence[RowSpan], device: torch.device, sink: CopySink) -> None:
+    def __init__(self, spans: Sequence[tuple[RowSpan, RequestCapture, list[int]]], device: torch.device,
+                 sink: CopySink) -> None:
         entries = []
-        for span in spans:
-            capture = span.request.capture
-            window = capture.window(span.start, span.num_tokens) if capture is not None else None
+        for span, capture, block_table in spans:
+            window = capture.window(span.start, span.num_tokens)
             if window is not None:
                 entries.append(CaptureEntry(capture, span.row + window[0] - span.start, *window,
-                                            block_table=span.request.block_table))
+                                            block_table=block_table))
         self.entries = entries
         self.sink = sink
         self.patterns: dict[int, list[_PatternPlan]] = {}  # block -> the entries wanting its pattern
@@ -105,12 +104,6 @@ class CapturePlan:
     def wants_pattern(self, layer: int) -> bool:
         """True when some entry captures block ``layer``'s attention pattern."""
         return layer in self.patterns
-
-    def record(self, point: str, layer: int, t: torch.Tensor) -> None:
-        """Keep the planned rows of ``t`` ``[tokens, hidden]`` at ``point`` of ``layer``."""
-        target = self.targets.get((point, layer))
-        if target is not None:
-            record_at(target, t)
 
     def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: AttentionOptions) -> None:
         """Attention patterns of block ``layer`` for the entries that want them (after the layer's attention).

@@ -11,14 +11,26 @@ import html
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from tapllm._files import atomic_write
+from tapllm.hidden_states.lens import Lens
 
-if TYPE_CHECKING:
-    from tapllm.hidden_states.result import HiddenStates
+
+class HiddenStates(Protocol):
+    """What the pictures read of a ``HiddenStates`` (the result module calls this one, not the reverse)."""
+
+    lens: Lens | None
+    reduce: str | None
+    layers: list[int]
+    positions: torch.Tensor
+
+    @property
+    def points(self) -> tuple[str, ...]: ...
+
+    def __getitem__(self, point: str) -> torch.Tensor: ...
 
 
 def _matplotlib() -> Any:

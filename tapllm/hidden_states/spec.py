@@ -10,22 +10,13 @@ from typing import Any
 import torch
 
 from tapllm._options import from_mapping
-from tapllm.dtypes import DTYPES  # re-exported: capture.py reads it from here
+from tapllm.dtypes import DTYPES  # re-exported: selection.py reads it from here
 from tapllm.hidden_states.reducers import get_reducer
+# The point names live in the one table (tapllm.tap.points); re-exported for this package's users.
+from tapllm.tap.points import (BLOCK_POINTS, HEAD_POINTS, HIDDEN_POINTS, LENS_POINTS, POINTS,  # noqa: F401
+                               PSEUDO_POINTS, QUERY_HEAD_POINTS, RESIDUAL_POINTS)
 
-# TransformerLens-style names; see DESIGN.md for their exact meaning.
-RESIDUAL_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-PSEUDO_POINTS = ("embed", "final")  # one pseudo-layer each
-HIDDEN_POINTS = ("embed", *RESIDUAL_POINTS, "final")  # rows of hidden_size numbers
-# Inside attention and the MLP: q/k after norms and rotary, per query head (q) or KV head (k, v);
-# z the per-head attention output before the output projection; attn_pattern the softmax
-# weights per query head over the keys; mlp_post the neurons (times the gate in gated MLPs).
-HEAD_POINTS = ("q", "k", "v", "z", "attn_pattern", "mlp_post")
-QUERY_HEAD_POINTS = ("q", "z", "attn_pattern")  # what ``heads`` selects
-BLOCK_POINTS = (*RESIDUAL_POINTS, *HEAD_POINTS)
-POINTS = ("embed", *RESIDUAL_POINTS, "final", *HEAD_POINTS)
 POSITION_NAMES = ("prompt", "generated", "all", "last_prompt", "last")
-LENS_POINTS = ("embed", "resid_pre", "resid_mid", "resid_post", "final")  # residual-stream points
 MAX_LENS_K = 100
 MAX_LENS_TARGETS = 64
 

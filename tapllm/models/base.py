@@ -23,7 +23,7 @@ from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.models.stack import DecoderStack
 from tapllm.layers.rotary import apply_rotary
-from tapllm.models.tap import PSEUDO_LAYER, Tap, no_tap
+from tapllm.tap import PSEUDO_LAYER, Tap, no_tap
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # A checkpoint tensor's destinations: (parameter name, first row or None for all of it, the tensor).

@@ -22,7 +22,7 @@ from tapllm.layers.linear import Linear
 from tapllm.layers.norm import GemmaRMSNorm
 from tapllm.layers.rotary import RotaryEmbedding
 from tapllm.models.base import Attention, CausalLM, GatedMLP, KVCache, gate_up_fused, qkv_fused
-from tapllm.models.tap import Tap
+from tapllm.tap import Tap
 
 # config.hidden_activation -> the function (transformers' ACT2FN names)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

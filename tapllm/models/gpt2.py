@@ -22,7 +22,7 @@ from tapllm.layers.attention import AttentionMetadata
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import LayerNorm
 from tapllm.models.base import MLP, Attention, CausalLM, KVCache, Placement, activation
-from tapllm.models.tap import Tap
+from tapllm.tap import Tap
 
 
 class GPT2Block(nn.Module):

@@ -26,7 +26,7 @@ from tapllm.layers.linear import Linear
 from tapllm.layers.norm import LayerNorm
 from tapllm.layers.rotary import RotaryEmbedding
 from tapllm.models.base import MLP, Attention, CausalLM, KVCache, Placement, activation
-from tapllm.models.tap import Tap
+from tapllm.tap import Tap
 
 
 def rotary_dims(cfg: ModelConfig) -> int:

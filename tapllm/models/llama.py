@@ -16,7 +16,7 @@ from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import RotaryEmbedding
 from tapllm.models.base import Attention, CausalLM, GatedMLP, KVCache, gate_up_fused, qkv_fused
-from tapllm.models.tap import Tap
+from tapllm.tap import Tap
 
 
 class DecoderLayer(nn.Module):

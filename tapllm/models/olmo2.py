@@ -18,7 +18,7 @@ from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNormScaledInFloat32
 from tapllm.layers.rotary import RotaryEmbedding
 from tapllm.models.base import Attention, CausalLM, GatedMLP, KVCache, activation, gate_up_fused, qkv_fused
-from tapllm.models.tap import Tap
+from tapllm.tap import Tap
 
 
 class Olmo2Attention(Attention):

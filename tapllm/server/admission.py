@@ -87,7 +87,7 @@ class Admission:
         self._check_common(body)
         prompts = _prompt_list(body.input, "input", self.max_prompts_per_request)
         try:
-            params = SamplingParams(max_tokens=1, temperature=0, hidden_states=body.hidden_states.to_spec())
+            params = SamplingParams.encode(body.hidden_states.to_spec())
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
         return self._prepare_all(prompts, params, True, "input", request_id)
@@ -105,7 +105,7 @@ class Admission:
         if not self.engine.config.enable_hidden_states:
             raise APIError(400, "this server does not serve hidden states or embeddings (start it with "
                            "--enable-hidden-states)", param=field)
-        params = SamplingParams(max_tokens=1, temperature=0, hidden_states=spec)
+        params = SamplingParams.encode(spec)
         return self._prepare_all(_prompt_list(prompts, field, self.max_prompts_per_request), params, True, field,
                                  request_id, add_special_tokens)
 

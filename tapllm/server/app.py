@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat, hidden states, models, health, metrics.
 
 Cost per request is bounded before the engine sees it: the ``Guard`` middleware limits and
-reads the body (after auth); the routes (``endpoints``) parse and validate bodies, admit
+reads the body (after auth); the routes (``routes/``) parse and validate bodies, admit
 their prompts (``admission``: length-checked, tokenized and prepared by the engine) and
 serialize responses (``formatting``) off the event loop, so ``/health`` stays responsive
 while a large request is handled.
@@ -23,10 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.server.admission import Admission
 from tapllm.server.async_engine import AsyncEngine
-from tapllm.server.endpoints import BODIES, Endpoints, validation_error
+from tapllm.server.bodies import validation_error
+from tapllm.server.context import RouteContext
 from tapllm.server.errors import APIError
 from tapllm.server.guard import Guard
 from tapllm.server.metrics import ServerMetrics
+from tapllm.server.routes import BODIES, add_routes
 from tapllm.server.serving import Lifecycle
 
 logger = logging.getLogger("tapllm")
@@ -64,7 +66,8 @@ def create_app(engine: LLMEngine, served_model_name: str, api_key: str | None = 
     )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     _add_error_handlers(app)
-    Endpoints(runner, admission, metrics, lifecycle, served_model_name, engine.tokenizer).add_routes(app.router)
+    ctx = RouteContext(runner, admission, metrics, lifecycle, served_model_name, engine.tokenizer)
+    add_routes(app.router, ctx)
     return app
 
 

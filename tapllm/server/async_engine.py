@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tapllm.engine.llm_engine import EngineStats, LLMEngine
+from tapllm.engine.output_processor import StreamCursor
 from tapllm.engine.request import Request
 from tapllm.outputs import Logprob, RequestOutput
 
@@ -54,7 +55,7 @@ class _Stream:
     request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    sent: dict[int, list[int]] = field(default_factory=dict)  # per sample: [tokens, chars] sent so far
+    cursor: StreamCursor = field(default_factory=StreamCursor)  # what each sample has sent so far
     last_token_time: float | None = None  # when the previous update's last token (sample 0) was sampled
 
 
@@ -218,21 +219,10 @@ class AsyncEngine:
         done = req.group_finished
         group = req.group
         updates = []
-        for sample in group:
-            sent = stream.sent.setdefault(sample.sample_index, [0, 0])
-            tokens = sample.output_token_ids[sent[0] :]
-            end = len(sample.text)
-            if not sample.finished and sample.params.stop_strings:
-                # Hold back what could still turn out to be the start of a stop string.
-                end = max(sent[1], end - (max(len(s) for s in sample.params.stop_strings) - 1))
-            if not tokens and end == sent[1]:
-                continue
-            if tokens and sample.sample_index == 0 and self.observer is not None:
-                self._observe(stream, len(tokens))
-            logprobs = sample.logprobs[sent[0] :] if sample.logprobs is not None else None
-            updates.append(Update(sample.text[sent[1] : end], tokens, logprobs, index=sample.sample_index))
-            sent[0] += len(tokens)
-            sent[1] = end
+        for d in self.engine.output_processor.deltas(req, stream.cursor):  # stop-string hold-back is done there
+            if d.token_ids and d.index == 0 and self.observer is not None:
+                self._observe(stream, len(d.token_ids))
+            updates.append(Update(d.text, d.token_ids, d.logprobs, index=d.index))
         if done:
             final = updates.pop() if len(group) == 1 and updates else Update("", [], None)
             final.finished = True

@@ -25,10 +25,8 @@ from typing import Any
 import torch
 
 from tapllm._options import from_mapping
+from tapllm.tap.points import HEAD_STEER_POINTS, STEER_POINTS
 
-RESIDUAL_STEER_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
-HEAD_STEER_POINTS = ("q", "k", "v", "z")  # per head: q/z per query head, k/v per KV head
-STEER_POINTS = (*RESIDUAL_STEER_POINTS, *HEAD_STEER_POINTS, "mlp_post")
 OPS = ("add", "ablate", "clamp", "scale", "set")
 STEER_POSITIONS = ("all", "prompt", "generated")
 
@@ -42,7 +40,7 @@ class Steer:
             ``{layer: vector}`` dict, whose keys then name the blocks, or when ``values`` is a
             ``HiddenStates`` (its layers then).
         point: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``, ``resid_post`` (see
-            DESIGN.md), ``q``, ``k``, ``v``, ``z`` (per head) or ``mlp_post`` (per neuron).
+            ``tapllm.tap.points``), ``q``, ``k``, ``v``, ``z`` (per head) or ``mlp_post`` (per neuron).
         op: ``"add"``, ``"ablate"``, ``"clamp"``, ``"scale"`` or ``"set"`` (see the module docstring).
         vector: the direction of ``add``/``ablate``/``clamp``: a tensor of the point's last
             dimension (``[hidden]``; ``[head_dim]`` for a per-head point, applied to every selected

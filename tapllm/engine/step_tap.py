@@ -3,36 +3,29 @@
 ``tap(point, layer, x) -> x`` first steers the planned rows of ``x`` in place (so everything
 after, captured states included, sees the steered value), then records the planned rows for
 capture. It is built from the step's row spans, one per scheduled chunk of a request that
-captures or steers: ``RowSpan(request, row, start, num_tokens)`` says that the chunk's
-positions ``[start, start + num_tokens)`` sit at batch rows ``[row, row + num_tokens)``. The
-capture and steering plans work out from those spans which rows and positions they touch.
-A step where no request captures or steers builds no tap, and the model then calls
-``tapllm.models.tap.no_tap``, which does nothing.
+captures or steers: ``RowSpan(row, start, num_tokens)`` says that the chunk's positions
+``[start, start + num_tokens)`` sit at batch rows ``[row, row + num_tokens)``; each span comes
+with what its plan needs of the request (its capture and block table, or its steering). A
+step where no request captures or steers builds no tap, and the model then calls
+``tapllm.tap.no_tap``, which does nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from tapllm.layers.attention import AttentionOptions
-
-from tapllm.engine.request import Request
-from tapllm.hidden_states.capture import CopySink, RequestCapture
+from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.plan import CapturePlan, Target, record_at
+from tapllm.hidden_states.sink import CopySink
+from tapllm.layers.attention import AttentionOptions
 from tapllm.steering.plan import SteeringPlan, SteerOp
+from tapllm.steering.resolved import RequestSteering
+from tapllm.tap import RowSpan
 
-
-@dataclass(slots=True)
-class RowSpan:
-    """Positions ``[start, start + num_tokens)`` of ``request`` at batch rows ``[row, row + num_tokens)``."""
-
-    request: Request
-    row: int
-    start: int
-    num_tokens: int
+CaptureSpan = tuple[RowSpan, RequestCapture, list[int]]  # a chunk, its request's capture and KV block table
+SteerSpan = tuple[RowSpan, RequestSteering]  # a chunk and its request's steering
 
 
 class StepTap:
@@ -49,12 +42,13 @@ class StepTap:
         self.layers = {layer for _, layer in targets}
 
     @classmethod
-    def build(cls, spans: Sequence[RowSpan], device: torch.device, sink: CopySink) -> StepTap | None:
+    def build(cls, captures: Sequence[CaptureSpan], steers: Sequence[SteerSpan], device: torch.device,
+              sink: CopySink) -> StepTap | None:
         """The tap of a step, or None when no span captures or steers anything this step."""
-        if not spans:
+        if not captures and not steers:
             return None
-        capture = CapturePlan([s for s in spans if s.request.capture is not None], device, sink)
-        steering = SteeringPlan([s for s in spans if s.request.steering], device)
+        capture = CapturePlan(captures, device, sink)
+        steering = SteeringPlan(steers, device)
         if not capture and not steering:
             return None
         return cls(steering if steering else None, capture if capture else None)

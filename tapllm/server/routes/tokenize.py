@@ -10,18 +10,17 @@ tokens, token_strs}``; ``token_strs`` (the vocabulary's spelling of each token) 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from tapllm.server.bodies import json_response, parse
+from tapllm.server.context import RouteContext
 from tapllm.server.errors import APIError, check_text
 from tapllm.server.protocol import ChatMessage
 
-if TYPE_CHECKING:
-    from tapllm.server.endpoints import Endpoints
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -61,10 +60,10 @@ def tokenize_model(data: Any) -> type[TokenizeCompletionRequest] | type[Tokenize
 
 
 class TokenizeRoutes:
-    """``/tokenize`` and ``/detokenize`` over the shared ``Endpoints`` (its admission and tokenizer)."""
+    """``/tokenize`` and ``/detokenize`` over the app's ``RouteContext`` (its admission and tokenizer)."""
 
-    def __init__(self, endpoints: Endpoints) -> None:
-        self.ep = endpoints
+    def __init__(self, ctx: RouteContext) -> None:
+        self.ctx = ctx
 
     def add_routes(self, router: APIRouter, openapi_extra: dict[str, dict[str, Any]]) -> None:
         """Register both routes on ``router``; ``openapi_extra`` by route path."""
@@ -83,7 +82,7 @@ class TokenizeRoutes:
         return await json_response(lambda: result)
 
     def _tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
-        admission = self.ep.admission
+        admission = self.ctx.admission
         admission.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             text = admission.render_chat(body)
@@ -96,7 +95,7 @@ class TokenizeRoutes:
                 "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
     def _detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
-        admission = self.ep.admission
+        admission = self.ctx.admission
         admission.check_model(body.model)
         vocab = admission.engine.model_config.vocab_size
         for i, t in enumerate(body.tokens):

@@ -13,24 +13,21 @@ started with ``--enable-hidden-states``.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
-import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from tapllm.hidden_states.spec import HIDDEN_POINTS, PSEUDO_POINTS, HiddenStatesSpec
-from tapllm.server.bodies import json_response, parse
+from tapllm.server.bodies import json_response
+from tapllm.server.context import PostRoute
 from tapllm.server.errors import APIError
 from tapllm.server.protocol import PromptInput
 
-if TYPE_CHECKING:
-    from tapllm.server.endpoints import Endpoints
 
 
 class EmbeddingRequest(BaseModel):
@@ -63,24 +60,15 @@ class EmbeddingRequest(BaseModel):
                                 dtype="float32")
 
 
-class EmbeddingRoutes:
-    """The embeddings route, over the shared ``Endpoints`` (admission, engine thread, metrics)."""
+class EmbeddingRoute(PostRoute):
+    """``POST /v1/embeddings``."""
 
-    def __init__(self, endpoints: Endpoints) -> None:
-        self.ep = endpoints
+    path = "/v1/embeddings"
+    name = "embeddings"
 
-    def add_routes(self, router: APIRouter, openapi_extra: dict[str, Any]) -> None:
-        """Register ``POST /v1/embeddings`` on ``router``."""
-        router.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"], openapi_extra=openapi_extra)
-
-    async def embeddings(self, request: Request) -> Response:
-        arrival = time.monotonic()
-        body = await parse(request, EmbeddingRequest)
-        rid = f"embd-{uuid.uuid4().hex}"
-        reqs = await asyncio.to_thread(self._admit, body, rid)
-        for r in reqs:
-            r.times.arrival = arrival
-        outputs = await self.ep.run_all(request, reqs)
+    async def handle(self, request: Request) -> Response:
+        body, rid, reqs = await self.admit(request, EmbeddingRequest, self._admit, "embd")
+        outputs = await self.ctx.run_all(request, reqs)
 
         def build() -> dict[str, Any]:
             data = []
@@ -89,13 +77,13 @@ class EmbeddingRoutes:
                 data.append({"object": "embedding", "index": i,
                              "embedding": encode_vector(vector, body.encoding_format)})
             n = sum(len(out.prompt_token_ids) for out in outputs)
-            return {"id": rid, "object": "list", "created": int(time.time()), "model": self.ep.served_model_name,
+            return {"id": rid, "object": "list", "created": int(time.time()), "model": self.ctx.served_model_name,
                     "data": data, "usage": {"prompt_tokens": n, "total_tokens": n}}
 
         return await json_response(build)
 
     def _admit(self, body: EmbeddingRequest, request_id: str) -> list[Any]:
-        admission = self.ep.admission
+        admission = self.ctx.admission
         admission.check_model(body.model)
         mc = admission.engine.model_config
         width = mc.hidden_size

@@ -9,8 +9,9 @@ layer's key cache (``tap.pattern``). ``tap.steers(point, layer)`` tells whether 
 change ``x`` at that point, so a model may compute what reads the point before calling the
 tap only when it does not (e.g. a residual add fused with the next norm), and
 ``tap.touches(layer)`` whether it does anything at all in block ``layer`` (blocks it leaves
-alone may run as fused code that calls no tap). The engine's tap (``tapllm.engine.tap.StepTap``) steers
-and records the rows of the requests that asked; :data:`no_tap` is used when none did.
+alone may run as fused code that calls no tap). The engine's tap
+(``tapllm.engine.step_tap.StepTap``) steers and records the rows of the requests that asked;
+:data:`no_tap` is used when none did.
 """
 
 from __future__ import annotations

@@ -1,0 +1,38 @@
+"""The row shapes of a model's points, read off its modules (not guessed from its config)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tapllm.config import ModelConfig
+from tapllm.models.base import MLP, Attention, GatedMLP
+from tapllm.tap.points import HIDDEN_POINTS, row_shapes
+
+
+def point_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """One position's row shape at one block, per point inside attention and the MLP that ``model`` has.
+
+    The dimensions come from its first attention and MLP modules (every block of the
+    families here has the same); a point whose module the model lacks is left out.
+    """
+    dims: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, Attention) and "heads" not in dims:
+            dims.update(heads=m.num_heads, kv_heads=m.num_kv, head_dim=m.head_dim)
+        elif isinstance(m, GatedMLP | MLP) and "d_mlp" not in dims:
+            dims["d_mlp"] = m.inter
+    return {name: shape for name, shape in row_shapes(dims).items() if name not in HIDDEN_POINTS}
+
+
+
+def config_point_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """What :func:`point_shapes` will find in the model ``config`` describes, from the config alone.
+
+    For checks made before the weights load (``tapllm collect`` refuses a bad point first); a
+    loaded engine reads its modules instead.
+    """
+    hf = config.hf_config
+    d_mlp = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * config.hidden_size
+    dims = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+            "d_mlp": int(d_mlp)}
+    return {name: shape for name, shape in row_shapes(dims).items() if name not in HIDDEN_POINTS}

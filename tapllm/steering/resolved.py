@@ -1,0 +1,166 @@
+"""Steers checked against the model and resolved for one request (tensors on the device)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tapllm.steering.spec import HEAD_STEER_POINTS, Steer
+from tapllm.tap import resolve_indices, resolve_layers
+
+
+@dataclass(slots=True)
+class ResolvedSteer:
+    """A ``Steer`` checked against the model, its tensors on the device.
+
+    ``payload[block]``: ``add`` the scaled vector (model dtype), ``ablate``/``clamp`` the unit
+    direction (float32), ``set`` the values ``[len(positions), *row]`` (model dtype);
+    ``index`` the heads or neurons the operation is limited to (dim 1 of the point's tensor).
+    """
+
+    point: str
+    op: str
+    blocks: list[int]
+    payload: dict[int, torch.Tensor]
+    positions: str | list[int]
+    index: torch.Tensor | None = None
+    factor: float = 1.0  # scale's factor
+    value: float = 0.0  # clamp's coefficient
+    _position_set: dict[int, int] = field(default_factory=dict)  # explicit position -> its row in payload
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.positions, str):
+            self._position_set = {p: i for i, p in enumerate(self.positions)}
+
+    def window(self, num_prompt: int, start: int, n: int) -> tuple[int, int] | list[int] | None:
+        """The positions of a chunk ``[start, start + n)`` this steer touches: a range ``(a, b)``, a
+        sorted list (explicit positions), or None."""
+        if not isinstance(self.positions, str):
+            hit = [p for p in self.positions if start <= p < start + n]
+            return hit or None
+        lo, hi = {"all": (0, None), "prompt": (0, num_prompt), "generated": (num_prompt, None)}[self.positions]
+        a, b = max(start, lo), start + n if hi is None else min(start + n, hi)
+        return (a, b) if a < b else None
+
+
+def steering_block_salt(steers: Sequence[ResolvedSteer], digest: bytes, num_prompt: int, first: int,
+                        size: int) -> bytes:
+    """The prefix-cache salt of the KV block holding positions ``[first, first + size)``.
+
+    A block's KV depends on the steering of its own positions (earlier positions enter
+    through the hash chain), so the salt names the steers and exactly which of the block's
+    positions each one touches: a steer limited to the prompt or to generated positions
+    touches different positions of the same tokens when the prompt ends elsewhere (a
+    continuation). A block none of whose positions is steered gets no salt, and stays
+    shareable as long as every block before it is.
+    """
+    touched = []
+    for k, s in enumerate(steers):
+        w = s.window(num_prompt, first, size)
+        if isinstance(w, tuple):
+            touched.append(f"{k}:{w[0] - first}-{w[1] - first}")
+        elif w:
+            touched.append(f"{k}:" + "+".join(str(p - first) for p in w))
+    if not touched:
+        return b""
+    return digest + ",".join(touched).encode()
+
+
+@dataclass(slots=True)
+class RequestSteering:
+    """One request's steering: its resolved steers, their digest, and where its prompt ends."""
+
+    steers: list[ResolvedSteer]
+    digest: bytes  # hash of the request's steers (see block_salt)
+    num_prompt: int
+
+    def block_salt(self, index: int, block_size: int) -> bytes:
+        """What the KV of block ``index`` owes to steering (its part of the prefix-cache salt)."""
+        return steering_block_salt(self.steers, self.digest, self.num_prompt, index * block_size, block_size)
+
+
+def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int, dtype: torch.dtype,
+                     device: torch.device, max_steers: int,
+                     point_shapes: dict[str, tuple[int, ...]] | None = None) -> list[ResolvedSteer]:
+    """Check steers against the model; ``ValueError`` names the steer and field.
+
+    ``point_shapes`` gives the row shape of the points inside attention and the MLP (``q``,
+    ``k``, ``v``, ``z``, ``mlp_post``), as read off the model's modules.
+    """
+    if len(steers) > max_steers:
+        raise ValueError(f"steering: {len(steers)} steers, more than max_steers_per_request={max_steers}")
+    shapes = point_shapes or {}
+    out = []
+    for i, s in enumerate(steers):
+        where = f"steering[{i}]"
+        row, index = _row(s, hidden_size, shapes, where)
+        blocks = list(resolve_layers(s.layers, num_layers, f"{where}.layers", unique=False))
+        twice = next((b for i, b in enumerate(blocks) if b in blocks[:i]), None)
+        if twice is not None:
+            raise ValueError(f"{where}.layers names block {twice} twice")
+        payload = {}
+        if s.op == "set":
+            values = _set_values(s, row, where)
+            for k, block in enumerate(blocks):
+                payload[block] = _finite_in(values[:, k], dtype, where).to(device, dtype)
+        elif s.op != "scale":
+            for layer, block in zip(s.layers, blocks):
+                v = _fit(s.vector_for(layer), row, where, s.point in HEAD_STEER_POINTS or s.point == "mlp_post")
+                if s.op == "add":
+                    payload[block] = _finite_in(s.scale * v, dtype, where, f"scale * vector at layer {layer}"
+                                                ).to(device, dtype)
+                else:
+                    payload[block] = (v / v.norm(dim=-1, keepdim=True)).to(device, torch.float32)
+        elif not abs(s.scale) <= torch.finfo(dtype).max:
+            raise ValueError(f"{where}.scale {s.scale:g} overflows the model's {dtype}")
+        out.append(ResolvedSteer(s.point, s.op, blocks, payload, s.positions,
+                                 torch.tensor(index, device=device) if index is not None else None,
+                                 factor=float(s.scale), value=float(s.value)))
+    return out
+
+
+def _row(s: Steer, hidden: int, shapes: dict[str, tuple[int, ...]], where: str
+         ) -> tuple[tuple[int, ...], list[int] | None]:
+    """The shape of one position's row the steer acts on (after heads/neurons), and that index."""
+    if s.point not in HEAD_STEER_POINTS and s.point != "mlp_post":
+        return (hidden,), None
+    if s.point not in shapes:
+        raise ValueError(f"{where}.point: this model does not expose {s.point!r}")
+    full = shapes[s.point]
+    chosen = s.heads if s.point in HEAD_STEER_POINTS else s.neurons
+    if chosen is None:
+        return full, None
+    what = "heads" if s.point in HEAD_STEER_POINTS else "neurons"
+    index = list(resolve_indices(chosen, full[0], f"{where}.{what}", what))
+    return (len(index), *full[1:]), index
+
+
+def _fit(v: torch.Tensor, row: tuple[int, ...], where: str, inside: bool) -> torch.Tensor:
+    """A direction shaped like ``row`` (a ``[row[-1]]`` vector is broadcast over heads)."""
+    if tuple(v.shape) == tuple(row) or tuple(v.shape) == tuple(row[-1:]):
+        return v
+    if not inside:
+        raise ValueError(f"{where}.vector has width {v.shape[-1]}, but the model's hidden size is {row[0]}")
+    raise ValueError(f"{where}.vector has shape {tuple(v.shape)}; this point takes {list(row)} or [{row[-1]}]")
+
+
+def _set_values(s: Steer, row: tuple[int, ...], where: str) -> torch.Tensor:
+    """``set``'s values as ``[len(positions), len(layers), *row]``."""
+    v = s.values
+    n, layers = len(s.positions), len(s.layers)
+    if tuple(v.shape) == (n, *row):
+        return v[:, None].expand(n, layers, *row)
+    if tuple(v.shape) == (n, layers, *row):
+        return v
+    raise ValueError(f"{where}.values has shape {tuple(v.shape)}; it must be [{n}, {', '.join(map(str, row))}] "
+                     f"or [{n}, {layers}, {', '.join(map(str, row))}] (positions, layers, row)")
+
+
+def _finite_in(t: torch.Tensor, dtype: torch.dtype, where: str, what: str = "values") -> torch.Tensor:
+    limit = torch.finfo(dtype).max
+    if not torch.isfinite(t).all() or float(t.abs().max()) > limit:
+        raise ValueError(f"{where}: {what} overflows (largest |entry| {float(t.abs().max()):g}); the model's "
+                         f"{dtype} holds at most {limit:.3g}")
+    return t

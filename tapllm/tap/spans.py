@@ -1,0 +1,23 @@
+"""Where a chunk of a request sits in a step's batch, as plain numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class RowSpan:
+    """Positions ``[start, start + num_tokens)`` of one request sit at batch rows ``[row, row + num_tokens)``."""
+
+    row: int
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        """One past the chunk's last position."""
+        return self.start + self.num_tokens
+
+    def row_of(self, position: int) -> int:
+        """The batch row of ``position`` (which must lie in the chunk)."""
+        return self.row + position - self.start
