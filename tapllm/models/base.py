@@ -167,6 +167,7 @@ class CausalLM(nn.Module):
     final_logit_softcap: float | None = None
     kernels: Any = None  # tapllm's fused kernel ops (see use_kernels)
     stack: DecoderStack | None = None  # runs untapped blocks of decode steps in C++ (see use_kernels)
+    stack_block: type | None = None  # the family's block type that the C++ runner implements, if any
     needs_prompt_lengths = False  # True: the runner fills AttentionMetadata.prompt_lens each step
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -247,7 +248,7 @@ class CausalLM(nn.Module):
             if isinstance(module, RMSNorm | Attention | GatedMLP):
                 module.kernels = ops
         self.kernels = ops
-        self.stack = DecoderStack.maybe(ops, self.layers)
+        self.stack = DecoderStack.maybe(ops, self.layers, self.stack_block, Attention, GatedMLP)
 
     # ---- weights -----------------------------------------------------------------------
     def prepare_for_inference(self, device: torch.device) -> None:

@@ -48,6 +48,7 @@ class LlamaForCausalLM(CausalLM):
     """Llama, Mistral, Qwen2 (qkv bias) and, through ``attention_cls``, Qwen3."""
 
     attention_cls: type[Attention] = Attention
+    stack_block = DecoderLayer  # untapped blocks of decode steps may run in C++ (models/stack.py)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)

@@ -29,6 +29,8 @@ from tapllm.models.llama import DecoderLayer
 class Phi3ForCausalLM(CausalLM):
     """Phi-3: pre-norm blocks, fused qkv and gate/up, SwiGLU, optional partial rotary and LongRoPE."""
 
+    stack_block = DecoderLayer  # untapped blocks of decode steps may run in C++ (models/stack.py)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         hf = cfg.hf_config

@@ -38,21 +38,21 @@ class DecoderStack:
         self._params: list[list[torch.Tensor | None]] = []
 
     @classmethod
-    def maybe(cls, ops: Any, layers: nn.ModuleList) -> DecoderStack | None:
-        """A stack over ``layers`` when all are plain pre-norm Llama-style blocks, else None."""
-        from tapllm.models.base import Attention, GatedMLP
-        from tapllm.models.llama import DecoderLayer
-
-        if ops is None or not hasattr(ops, "decoder_layers") or not len(layers):
+    def maybe(cls, ops: Any, layers: nn.ModuleList, block: type | None, attention: type,
+              mlp: type) -> DecoderStack | None:
+        """A stack over ``layers`` when every one is a ``block`` (the family's pre-norm Llama-style
+        block) of exactly ``attention`` and gated ``mlp`` modules, else None."""
+        if ops is None or block is None or not hasattr(ops, "decoder_layers") or not len(layers):
             return None
-        if any(type(layer) is not DecoderLayer for layer in layers):
+        if any(type(layer) is not block for layer in layers):
             return None
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         eps = getattr(layers[0].input_layernorm, "eps", None)
         packed = {layer.self_attn.qkv_proj.packed is not None for layer in layers}
+        mlp_type = mlp
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if (type(attn) is not Attention or type(mlp) is not GatedMLP
+            if (type(attn) is not attention or type(mlp) is not mlp_type
                     or type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm
                     or attn.opts.softcap is not None or attn.opts.scale != attn0.opts.scale or not attn.rotary_dim
                     or mlp.kernel_act is None or mlp.kernel_act != mlp0.kernel_act
