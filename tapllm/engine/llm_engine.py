@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -21,6 +22,7 @@ from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem, Scheduler
+from tapllm.engine.stops import find_stop_string, keeps_text, primary_eos, token_stop
 from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
 from tapllm.hidden_states.spec import PSEUDO_POINTS
 from tapllm.steering.plan import ResolvedSteer, resolve_steering
@@ -128,6 +130,7 @@ class LLMEngine:
         """
         text, token_ids = self._tokenize(prompt)
         params.validate()
+        params = self._whole_vocab_logprobs(params)
         if params.truncate_prompt_tokens is not None and not encode:
             keep = params.truncate_prompt_tokens
             token_ids = token_ids[-(self.model_config.max_model_len if keep == -1 else keep):]
@@ -139,6 +142,8 @@ class LLMEngine:
         max_tokens = 1 if encode else (params.max_tokens if params.max_tokens is not None else room)
         req = Request(rid, -1, text, token_ids, params, None, encode_only=encode, max_tokens=max_tokens,
                       cache_salt=self.runner.model.prompt_salt(len(token_ids)))
+        if params.skip_reading_prefix_cache:  # a salt no other request has: nothing cached matches it
+            req.cache_salt += b"|uncached=" + f"{rid}@{time.monotonic_ns()}".encode()
         if params.hidden_states is not None:
             req.selection = self._selection(token_ids, params, encode, max_tokens)
             if encode and params.prompt_logprobs is None:
@@ -158,6 +163,14 @@ class LLMEngine:
         if params.structured_outputs is not None and not encode:
             req.grammar = self.grammars.matcher(params.structured_outputs)  # compiled here, once per spec
         return req
+
+    def _whole_vocab_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``logprobs=-1`` / ``prompt_logprobs=-1`` (vLLM's whole vocabulary) made the vocabulary size."""
+        if -1 not in (params.logprobs, params.prompt_logprobs):
+            return params
+        vocab = self.model_config.vocab_size
+        return dataclasses.replace(params, logprobs=vocab if params.logprobs == -1 else params.logprobs,
+                                   prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs)
 
     def _depth(self, selection: Selection) -> int | None:
         """Blocks a prompt-only request capturing ``selection`` needs run (``None``: all of them)."""
@@ -185,7 +198,7 @@ class LLMEngine:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
             req.generator = torch.Generator().manual_seed(seed)
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+        req.detokenizer = self._detokenizer(req)
         if not req.encode_only:
             req.samples = [self._new_sample(req, i, seed) for i in range(1, params.num_samples)]
             req.forks = list(req.samples)
@@ -215,9 +228,13 @@ class LLMEngine:
                          parent=req)
         if req.grammar is not None:  # each sample walks the grammar on its own (compiled once, cached)
             sample.grammar = self.grammars.matcher(req.params.structured_outputs)
-        sample.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                    req.params.skip_special_tokens)
+        sample.detokenizer = self._detokenizer(req)
         return sample
+
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
+        p = req.params
+        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+                                      p.spaces_between_special_tokens)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (all its samples) now and free its blocks and capture buffers (unknown ids are ignored)."""
@@ -277,7 +294,7 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
+            if value is not None and self.config.max_logprobs != -1 and value > self.config.max_logprobs:
                 raise ValueError(f"{name}: {value} requested, more than max_logprobs={self.config.max_logprobs} "
                                  "(the instance's limit)")
 
@@ -418,44 +435,39 @@ class LLMEngine:
         req.token_ids.append(token)
         self.num_generated_tokens += 1
         p = req.params
-        try:
-            delta = req.detokenizer.step(token)
-        except Exception as exc:  # noqa: BLE001 - belongs to this request alone
-            self._fail(req, f"detokenizing token {token} failed: {type(exc).__name__}: {exc}", "server_error")
-            return True
+        # As in vLLM, nothing stops a request before min_tokens (its sampler bans EOS and stop ids too).
+        may_stop = len(req.output_token_ids) >= p.min_tokens
+        mc = self.model_config
+        stopped, stop_token = token_stop(token, p, primary_eos(self.tokenizer.eos_token_id, mc.eos_token_ids),
+                                         mc.eos_token_ids) if may_stop else (False, None)
+        if keeps_text(p, stopped):
+            try:
+                delta = req.detokenizer.step(token)
+            except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                self._fail(req, f"detokenizing token {token} failed: {type(exc).__name__}: {exc}", "server_error")
+                return True
+            req.text += delta
+            if p.stop_strings and may_stop and (hit := find_stop_string(req.text, len(delta), p)) is not None:
+                req.text = req.text[: hit[1]]
+                self._finish(req, "stop", hit[0])
+                return True
         if req.grammar is not None and (refused := req.grammar.accept(token)) is not None:
             self._fail(req, refused, "server_error")
             return True
-        # As in vLLM, nothing stops a request before min_tokens (its sampler bans EOS and stop ids too).
-        may_stop = len(req.output_token_ids) >= p.min_tokens
-        if delta:
-            prev = len(req.text)
-            req.text += delta
-            if p.stop_strings and may_stop and self._check_stop_strings(req, prev):
-                return True
-        if may_stop and ((not p.ignore_eos and token in self.model_config.eos_token_ids)
-                         or token in p.stop_token_ids):
-            self._finish(req, "stop", token)
+        if stopped:
+            self._finish(req, "stop", stop_token)
             return True
-        if req.grammar is not None and req.grammar.terminated:  # the output is complete: nothing can follow
-            self._finish(req, "stop", None)
+        if req.grammar is not None and req.grammar.terminated and not self._eos_can_follow(p):
+            self._finish(req, "stop", None)  # complete, and no EOS may end it: nothing can follow
             return True
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.model_config.max_model_len:
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= mc.max_model_len:
             self._finish(req, "length", None)
             return True
         return False
 
-    def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
-        longest = max(len(s) for s in req.params.stop_strings)
-        begin = max(0, prev_len - longest + 1)
-        hits = [(req.text.find(s, begin), s) for s in req.params.stop_strings]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        idx, s = min(hits)
-        req.text = req.text[:idx]
-        self._finish(req, "stop", s)
-        return True
+    def _eos_can_follow(self, params: SamplingParams) -> bool:
+        """Whether a complete structured output ends by sampling the EOS its grammar then forces (as in vLLM)."""
+        return not params.ignore_eos and bool(self.model_config.eos_token_ids)
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
         req.times.finished = time.monotonic()
@@ -502,9 +514,9 @@ class LLMEngine:
         req.finish_reason = "error"
         req.hidden_states = None
 
-    def _decoded(self, entries: list | None) -> list | None:
-        """Logprob entries with each token's text filled in."""
-        for entry in entries or ():
+    def _decoded(self, entries: list | None, params: SamplingParams) -> list | None:
+        """Logprob entries with each token's text filled in (left ``None`` with ``detokenize=False``, as in vLLM)."""
+        for entry in (entries or ()) if params.detokenize else ():
             for tid, lp in (entry or {}).items():
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tid])
@@ -535,13 +547,13 @@ class LLMEngine:
             hidden_states=completions[0].hidden_states if completions else req.hidden_states,
             metrics={"num_cached_tokens": req.num_cached_tokens,
                      "num_preemptions": sum(s.num_preemptions for s in req.group)},
-            prompt_logprobs=self._decoded(req.prompt_logprobs),
+            prompt_logprobs=self._decoded(req.prompt_logprobs, req.params),
             error=error,
             error_type=error_type,
         )
 
     def _completion(self, s: Request) -> CompletionOutput:
-        self._decoded(s.logprobs)
+        self._decoded(s.logprobs, s.params)
         tracked = s.logprobs is not None or s.track_cumulative
         return CompletionOutput(
             index=s.sample_index,

@@ -132,7 +132,7 @@ class Admission:
         limit = self.engine.config.max_logprobs
         if value < 0:
             raise APIError(400, f"{field} must be >= 0, got {value}", param=field)
-        if value > limit:
+        if limit != -1 and value > limit:
             raise APIError(400, f"{field}: {value} requested, more than this server's max_logprobs={limit}",
                            param=field)
 
