@@ -24,6 +24,7 @@ from typing import Protocol
 
 from tapllm.engine.llm_engine import EngineStats, LLMEngine
 from tapllm.engine.request import Request
+from tapllm.engine.stops import held_back
 from tapllm.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger("tapllm")
@@ -66,6 +67,9 @@ class RequestObserver(Protocol):
 
     def finished(self, request: Request) -> None:
         """``request`` completed (not aborted, not failed); its ``times`` are all set."""
+
+    def step(self, tokens: int) -> None:
+        """An engine step ran ``tokens`` tokens."""
 
 
 @dataclass(slots=True)
@@ -174,6 +178,8 @@ class AsyncEngine:
                     engine.abort(rid)
                     self._push(self._streams.pop(rid), _failed(f"engine error: {exc}", "server_error"))
                 continue
+            if self.observer is not None and engine.last_step_tokens:
+                self.observer.step(engine.last_step_tokens)
             for stream in list(self._streams.values()):
                 self._publish(stream)
             self.stats.engine = engine.stats()
@@ -222,9 +228,8 @@ class AsyncEngine:
             sent = stream.sent.setdefault(sample.sample_index, [0, 0])
             tokens = sample.output_token_ids[sent[0] :]
             end = len(sample.text)
-            if not sample.finished and sample.params.stop_strings:
-                # Hold back what could still turn out to be the start of a stop string.
-                end = max(sent[1], end - (max(len(s) for s in sample.params.stop_strings) - 1))
+            if not sample.finished and (hold := held_back(sample.params)):
+                end = max(sent[1], end - hold)  # what could still turn out to start a stop string
             if not tokens and end == sent[1]:
                 continue
             if tokens and sample.sample_index == 0 and self.observer is not None:

@@ -93,8 +93,9 @@ class Endpoints:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "tapllm", "max_model_len": self.admission.max_len}]}
+        engine = self.admission.engine
+        root = str(engine.config.model) if engine.config.model is not None else str(engine.model_config.path)
+        return {"object": "list", "data": [model_card(self.served_model_name, root, self.admission.max_len)]}
 
     # ---- POST ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -252,7 +253,7 @@ class Endpoints:
         assert last is not None and last.finished
         if last.error:
             kind = last.error_type or "server_error"
-            raise APIError(ERROR_STATUS.get(kind, 500), last.error, kind)
+            raise APIError(ERROR_STATUS.get(kind, 500), last.error)
         assert last.output is not None
         return last.output
 
@@ -268,6 +269,18 @@ class Endpoints:
             return None
         self.metrics.hidden_states_bytes.inc(out.hidden_states.nbytes)
         return formatting.hidden_states_json(out.hidden_states, encoding)
+
+
+def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
+    """One entry of ``/v1/models``, with vLLM's fields: ``root`` (the model as loaded), ``parent`` (``None``: not
+    an adapter), ``max_model_len`` and one permission object (everything allowed but fine-tuning)."""
+    now = int(time.time())
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
+    return {"id": name, "object": "model", "created": now, "owned_by": "tapllm", "root": root, "parent": None,
+            "max_model_len": max_model_len, "permission": [permission]}
 
 
 def arrived(reqs: list[EngineRequest], arrival: float) -> list[EngineRequest]:
