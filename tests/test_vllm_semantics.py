@@ -77,8 +77,9 @@ def test_complete_structured_output_samples_the_forced_eos(llm):
     assert c.token_ids[:-1] == llm.tokenizer.encode(c.text, add_special_tokens=False)
     assert c.finish_reason == "stop" and c.stop_reason is None
     # Where no EOS may end it, the request ends as soon as the output is complete.
-    c = _one(llm, prompt, temperature=0, max_tokens=10, ignore_eos=True, structured_outputs={"choice": ["yes"]})
-    assert c.text == "yes" and EOS not in c.token_ids and c.finish_reason == "stop"
+    for no_eos in (dict(ignore_eos=True), dict(min_tokens=5)):
+        c = _one(llm, prompt, temperature=0, max_tokens=10, structured_outputs={"choice": ["yes"]}, **no_eos)
+        assert c.text == "yes" and EOS not in c.token_ids and c.finish_reason == "stop", no_eos
 
 
 def test_include_stop_str_in_output(llm):

@@ -459,7 +459,7 @@ class LLMEngine:
         if stopped:
             self._finish(req, "stop", stop_token)
             return True
-        if req.grammar is not None and req.grammar.terminated and not self._eos_can_follow(p):
+        if req.grammar is not None and req.grammar.terminated and not self._eos_can_follow(req):
             self._finish(req, "stop", None)  # complete, and no EOS may end it: nothing can follow
             return True
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= mc.max_model_len:
@@ -467,9 +467,12 @@ class LLMEngine:
             return True
         return False
 
-    def _eos_can_follow(self, params: SamplingParams) -> bool:
-        """Whether a complete structured output ends by sampling the EOS its grammar then forces (as in vLLM)."""
-        return not params.ignore_eos and bool(self.model_config.eos_token_ids)
+    def _eos_can_follow(self, req: Request) -> bool:
+        """Whether a complete structured output ends by sampling the EOS its grammar then forces (as in vLLM):
+        an EOS may end it (not ``ignore_eos``) and may be sampled next (``min_tokens`` reached)."""
+        p = req.params
+        return not p.ignore_eos and bool(self.model_config.eos_token_ids) and \
+            len(req.output_token_ids) >= p.min_tokens
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
         req.times.finished = time.monotonic()
