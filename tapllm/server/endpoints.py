@@ -95,7 +95,7 @@ class Endpoints:
     async def models(self) -> dict[str, Any]:
         engine = self.admission.engine
         root = str(engine.config.model) if engine.config.model is not None else str(engine.model_config.path)
-        return {"object": "list", "data": [model_card(self.served_model_name, root, self.admission.max_len)]}
+        return {"object": "list", "data": [formatting.model_card(self.served_model_name, root, self.admission.max_len)]}
 
     # ---- POST ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -269,18 +269,6 @@ class Endpoints:
             return None
         self.metrics.hidden_states_bytes.inc(out.hidden_states.nbytes)
         return formatting.hidden_states_json(out.hidden_states, encoding)
-
-
-def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
-    """One entry of ``/v1/models``, with vLLM's fields: ``root`` (the model as loaded), ``parent`` (``None``: not
-    an adapter), ``max_model_len`` and one permission object (everything allowed but fine-tuning)."""
-    now = int(time.time())
-    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
-                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                  "organization": "*", "group": None, "is_blocking": False}
-    return {"id": name, "object": "model", "created": now, "owned_by": "tapllm", "root": root, "parent": None,
-            "max_model_len": max_model_len, "permission": [permission]}
 
 
 def arrived(reqs: list[EngineRequest], arrival: float) -> list[EngineRequest]:

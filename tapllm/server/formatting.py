@@ -8,6 +8,8 @@ that ``errors.encode`` turns into strict JSON.
 from __future__ import annotations
 
 import math
+import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -157,6 +159,18 @@ def usage(outputs: Iterable[RequestOutput]) -> dict[str, int]:
         p += len(out.prompt_token_ids)
         c += sum(len(o.token_ids) for o in out.outputs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
+    """One entry of ``/v1/models``, with vLLM's fields: ``root`` (the model as loaded), ``parent`` (``None``: not
+    an adapter), ``max_model_len`` and one permission object (everything allowed but fine-tuning)."""
+    now = int(time.time())
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
+    return {"id": name, "object": "model", "created": now, "owned_by": "tapllm", "root": root, "parent": None,
+            "max_model_len": max_model_len, "permission": [permission]}
 
 
 def sse(obj: dict[str, Any]) -> str:
