@@ -208,7 +208,7 @@ class EngineConfig:
             exceed this many bytes (``None``: no limit). Generous by default for offline use.
         enable_steering: accept requests with ``steering``.
         max_steers_per_request: most ``Steer`` entries one request may carry.
-        max_logprobs: most ``logprobs`` a request may ask for (vLLM's name and default, 20).
+        max_logprobs: most ``logprobs`` a request may ask for (vLLM's name and default, 20; -1: no limit).
         chat_template: a Jinja chat template, or a file holding one, used instead of the
             tokenizer's (vLLM's ``--chat-template``).
         enforce_eager: run the plain PyTorch step (vLLM's name): no fused C++ kernels. The
@@ -269,8 +269,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if not isinstance(self.max_steers_per_request, int) or self.max_steers_per_request < 0:
             raise ValueError(f"max_steers_per_request must be an integer >= 0, got {self.max_steers_per_request!r}")
         limit = self.hidden_states_max_bytes_per_request

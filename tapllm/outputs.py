@@ -25,7 +25,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "error" (see RequestOutput.error)
-    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched (None at EOS, as vLLM)
     hidden_states: Any = None  # this completion's states (prompt positions included), when asked
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,30 @@ from tapllm.structured.params import StructuredOutputsParams
 SAMPLING_EPS = 1e-5
 # torch.Generator.manual_seed accepts exactly this range.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's ``output_kind``: what each streamed ``RequestOutput`` holds. ``LLM.generate`` returns
+    finished outputs whatever it is (vLLM's offline API sets ``FINAL_ONLY`` itself)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+# vLLM 0.32 SamplingParams fields tapllm does not implement -> the values that ask for nothing.
+# Anything else is refused naming the field (see README, "vLLM differences").
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "watermarking": (None, False),
+    "logprob_token_ids": (None,),
+    "prompt_logprob_token_ids": (None,),
+    "prompt_logprob_start": (None, 0),
+    "flat_logprobs": (False,),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+    "routed_experts_prompt_start": (0,),
+    "trace_decode_token_ids": (None,),
+}
 
 
 @dataclass(slots=True)
@@ -39,6 +64,17 @@ class SamplingParams:
     stream, in order; other requests in the batch are untouched.
     ``structured_outputs`` (a ``StructuredOutputsParams`` or a dict of its fields) constrains the
     output to a JSON schema, a regex, a choice or a grammar, as in vLLM.
+
+    As in vLLM: a request that ends on EOS has ``stop_reason=None``; a ``stop_token_ids`` match
+    sets it to that id, a stop string to that string. The text of a stop token (EOS included)
+    and a stop string are left out of ``text`` unless ``include_stop_str_in_output``.
+    ``logprobs=-1`` / ``prompt_logprobs=-1`` ask for the whole vocabulary (within the
+    instance's ``max_logprobs``). ``detokenize=False`` returns token ids with an empty text;
+    ``spaces_between_special_tokens=False`` writes adjacent special tokens without a space
+    between them (with ``skip_special_tokens=False``); ``skip_reading_prefix_cache`` computes
+    the whole prompt afresh. ``output_kind``, ``stream_interval``, ``skip_clone`` and
+    ``extra_args`` are accepted and change nothing offline (as in vLLM's ``LLM``). The vLLM
+    fields in ``UNSUPPORTED_FIELDS`` are refused by name unless they ask for nothing.
     """
 
     max_tokens: int | None = 16
@@ -66,6 +102,24 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    skip_reading_prefix_cache: bool | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream_interval: int | None = None
+    skip_clone: bool = False
+    extra_args: dict[str, Any] | None = None
+    # vLLM's fields that tapllm refuses unless they ask for nothing (UNSUPPORTED_FIELDS)
+    watermarking: bool | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: Any = None
+    prompt_logprob_start: int | None = None
+    flat_logprobs: bool = False
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -89,6 +143,10 @@ class SamplingParams:
             self.logit_bias = _logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
+        if isinstance(self.output_kind, str) and self.output_kind.upper() in RequestOutputKind.__members__:
+            self.output_kind = RequestOutputKind[self.output_kind.upper()]
+        elif isinstance(getattr(self.output_kind, "value", None), int):  # vLLM's own enum
+            self.output_kind = RequestOutputKind(self.output_kind.value)
         self.validate()
 
     @classmethod
@@ -119,17 +177,20 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise ValueError("stop must hold non-empty strings")
         for s in self._stop:
             check_unicode(s, "stop")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must hold non-negative integers")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        if self._stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (the text is what they are found in)")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens",
+                     "detokenize", "skip_clone"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.structured_outputs is not None:
@@ -137,6 +198,25 @@ class SamplingParams:
                 raise TypeError("structured_outputs must be a StructuredOutputsParams or a dict of its fields")
             self.structured_outputs.validate()
         self._validate_controls()
+        self._validate_vllm_fields()
+
+    def _validate_vllm_fields(self) -> None:
+        """vLLM's remaining fields: the ones tapllm takes, then those it refuses by name."""
+        if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
+            raise ValueError(f"skip_reading_prefix_cache must be true, false or None, got "
+                             f"{self.skip_reading_prefix_cache!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
+                             f"got {self.output_kind!r}")
+        if self.stream_interval is not None and (not _is_int(self.stream_interval) or self.stream_interval < 1):
+            raise ValueError(f"stream_interval must be an integer >= 1 or None, got {self.stream_interval!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+        for name, neutral in UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
+                raise ValueError(f"{name} is not supported by tapllm (got {value!r}); leave it at "
+                                 f"{neutral[0]!r}")
 
     def _validate_controls(self) -> None:
         """The vLLM logits controls and ``n``/``best_of`` (vocabulary checks come at admission)."""

@@ -123,15 +123,30 @@ def check_message(message: Any, where: str) -> None:
 
 
 class IncrementalDetokenizer:
-    """Turns tokens into text one at a time, holding back incomplete UTF-8 sequences."""
+    """Turns tokens into text one at a time, holding back incomplete UTF-8 sequences.
 
-    __slots__ = ("_backend", "_stream")
+    With ``spaces_between_special_tokens=False`` (and special tokens kept) a special token that
+    follows another is written as its bare content, with no space the decoder may put before it.
+    """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+    __slots__ = ("_backend", "_stream", "_specials", "_last_special")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._backend = tokenizer.backend_tokenizer
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._specials: dict[int, str] | None = None
+        if not skip_special_tokens and not spaces_between_special_tokens:
+            self._specials = {i: t.content for i, t in self._backend.get_added_tokens_decoder().items()}
+        self._last_special = False
 
     def step(self, token_id: int) -> str:
         """The new text that ``token_id`` completes ("" while a character is still partial)."""
-        return self._stream.step(self._backend, token_id) or ""
+        text = self._stream.step(self._backend, token_id) or ""
+        if self._specials is not None:
+            special = self._specials.get(token_id)
+            if special is not None and self._last_special:
+                text = special
+            self._last_special = special is not None
+        return text

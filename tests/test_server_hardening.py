@@ -304,7 +304,7 @@ def test_metrics_label_requests_by_route(hard):
 def test_only_health_is_open_and_auth_comes_before_parsing(hard, defaults):
     for path in ("/docs", "/redoc", "/openapi.json", "/metrics", "/v1/models", "/no/such/path"):
         status, body = hard.get(path, key=None)
-        assert status == 401 and body["error"]["code"] == "invalid_api_key", path
+        assert status == 401 and body["error"]["code"] == 401 and body["error"]["type"] == "Unauthorized", path
     assert hard.get("/health", key=None)[0] == 200
     assert hard.post("/v1/completions", b'{"prompt": ', key=None)[0] == 401  # malformed: 401, not 400
     assert hard.post("/v1/completions", b'{"prompt": ', key="wrong")[0] == 401
@@ -506,7 +506,7 @@ def test_failing_reducer_plugin_fails_alone(hard, alone):
         else:
             assert status == 500, resp
             error = resp["error"]
-        assert error["type"] == "server_error" and "boom" in error["message"], error
+        assert error["type"] == "InternalServerError" and error["code"] == 500 and "boom" in error["message"], error
     assert hard.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})[0] == 200
 
 
@@ -518,7 +518,7 @@ def test_reducer_failing_at_start_fails_alone_at_once(hard, alone):
         bad = {"prompt": "Hello there", "max_tokens": 4, "hidden_states": states, "stream": stream}
         status, resp = _send(hard, "/v1/completions", bad)
         error = resp[-2]["error"] if stream else resp["error"]
-        assert status == (200 if stream else 500) and error["type"] == "server_error", resp
+        assert status == (200 if stream else 500) and error["type"] == "InternalServerError", resp
         assert "starting the capture failed" in error["message"] and "fails in start" in error["message"], error
     assert [_text(*_send(hard, *_good(i))) for i in range(8)] == alone
 
@@ -568,7 +568,7 @@ def _check_ends(results: list, n_streams: int) -> tuple[int, int]:
     for status, events, _ in results[:n_streams]:
         assert status == 200 and events[-1] == "[DONE]", events[-3:]
         if isinstance(events[-2], dict) and "error" in events[-2]:
-            assert events[-2]["error"]["type"] == "service_unavailable"
+            assert events[-2]["error"]["type"] == "ServiceUnavailableError"
             assert "shutting down" in events[-2]["error"]["message"]
             aborted += 1
         else:

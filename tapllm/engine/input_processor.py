@@ -9,8 +9,10 @@ here; nothing is scheduled until the engine's ``add``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -76,6 +78,7 @@ class InputProcessor:
         """
         text, token_ids = self._tokenize(prompt)
         params.validate()
+        params = self._whole_vocab_logprobs(params)
         if params.truncate_prompt_tokens is not None and not encode:
             keep = params.truncate_prompt_tokens
             token_ids = token_ids[-(self.model_config.max_model_len if keep == -1 else keep):]
@@ -87,6 +90,8 @@ class InputProcessor:
         max_tokens = 1 if encode else (params.max_tokens if params.max_tokens is not None else room)
         req = Request(rid, -1, text, token_ids, params, None, encode_only=encode, max_tokens=max_tokens,
                       cache_salt=self.prompt_salt(len(token_ids)))
+        if params.skip_reading_prefix_cache:  # a salt no other request has: nothing cached matches it
+            req.cache_salt += b"|uncached=" + f"{rid}@{time.monotonic_ns()}".encode()
         if params.hidden_states is not None:
             req.selection = self._selection(token_ids, params, encode, max_tokens)
             if encode and params.prompt_logprobs is None:
@@ -105,6 +110,14 @@ class InputProcessor:
         if params.structured_outputs is not None and not encode:
             req.grammar = self.grammars.matcher(params.structured_outputs)  # compiled here, once per spec
         return req
+
+    def _whole_vocab_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with ``logprobs=-1`` / ``prompt_logprobs=-1`` (vLLM's whole vocabulary) made the vocabulary size."""
+        if -1 not in (params.logprobs, params.prompt_logprobs):
+            return params
+        vocab = self.model_config.vocab_size
+        return dataclasses.replace(params, logprobs=vocab if params.logprobs == -1 else params.logprobs,
+                                   prompt_logprobs=vocab if params.prompt_logprobs == -1 else params.prompt_logprobs)
 
     def _depth(self, selection: Selection) -> int | None:
         """Blocks a prompt-only request capturing ``selection`` needs run (``None``: all of them)."""
@@ -148,7 +161,7 @@ class InputProcessor:
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
+            if value is not None and self.config.max_logprobs != -1 and value > self.config.max_logprobs:
                 raise ValueError(f"{name}: {value} requested, more than max_logprobs={self.config.max_logprobs} "
                                  "(the instance's limit)")
 

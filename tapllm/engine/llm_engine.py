@@ -68,6 +68,7 @@ class LLMEngine:
         self._seeds = torch.Generator().manual_seed(engine_config.seed)
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
+        self.last_step_tokens = 0  # tokens the latest step ran (prompt chunks and decodes): a metric
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -214,6 +215,7 @@ class LLMEngine:
             self._fail(req, f"the request needs {req.num_tokens} tokens of KV cache, more than the cache "
                        f"holds ({self.blocks.num_blocks * self.blocks.block_size})", "invalid_request_error")
             finished.append(req)
+        self.last_step_tokens = sum(it.num_tokens for it in sched.items)
         if not sched.items:
             return finished
         now = time.monotonic()

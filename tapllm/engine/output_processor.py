@@ -15,6 +15,7 @@ from typing import Any
 
 from tapllm.config import ModelConfig
 from tapllm.engine.request import Request
+from tapllm.engine.stops import find_stop_string, held_back, keeps_text, primary_eos, token_stop
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tapllm.tokenizer import IncrementalDetokenizer
 
@@ -55,7 +56,9 @@ class OutputProcessor:
 
     def detokenizer(self, req: Request) -> IncrementalDetokenizer:
         """A fresh detokenizer for ``req``'s output, in the context of its prompt."""
-        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
+        p = req.params
+        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+                                      p.spaces_between_special_tokens)
 
     def append_token(self, req: Request, token: int) -> Finish | None:
         """Append ``token`` to ``req`` and its text; returns why it ends now, or None to go on.
@@ -65,41 +68,37 @@ class OutputProcessor:
         """
         req.token_ids.append(token)
         p = req.params
-        try:
-            delta = req.detokenizer.step(token)
-        except Exception as exc:  # noqa: BLE001 - belongs to this request alone
-            return Finish("error", None, f"detokenizing token {token} failed: {type(exc).__name__}: {exc}",
-                          "server_error")
+        # As in vLLM, nothing stops a request before min_tokens (its sampler bans EOS and stop ids too).
+        may_stop = len(req.output_token_ids) >= p.min_tokens
+        mc = self.model_config
+        stopped, stop_token = token_stop(token, p, primary_eos(self.tokenizer.eos_token_id, mc.eos_token_ids),
+                                         mc.eos_token_ids) if may_stop else (False, None)
+        if keeps_text(p, stopped):
+            try:
+                delta = req.detokenizer.step(token)
+            except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                return Finish("error", None, f"detokenizing token {token} failed: {type(exc).__name__}: {exc}",
+                              "server_error")
+            req.text += delta
+            if p.stop_strings and may_stop and (hit := find_stop_string(req.text, len(delta), p)) is not None:
+                req.text = req.text[: hit[1]]
+                return Finish("stop", hit[0])
         if req.grammar is not None and (refused := req.grammar.accept(token)) is not None:
             return Finish("error", None, refused, "server_error")
-        may_stop = len(req.output_token_ids) >= p.min_tokens
-        if delta:
-            prev = len(req.text)
-            req.text += delta
-            if p.stop_strings and may_stop and (hit := self._stop_string(req, prev)) is not None:
-                return Finish("stop", hit)
-        mc = self.model_config
-        if may_stop and ((not p.ignore_eos and token in mc.eos_token_ids) or token in p.stop_token_ids):
-            return Finish("stop", token)
-        if req.grammar is not None and req.grammar.terminated:  # the output is complete: nothing can follow
-            return Finish("stop")
+        if stopped:
+            return Finish("stop", stop_token)
+        if req.grammar is not None and req.grammar.terminated and not self._eos_can_follow(req):
+            return Finish("stop")  # complete, and no EOS may end it: nothing can follow
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= mc.max_model_len:
             return Finish("length")
         return None
 
-    @staticmethod
-    def _stop_string(req: Request, prev_len: int) -> str | None:
-        """The first stop string in the text (which is cut where it starts), looking only where new text could
-        complete one."""
-        longest = max(len(s) for s in req.params.stop_strings)
-        begin = max(0, prev_len - longest + 1)
-        hits = [(req.text.find(s, begin), s) for s in req.params.stop_strings]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return None
-        idx, s = min(hits)
-        req.text = req.text[:idx]
-        return s
+    def _eos_can_follow(self, req: Request) -> bool:
+        """Whether a complete structured output ends by sampling the EOS its grammar then forces (as in vLLM):
+        an EOS may end it (not ``ignore_eos``) and may be sampled next (``min_tokens`` reached)."""
+        p = req.params
+        return not p.ignore_eos and bool(self.model_config.eos_token_ids) and \
+            len(req.output_token_ids) >= p.min_tokens
 
     @staticmethod
     def deltas(req: Request, cursor: StreamCursor) -> list[Delta]:
@@ -113,8 +112,8 @@ class OutputProcessor:
             sent = cursor.sent.setdefault(sample.sample_index, [0, 0])
             tokens = sample.output_token_ids[sent[0] :]
             end = len(sample.text)
-            if not sample.finished and sample.params.stop_strings:
-                end = max(sent[1], end - (max(len(s) for s in sample.params.stop_strings) - 1))
+            if not sample.finished and (hold := held_back(sample.params)):
+                end = max(sent[1], end - hold)  # what could still turn out to start a stop string
             if not tokens and end == sent[1]:
                 continue
             logprobs = sample.logprobs[sent[0] :] if sample.logprobs is not None else None
@@ -123,9 +122,9 @@ class OutputProcessor:
             sent[1] = end
         return out
 
-    def _decoded(self, entries: list | None) -> list | None:
-        """Logprob entries with each token's text filled in."""
-        for entry in entries or ():
+    def _decoded(self, entries: list | None, params: Any) -> list | None:
+        """Logprob entries with each token's text filled in (left ``None`` with ``detokenize=False``, as in vLLM)."""
+        for entry in (entries or ()) if params.detokenize else ():
             for tid, lp in (entry or {}).items():
                 if lp.decoded_token is None:
                     lp.decoded_token = self.tokenizer.decode([tid])
@@ -156,13 +155,13 @@ class OutputProcessor:
             hidden_states=completions[0].hidden_states if completions else req.hidden_states,
             metrics={"num_cached_tokens": req.num_cached_tokens,
                      "num_preemptions": sum(s.num_preemptions for s in req.group)},
-            prompt_logprobs=self._decoded(req.prompt_logprobs),
+            prompt_logprobs=self._decoded(req.prompt_logprobs, req.params),
             error=error,
             error_type=error_type,
         )
 
     def _completion(self, s: Request) -> CompletionOutput:
-        self._decoded(s.logprobs)
+        self._decoded(s.logprobs, s.params)
         tracked = s.logprobs is not None or s.track_cumulative
         return CompletionOutput(
             index=s.sample_index,

@@ -10,6 +10,7 @@ together must fit ``--hidden-states-max-bytes``. Every refusal is an ``APIError`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.sampling_params import SamplingParams
-from tapllm.server.errors import APIError, check_text
+from tapllm.server.errors import APIError, check_text, param_of
 from tapllm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,6 +30,10 @@ from tapllm.server.protocol import (
 )
 
 logger = logging.getLogger("tapllm")
+
+# The fields an error message may start by naming: the bodies' and the engine's (SamplingParams, specs).
+_FIELDS = frozenset({*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields,
+                     *HiddenStatesOnlyRequest.model_fields, *(f.name for f in dataclasses.fields(SamplingParams))})
 
 # The structured-output fields an error message may name (a schema that does not compile, two given).
 _STRUCTURED_FIELD = re.compile(r"\b(?:response_format|structured_outputs|guided_json|guided_regex|guided_choice|"
@@ -89,7 +94,7 @@ class Admission:
         try:
             params = SamplingParams.encode(body.hidden_states.to_spec())
         except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), param=_param(str(exc))) from None
         return self._prepare_all(prompts, params, True, "input", request_id)
 
     # ---- shared checks ------------------------------------------------------------------------
@@ -97,7 +102,7 @@ class Admission:
         """404 unless ``model`` is ``None`` or the served model's name."""
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
-                           f"{self.served_model_name!r}", code="model_not_found", param="model")
+                           f"{self.served_model_name!r}", param="model")
 
     def encode_prompts(self, prompts: PromptInput, spec: HiddenStatesSpec, field: str, request_id: str,
                        add_special_tokens: bool = True) -> list[Request]:
@@ -113,7 +118,7 @@ class Admission:
         self.check_model(body.model)
         config = self.engine.config
         if isinstance(body, _Sampling) and (problem := body.unsupported()):
-            raise APIError(400, problem)
+            raise APIError(400, problem, param=_param(problem))
         wants_states = isinstance(body, HiddenStatesOnlyRequest) or body.hidden_states is not None
         if wants_states and not config.enable_hidden_states:
             raise APIError(400, "this server does not serve hidden states (start it with --enable-hidden-states)",
@@ -132,7 +137,7 @@ class Admission:
         limit = self.engine.config.max_logprobs
         if value < 0:
             raise APIError(400, f"{field} must be >= 0, got {value}", param=field)
-        if value > limit:
+        if limit != -1 and value > limit:
             raise APIError(400, f"{field}: {value} requested, more than this server's max_logprobs={limit}",
                            param=field)
 
@@ -141,7 +146,7 @@ class Admission:
         try:
             return body.sampling_params(max_tokens, body.num_logprobs())
         except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc), param=_structured_param(str(exc))) from None
+            raise APIError(400, str(exc), param=_param(str(exc))) from None
 
     def _check_prompt_text(self, prompt: str, name: str) -> None:
         """Refuse text that cannot fit the context without tokenizing it; check it is valid Unicode."""
@@ -161,7 +166,7 @@ class Admission:
         try:
             req = self.engine.prepare(prompt, params, encode=encode, request_id=request_id)
         except (ValueError, TypeError) as exc:
-            raise APIError(400, f"{prefix}{exc}", param=_structured_param(str(exc))) from None
+            raise APIError(400, f"{prefix}{exc}", param=_param(str(exc))) from None
         n = req.num_prompt_tokens
         if not encode and n + req.max_tokens > self.max_len:
             raise APIError(400, f"{prefix}max_tokens: the prompt has {n} tokens and max_tokens is "
@@ -191,10 +196,11 @@ class Admission:
         return reqs
 
 
-def _structured_param(message: str) -> str | None:
-    """The structured-output field an error message names first, if it names one."""
+def _param(message: str) -> str | None:
+    """The request field an error message names: a structured-output field anywhere in it, else the
+    field it starts with."""
     found = _STRUCTURED_FIELD.search(message)
-    return found.group(0).rstrip(".") if found else None
+    return found.group(0).rstrip(".") if found else param_of(message, _FIELDS)
 
 
 def _text_limit(tokenizer: Any, max_len: int) -> tuple[int, int]:

@@ -102,5 +102,4 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
-        return await _api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                                  "server_error"))
+        return await _api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))

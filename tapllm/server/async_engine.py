@@ -68,6 +68,9 @@ class RequestObserver(Protocol):
     def finished(self, request: Request) -> None:
         """``request`` completed (not aborted, not failed); its ``times`` are all set."""
 
+    def step(self, tokens: int) -> None:
+        """An engine step ran ``tokens`` tokens."""
+
 
 @dataclass(slots=True)
 class LoopStats:
@@ -175,6 +178,8 @@ class AsyncEngine:
                     engine.abort(rid)
                     self._push(self._streams.pop(rid), _failed(f"engine error: {exc}", "server_error"))
                 continue
+            if self.observer is not None and engine.last_step_tokens:
+                self.observer.step(engine.last_step_tokens)
             for stream in list(self._streams.values()):
                 self._publish(stream)
             self.stats.engine = engine.stats()

@@ -56,7 +56,7 @@ class RouteContext:
         assert last is not None and last.finished
         if last.error:
             kind = last.error_type or "server_error"
-            raise APIError(ERROR_STATUS.get(kind, 500), last.error, kind)
+            raise APIError(ERROR_STATUS.get(kind, 500), last.error)
         assert last.output is not None
         return last.output
 

@@ -48,8 +48,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # vLLM
     "use_beam_search": (None, False),
     "length_penalty": (None, 1.0),
-    "include_stop_str_in_output": (None, False),
-    "spaces_between_special_tokens": (None, True),
     "logprob_token_ids": (None,),
     "truncation_side": (None,),
     "watermarking": (None, False),

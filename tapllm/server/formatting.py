@@ -8,6 +8,8 @@ that ``errors.encode`` turns into strict JSON.
 from __future__ import annotations
 
 import math
+import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +18,7 @@ import torch
 
 from tapllm.hidden_states.wire import hidden_states_to_wire
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
-from tapllm.server.errors import dumps, error_body, finite_or_none
+from tapllm.server.errors import ERROR_STATUS, dumps, error_body, finite_or_none
 
 # What OpenAI-compatible servers write for a log probability of -inf (vLLM's value).
 MIN_LOGPROB = -9999.0
@@ -84,9 +86,19 @@ def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: kv[1].rank)[:n]
 
 
+def _with_chosen(entry: dict[int, Logprob], token: int, n: int) -> list[tuple[int, Logprob]]:
+    """``token`` (the sampled or prompt token), then the top ``n`` of the entry: ``n + 1`` tokens when
+    ``token`` is not among the top ``n`` (vLLM's and OpenAI's ``top_logprobs`` of completions)."""
+    return [(token, entry[token]), *((k, v) for k, v in _top(entry, n) if k != token)]
+
+
 def completion_logprobs(token_ids: list[int], entries: LogprobEntries | None, tokenizer: Any, n: int
                         ) -> dict[str, Any] | None:
-    """``/v1/completions`` logprobs: tokens, their logprobs, the top ``n`` of each and text offsets."""
+    """``/v1/completions`` logprobs: tokens, their logprobs, each token with the top ``n`` and text offsets.
+
+    Each ``top_logprobs`` entry holds the token itself and the top ``n`` (as vLLM writes them): echoed
+    prompt tokens and sampled tokens outside the top ``n`` are there too.
+    """
     if entries is None:
         return None
     tokens, chosen, tops = [], [], []
@@ -97,7 +109,7 @@ def completion_logprobs(token_ids: list[int], entries: LogprobEntries | None, to
             tops.append(None)
             continue
         chosen.append(_logprob(entry[t].logprob))
-        tops.append({tokenizer.decode([k]): _logprob(v.logprob) for k, v in _top(entry, n)})
+        tops.append({tokenizer.decode([k]): _logprob(v.logprob) for k, v in _with_chosen(entry, t, n)})
     offsets, pos = [], 0
     for s in tokens:
         offsets.append(pos)
@@ -149,6 +161,18 @@ def usage(outputs: Iterable[RequestOutput]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
+    """One entry of ``/v1/models``, with vLLM's fields: ``root`` (the model as loaded), ``parent`` (``None``: not
+    an adapter), ``max_model_len`` and one permission object (everything allowed but fine-tuning)."""
+    now = int(time.time())
+    permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
+    return {"id": name, "object": "model", "created": now, "owned_by": "tapllm", "root": root, "parent": None,
+            "max_model_len": max_model_len, "permission": [permission]}
+
+
 def sse(obj: dict[str, Any]) -> str:
     """One server-sent event."""
     return f"data: {dumps(obj)}\n\n"
@@ -156,4 +180,4 @@ def sse(obj: dict[str, Any]) -> str:
 
 def sse_error(message: str, kind: str) -> str:
     """The error event that ends a stream, then ``[DONE]``."""
-    return sse(error_body(message, kind)) + DONE
+    return sse(error_body(message, ERROR_STATUS.get(kind, 500))) + DONE

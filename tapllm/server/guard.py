@@ -36,10 +36,10 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class _Refuse(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 close: bool = False, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    def __init__(self, status: int, message: str, close: bool = False,
+                 headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.code, self.close = status, message, type_, code, close
+        self.status, self.message, self.close = status, message, close
         self.headers = list(headers)
 
 
@@ -81,7 +81,7 @@ class Guard:
         try:
             receive = await self._admit(scope, receive, takes_method)
         except _Refuse as r:
-            body = encode(error_body(r.message, r.type, code=r.code))
+            body = encode(error_body(r.message, r.status))
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                        *r.headers]
             if r.close:
@@ -105,13 +105,12 @@ class Guard:
         path = scope["path"]
         if path not in OPEN_PATHS:
             if self.lifecycle.draining:
-                raise _Refuse(503, "the server is shutting down and takes no new requests", "service_unavailable",
-                              close=True)
+                raise _Refuse(503, "the server is shutting down and takes no new requests", close=True)
             if self.expected_auth is not None:
                 given = _header(scope, b"authorization") or b""
                 if not secrets.compare_digest(given, self.expected_auth):
                     raise _Refuse(401, "missing or incorrect API key (send Authorization: Bearer KEY)",
-                                  code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+                                  headers=[(b"www-authenticate", b"Bearer")])
         if scope["method"] not in ("POST", "PUT", "PATCH") or not takes_method:
             return receive  # nothing to read (the app answers 404 / 405 without reading a body)
         ctype = (_header(scope, b"content-type") or b"").split(b";")[0].strip().lower()

@@ -2,7 +2,8 @@
 
 Two families: the original ``tapllm_*`` series, and vLLM's metric names under a ``tapllm:``
 prefix (``vllm:time_to_first_token_seconds`` is ``tapllm:time_to_first_token_seconds``), so a
-vLLM dashboard works after replacing the prefix. Latencies are measured from the engine
+vLLM dashboard works after replacing the prefix. Every vLLM 0.32 family with a meaning here is
+served (``VLLM_FAMILIES``); the README lists the others and why they are not. Latencies are measured from the engine
 thread's own timestamps (``Request.times``): arrival is when the HTTP request came in, queue
 time ends when a step first runs the request, a token's time is the end of the step that
 sampled it.
@@ -13,13 +14,31 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tapllm.engine.request import Request
 from tapllm.server.async_engine import AsyncEngine, LoopStats
 
 VLLM = "tapllm:"  # the prefix of the series named after vLLM's
+
+# vLLM's families served under the prefix (the rest of vLLM 0.32's are in the README, with why not).
+VLLM_FAMILIES = (
+    "num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason", "engine_sleep_state",
+    "kv_cache_usage_perc", "prefix_cache_hits", "prefix_cache_queries", "cache_config_info",
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_inference_time_seconds",
+    "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
+    "request_generation_tokens", "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens",
+    "request_prefill_kv_computed_tokens", "request_num_preemptions", "iteration_tokens_total", "request_success",
+    "prompt_tokens", "prompt_tokens_by_source", "prompt_tokens_cached", "prompt_tokens_cached_by_source",
+    "generation_tokens", "num_preemptions",
+)
+# vLLM's label values (v1/metrics): where prompt tokens came from, and which cache tier held the cached ones.
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_TIERS = ("device", "host", "disk", "p2p", "external_unspecified")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 # Seconds: from 1 ms (a cached one-token prompt on a GPU) to 40 minutes (a long queue on a CPU).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -45,8 +64,9 @@ def length_buckets(max_len: int) -> tuple[int, ...]:
 class _EngineCollector(Collector):
     """Reads the engine thread's live numbers at scrape time (its latest ``LLMEngine.stats``)."""
 
-    def __init__(self, stats: LoopStats) -> None:
+    def __init__(self, stats: LoopStats, cache_info: dict[str, str]) -> None:
         self.stats = stats
+        self.cache_info = cache_info
 
     def collect(self) -> Iterator[Metric]:
         s, e = self.stats, self.stats.engine
@@ -72,12 +92,23 @@ class _EngineCollector(Collector):
                                   value=e.prefix_cache_hit_tokens)
         yield CounterMetricFamily(VLLM + "prefix_cache_queries", "prompt tokens looked up in the prefix cache",
                                   value=e.prefix_cache_queried_tokens)
+        by_reason = GaugeMetricFamily(VLLM + "num_requests_waiting_by_reason", "requests queued, by why: capacity "
+                                      "(KV cache or token budget); tapllm defers none", labels=["reason"])
+        by_reason.add_metric(["capacity"], e.waiting)
+        by_reason.add_metric(["deferred"], 0)
+        yield by_reason
+        sleep = GaugeMetricFamily(VLLM + "engine_sleep_state", "1 for the engine's state: tapllm has no sleep mode, "
+                                  "so always awake", labels=["sleep_state"])
+        for state in SLEEP_STATES:
+            sleep.add_metric([state], 1 if state == "awake" else 0)
+        yield sleep
+        yield InfoMetricFamily(VLLM + "cache_config", "the KV cache's configuration", value=self.cache_info)
 
 
 class _Latency:
     """vLLM's per-request histograms and counters, fed by the engine thread (``RequestObserver``)."""
 
-    def __init__(self, registry: CollectorRegistry, max_len: int) -> None:
+    def __init__(self, registry: CollectorRegistry, max_len: int, max_batched: int) -> None:
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(VLLM + name, doc, buckets=buckets, registry=registry)
 
@@ -101,6 +132,32 @@ class _Latency:
         self.generation_tokens = Counter(VLLM + "generation_tokens", "generated tokens of finished requests",
                                          registry=registry)
         self.preemptions = Counter(VLLM + "num_preemptions", "preemptions of finished requests", registry=registry)
+        self.inference = hist("request_inference_time_seconds", "from the first step to the request's end",
+                              _REQUEST_BUCKETS)
+        self.max_generation = hist("request_max_num_generation_tokens", "the most tokens one sample of a finished "
+                                   "request generated", lengths)
+        self.params_n = hist("request_params_n", "n of finished requests", _N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "max_tokens of finished requests (the rest of "
+                                      "the context when not given)", lengths)
+        self.computed = hist("request_prefill_kv_computed_tokens", "prompt tokens a finished request computed (not "
+                             "read from the prefix cache)", lengths)
+        self.request_preemptions = hist("request_num_preemptions", "preemptions of a finished request", _N_BUCKETS)
+        self.iteration = hist("iteration_tokens_total", "tokens one engine step ran (prompt chunks and decodes)",
+                              length_buckets(max_batched))
+        self.by_source = Counter(VLLM + "prompt_tokens_by_source", "prompt tokens of finished requests, by where "
+                                 "their KV came from", ["source"], registry=registry)
+        self.cached = Counter(VLLM + "prompt_tokens_cached", "prompt tokens of finished requests read from the prefix "
+                              "cache", registry=registry)
+        self.cached_by_source = Counter(VLLM + "prompt_tokens_cached_by_source", "cached prompt tokens of finished "
+                                        "requests, by cache tier (tapllm's cache is on the device)", ["source"],
+                                        registry=registry)
+        for source in PROMPT_SOURCES:
+            self.by_source.labels(source)
+        for tier in CACHE_TIERS:
+            self.cached_by_source.labels(tier)
+
+    def step(self, tokens: int) -> None:
+        self.iteration.observe(tokens)
 
     def inter_token(self, seconds: float, count: int) -> None:
         for _ in range(count):
@@ -130,6 +187,25 @@ class _Latency:
         self.success.labels(request.finish_reason or "stop").inc()
         if request.num_preemptions:
             self.preemptions.inc(request.num_preemptions)
+        self._finished_vllm(request)
+
+    def _finished_vllm(self, request: Request) -> None:
+        """The families vLLM added beside the latencies: parameters, cache use, inference time."""
+        t, group = request.times, request.group
+        if t.scheduled is not None and t.finished is not None:
+            self.inference.observe(t.finished - t.scheduled)
+        cached = min(request.num_cached_tokens, request.num_prompt_tokens)
+        computed = request.num_prompt_tokens - cached
+        self.computed.observe(computed)
+        self.cached.inc(cached)
+        self.by_source.labels("local_compute").inc(computed)
+        self.by_source.labels("local_cache_hit").inc(cached)
+        self.cached_by_source.labels("device").inc(cached)
+        self.request_preemptions.observe(sum(s.num_preemptions for s in group))
+        if not request.encode_only:
+            self.params_n.observe(request.params.n)
+            self.params_max_tokens.observe(request.max_tokens)
+            self.max_generation.observe(max(len(s.output_token_ids) for s in group))
 
 
 class ServerMetrics:
@@ -146,8 +222,11 @@ class ServerMetrics:
                                          registry=r)
         self.hidden_states_bytes = Counter("tapllm_hidden_states_bytes", "bytes of hidden states served "
                                            "(tensor bytes, before encoding)", registry=r)
-        r.register(_EngineCollector(engine.stats))
-        engine.observer = _Latency(r, engine.engine.model_config.max_model_len)
+        config = engine.engine.config
+        r.register(_EngineCollector(engine.stats, {
+            "block_size": str(config.block_size), "num_gpu_blocks": str(engine.engine.blocks.num_blocks),
+            "enable_prefix_caching": str(config.enable_prefix_caching), "cache_dtype": "auto"}))
+        engine.observer = _Latency(r, engine.engine.model_config.max_model_len, config.max_num_batched_tokens)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -117,6 +117,7 @@ class StructuredOutputsRequest(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True  # tapllm's default: closed objects, as vLLM's default backend
 
 
 class StreamOptions(BaseModel):
@@ -153,6 +154,8 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = None
     user: str | None = None  # OpenAI's end-user id: metadata, accepted and not used
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     hidden_states: HiddenStatesRequest | None = None
     steering: list[SteerRequest] | None = None
     response_format: ResponseFormat | None = None
@@ -182,8 +185,8 @@ class _Sampling(BaseModel):
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_wanted(),
-            skip_special_tokens=self.skip_special_tokens,
-            n=self.n, best_of=self.best_of, presence_penalty=self.presence_penalty,
+            skip_special_tokens=self.skip_special_tokens, spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, n=self.n, best_of=self.best_of, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None, min_tokens=self.min_tokens or 0,

@@ -100,7 +100,8 @@ class GrammarCompiler:
 
         kind, where = params.kind, params.field_name
         if kind in ("json", "json_object"):
-            schema = params.json if kind == "json" else {"type": "object"}
+            schema = {"type": "object"} if kind == "json_object" else \
+                closed_objects(params.json) if params.disable_additional_properties else params.json
             options = {"whitespace_flexible": not params.disable_any_whitespace}
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
@@ -130,6 +131,36 @@ class GrammarCompiler:
                 raise ValueError(f"structured_outputs: this model's tokenizer cannot be used for structured "
                                  f"output: {type(exc).__name__}: {exc}") from None
         return self._lltokenizer
+
+
+# Keywords whose value is a schema, a list of schemas, or a mapping of names to schemas.
+_SCHEMA_KEYS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
+                "unevaluatedItems", "propertyNames")
+_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of ``schema`` where every object schema without ``additionalProperties`` (or
+    ``unevaluatedProperties``) gets ``additionalProperties: false``: vLLM's default reading."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_KEYS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _LIST_KEYS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _MAP_KEYS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    types = out.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or \
+        (types is None and ("properties" in out or "required" in out))
+    if is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _short(message: str, limit: int = 500) -> str:

@@ -24,9 +24,14 @@ class StructuredOutputsParams:
     ``True`` for any JSON object. ``disable_any_whitespace`` (as in vLLM) makes JSON compact: no
     whitespace between tokens besides what the separators hold.
 
-    Generation ends when the output is complete and nothing more can follow (or at EOS, which
-    is allowed only once the output is complete); ``max_tokens`` can still cut it short
-    (``finish_reason == "length"``).
+    ``disable_additional_properties`` (vLLM's field; ``True`` here by default) reads a JSON schema
+    as vLLM's default backend does: an object schema without ``additionalProperties`` is closed, so
+    only the keys it lists may appear. ``False`` gives JSON Schema's own reading, where such an
+    object takes any extra key. An explicit ``additionalProperties`` is always honoured.
+
+    When the output is complete the grammar allows only EOS, which is sampled (it is the last of
+    ``token_ids``, ``stop_reason`` is ``None``), as in vLLM; ``max_tokens`` can still cut the output
+    short (``finish_reason == "length"``).
     """
 
     json: dict[str, Any] | str | None = None
@@ -35,6 +40,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = True
     # The field a user wrote, for error messages (e.g. "response_format.json_schema.schema").
     source: str | None = field(default=None, repr=False, compare=False)
 
@@ -91,13 +97,14 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise TypeError(f"{where} must be true or false, got {self.json_object!r}")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise TypeError("structured_outputs.disable_any_whitespace must be true or false")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"structured_outputs.{name} must be true or false")
 
-    def cache_key(self) -> tuple[str, str, bool]:
+    def cache_key(self) -> tuple[str, str, bool, bool]:
         """The full spec as text: equal keys compile to the same grammar."""
         kind = self.kind
         value = getattr(self, kind)
         # Not sorted: property order is the order the output writes them in.
         text = json.dumps(value, ensure_ascii=False) if kind in ("json", "choice") else str(value)
-        return kind, text, self.disable_any_whitespace
+        return kind, text, self.disable_any_whitespace, self.disable_additional_properties

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from tapllm.server import formatting
 from tapllm.server.context import RouteContext
 
 
@@ -33,5 +34,7 @@ class StatusRoutes:
         return Response(self.ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.ctx.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "tapllm", "max_model_len": self.ctx.admission.max_len}]}
+        engine = self.ctx.admission.engine
+        root = str(engine.config.model) if engine.config.model is not None else str(engine.model_config.path)
+        return {"object": "list", "data": [formatting.model_card(self.ctx.served_model_name, root,
+                                                                 self.ctx.admission.max_len)]}
