@@ -23,19 +23,7 @@
 
 namespace tapllm {
 
-using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
-
-template <typename T>
-inline Vec loadf(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float<T>(p, out);
-    return out;
-  }
-}
 
 template <typename T>
 inline void storef(T* p, const Vec& v) {

@@ -1,8 +1,26 @@
 // The host functions of tapllm's fused CPU kernels (cpu_kernels.cpp), for the layer runner.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <type_traits>
 
 namespace tapllm {
+
+using Vec = at::vec::Vectorized<float>;
+
+// W elements of T widened to float32.
+template <typename T>
+inline Vec loadf(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t mode);
 at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& r, const at::Tensor& w, double eps, int64_t mode);

@@ -21,7 +21,6 @@
 namespace tapllm {
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t KT = 4 * 16;  // keys per tile (a multiple of every vector width)
 constexpr int64_t QB = 64;      // query positions per task (its key tiles are widened once for all of them)
@@ -30,17 +29,6 @@ constexpr int RB = 4;           // query rows (position x head) computed togethe
 template <typename T>
 inline float to_float(T v) {
   return static_cast<float>(v);
-}
-
-template <typename T>
-inline Vec load_row(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float<T>(p, out);
-    return out;
-  }
 }
 
 // O[i] += sum_j p[i][j] V[j] for RB rows with DV vectors per row held in registers.
@@ -106,7 +94,7 @@ void prefill_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* s
             const T* vr = vh + slot * d;
             for (int64_t e = 0; e < d; ++e) kt[e * KT + j] = to_float(kr[e]);
             int64_t e = 0;
-            for (; e + W <= d; e += W) load_row<T>(vr + e).store(vrow + e);
+            for (; e + W <= d; e += W) loadf<T>(vr + e).store(vrow + e);
             for (; e < d; ++e) vrow[e] = to_float(vr[e]);
             for (e = d; e < dp; ++e) kt[e * KT + j] = vrow[e] = 0.f;
           } else {
