@@ -23,6 +23,8 @@ from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem, Scheduler
 from tapllm.hidden_states.capture import RequestCapture, Selection, resolve
 from tapllm.hidden_states.spec import PSEUDO_POINTS
+from tapllm.models.tap import PSEUDO_LAYER
+from tapllm.sae.features import DeviceSAEs, resolve_features
 from tapllm.steering.plan import ResolvedSteer, resolve_steering
 from tapllm.steering.spec import steering_digest
 from tapllm.structured.compiler import GrammarCompiler
@@ -65,6 +67,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
         self.grammars = GrammarCompiler(self.tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+        self.saes = DeviceSAEs(device)  # SAEs of features and SAE steers, on the device
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -161,10 +164,11 @@ class LLMEngine:
 
     def _depth(self, selection: Selection) -> int | None:
         """Blocks a prompt-only request capturing ``selection`` needs run (``None``: all of them)."""
-        if "final" in selection.points:
+        points = selection.tap_points()  # the SAE's input counts too
+        if "final" in points:
             return None
-        block_points = [p for p in selection.points if p not in PSEUDO_POINTS]
-        depth = max(selection.layers) + 1 if block_points and selection.layers else 0
+        keys = [k for p in points if p not in PSEUDO_POINTS for k in selection.tap_keys(p)]
+        depth = max(keys) + 1 if keys else 0
         return None if depth >= self.model_config.num_layers else depth
 
     def add(self, req: Request) -> None:
@@ -308,6 +312,10 @@ class LLMEngine:
             num_prompt=p, max_positions=end, encode=encode, vocab_size=mc.vocab_size,
             point_shapes=mc.point_shapes(),
         )
+        if params.hidden_states.sae is not None:  # SAE features: the SAE moves to the device once per engine
+            sel.features = resolve_features(params.hidden_states, num_layers=mc.num_layers,
+                                            hidden_size=mc.hidden_size, point_shapes=mc.point_shapes(),
+                                            saes=self.saes, pseudo_layer=PSEUDO_LAYER)
         limit = self.config.hidden_states_max_bytes_per_request
         samples = 1 if encode else params.num_samples
         if limit is not None and sel.max_bytes * samples > limit:
