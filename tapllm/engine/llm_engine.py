@@ -299,7 +299,7 @@ class LLMEngine:
             raise ValueError("steering: this instance was started with enable_steering=False")
         mc = self.model_config
         return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype, self.device,
-                                self.config.max_steers_per_request, mc.point_shapes())
+                                self.config.max_steers_per_request, mc.point_shapes(), saes=self.saes)
 
     def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool, max_tokens: int) -> Selection:
         """Resolve the request's hidden-state spec and apply the instance policy."""

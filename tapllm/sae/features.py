@@ -280,7 +280,7 @@ class FeatureBuffers:
         cut = {name: (buf[:n].clone() if n < buf.shape[0] else buf) for name, buf in self.bufs.items()}
         fs = self.fs
         listed = fs.ids.tolist() if fs.ids is not None else None
-        return Features(positions, cut["error_norm"], ids=cut.get("ids"), values=cut.get("values"),
+        return Features(positions.clone(), cut["error_norm"], ids=cut.get("ids"), values=cut.get("values"),
                         dense=cut.get("dense"), feature_ids=listed, sae=repr(fs.sae))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,7 @@ class ResolvedSteer:
     index: torch.Tensor | None = None
     factor: float = 1.0  # scale's factor
     value: float = 0.0  # clamp's coefficient
+    sae: Any = None  # an SAE clamp/set/ablate (tapllm.sae.steer.SaeEdit)
     _position_set: dict[int, int] = field(default_factory=dict)  # explicit position -> its row in payload
 
     def __post_init__(self) -> None:
@@ -80,7 +81,8 @@ def steering_block_salt(steers: Sequence[ResolvedSteer], digest: bytes, num_prom
 
 def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int, dtype: torch.dtype,
                      device: torch.device, max_steers: int,
-                     point_shapes: dict[str, tuple[int, ...]] | None = None) -> list[ResolvedSteer]:
+                     point_shapes: dict[str, tuple[int, ...]] | None = None, saes: Any = None
+                     ) -> list[ResolvedSteer]:
     """Check steers against the model; ``ValueError`` names the steer and field.
 
     ``point_shapes`` gives the row shape of the points inside attention and the MLP (``q``,
@@ -102,6 +104,12 @@ def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int,
             if block in blocks:
                 raise ValueError(f"{where}.layers names block {block} twice")
             blocks.append(block)
+        if s.sae is not None and s.op != "add":  # SAE latents set on the device; the SAE is moved once
+            from tapllm.sae.steer import resolve_sae_edit
+
+            out.append(ResolvedSteer(s.point, s.op, blocks, {}, s.positions,
+                                     sae=resolve_sae_edit(s, saes, device, hidden_size, where)))
+            continue
         payload = {}
         if s.op == "set":
             values = _set_values(s, row, where)
@@ -214,7 +222,7 @@ class _Op:
             t[key] = (xf + (target - coef) * self.payload).to(t.dtype)
 
 
-SteerOp = _AddRows | _Op
+SteerOp = Any  # _AddRows, _Op, or an SAE edit (tapllm.sae.steer.SaeEditOp): each has apply(t)
 
 
 class SteeringPlan:
@@ -225,7 +233,7 @@ class SteeringPlan:
     """
 
     def __init__(self, spans: Sequence[RowSpan], device: torch.device) -> None:
-        found: dict[tuple[str, int], list[_Op]] = {}
+        found: dict[tuple[str, int], list[SteerOp]] = {}
         plain_adds: dict[tuple[str, int], list[tuple[int, int, torch.Tensor]]] = {}
         for span in spans:
             req = span.request
@@ -240,6 +248,9 @@ class SteeringPlan:
                     rows = torch.tensor([span.row + p - span.start for p in w], device=device)
                     picked = torch.tensor([s._position_set[p] for p in w], device=device)
                 for block in s.blocks:
+                    if s.sae is not None:
+                        found.setdefault((s.point, block), []).append(s.sae.op(rows))
+                        continue
                     payload = s.payload.get(block)
                     if s.op == "set":
                         payload = payload[picked] if picked is not None else payload
