@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tapllm import lens_cli
+from tapllm.sae import cli as features_cli
 from tapllm._files import atomic_write
 
 
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--save", type=Path, help="safetensors file for the states (a directory with --input)")
     _add_engine_args(enc)
     lens_cli.add_parser(sub, _add_engine_args)
+    features_cli.add_parser(sub, _add_engine_args)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -97,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="refuse requests whose states could exceed this many bytes (default 64 MiB)")
     srv.add_argument("--enable-steering", action="store_true",
                      help="serve the steering extension (off by default for a shared service)")
+    srv.add_argument("--sae", action="append", default=[], metavar="NAME=PATH",
+                     help="serve the SAE at PATH (folder, params.npz or hub id) as NAME, for the sae_features and "
+                     "steering extensions (repeatable; clients can name only these)")
     srv.add_argument("--max-steers", dest="max_steers_per_request", type=int, default=16,
                      help="most steering entries per request")
     srv.add_argument("--max-logprobs", type=int, default=20,
@@ -178,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             return _collect(args)
         if args.command == "lens":
             return lens_cli.run(args)
+        if args.command == "features":
+            return features_cli.run(args)
         return _run(args)
     except (ValueError, OSError, RuntimeError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -240,6 +247,17 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_saes(entries: list[str]) -> None:
+    """``--sae NAME=PATH`` entries, loaded and registered before the server starts."""
+    from tapllm.sae.features import register_sae
+
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--sae: expected NAME=PATH, got {entry!r}")
+        logging.getLogger("tapllm").info("serving SAE %s: %r", name, register_sae(name, path))
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tapllm.config import EngineConfig
     from tapllm.engine.llm_engine import LLMEngine
@@ -255,6 +273,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     api_key = _api_key(args)
+    _register_saes(args.sae)
     model = args.model_path or args.model
     engine = LLMEngine.from_config(EngineConfig.from_cli_args(args, model=model))
     name = args.served_model_name or _model_name(model)

@@ -522,3 +522,70 @@ def test_feature_steering_batched_chunked_cached(tiny_models):
 def test_feature_steer_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Steer(sae=_sae("standard"), **kwargs)
+
+
+# ---- CLI and server -----------------------------------------------------------------------------
+def test_cli_features_table_and_html(tiny_models, tmp_path, capsys):
+    from tapllm.cli import main
+
+    folder = write_saelens(tmp_path / "s", "topk", k=12, hook="blocks.1.hook_resid_post")
+    page = tmp_path / "f.html"
+    assert main(["features", "The cat sat", "--sae", str(folder), "--top", "4", "--max-tokens", "3",
+                 "--model", str(tiny_models["llama"]), "--dtype", "float32", "--html", str(page), "--quiet"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    ref = llm.generate(["The cat sat"], SamplingParams(max_tokens=3, temperature=0, hidden_states=HiddenStatesSpec(
+        sae=str(folder), features="topk:4")), use_tqdm=False)[0]
+    f = ref.hidden_states.features
+    assert len(table) == 1 + len(f.positions)
+    first = table[1].split()
+    assert [int(x.split(":")[0]) for x in first[3:]] == f.ids[0].tolist()
+    assert "*" in table[-1].split()[0]  # generated positions are marked
+    assert page.read_text().split("<tbody>")[1].count("<tr><th>") == len(f.positions)
+    assert main(["features", "x", "--sae", str(tmp_path / "missing"), "--model", str(tiny_models["llama"]),
+                 "--quiet"]) == 2
+
+
+def test_server_sae_features_and_steering(tiny_models, tmp_path):
+    from server_util import Server
+    from tapllm.hidden_states.wire import hidden_states_from_wire
+
+    folder = write_saelens(tmp_path / "s", "jumprelu", hook="blocks.1.hook_resid_post")
+    sae = SAE.load(folder)
+    server = Server(tiny_models["llama"], "--enable-hidden-states", "--enable-steering", "--sae", f"res1={folder}")
+    try:
+        prompt = random_prompts([7], seed=3)[0]
+        body = {"model": "tiny_llama", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                "sae_features": {"sae": "res1", "features": "topk:5"}}
+        status, resp = server.post("/v1/completions", body)
+        assert status == 200, resp
+        wire = resp["choices"][0]["hidden_states"]
+        assert isinstance(wire["features"]["values"]["data"], str)  # binary (base64), like states
+        got = hidden_states_from_wire(wire).features
+        llm = LLM(tiny_models["llama"], dtype="float32")
+        ref = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, hidden_states=HiddenStatesSpec(
+            sae=sae, features="topk:5")), use_tqdm=False)[0].hidden_states.features
+        assert torch.equal(got.positions, ref.positions) and torch.equal(got.ids, ref.ids)
+        _close(got.values, ref.values, 1e-5)
+        # with raw states too, listed features, list encoding
+        body["hidden_states"] = {"layers": [1], "points": ["resid_post"], "encoding": "list"}
+        body["sae_features"] = {"sae": "res1", "features": [1, 2, 3]}
+        status, resp = server.post("/v1/completions", body)
+        assert status == 200, resp
+        hs = hidden_states_from_wire(resp["choices"][0]["hidden_states"])
+        _close(hs.features.dense, sae.encode(hs["resid_post"][:, 0])[:, [1, 2, 3]], 1e-4)
+        # steering by a served SAE equals the offline steer
+        steer = {"op": "clamp", "sae": "res1", "features": {"3": 12.0}}
+        status, resp = server.post("/v1/completions", {"model": "tiny_llama", "prompt": prompt, "max_tokens": 6,
+                                                       "temperature": 0, "steering": [steer]})
+        assert status == 200, resp
+        want = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, steering=[
+            Steer(op="clamp", sae=sae, features={3: 12.0})]), use_tqdm=False)[0]
+        assert resp["choices"][0]["text"] == want.outputs[0].text
+        # only SAEs the server was started with can be named: never a path
+        body = {"model": "tiny_llama", "prompt": prompt, "max_tokens": 2,
+                "sae_features": {"sae": str(folder)}}
+        status, resp = server.post("/v1/completions", body)
+        assert status == 400 and "unknown SAE" in resp["error"]["message"] and "res1" in resp["error"]["message"]
+    finally:
+        server.stop()

@@ -61,10 +61,31 @@ def parse_features(value: Any) -> tuple[str, int, list[int] | None]:
     return "ids", 0, ids
 
 
+_REGISTERED: dict[str, SAE] = {}
+
+
+def register_sae(name: str, sae: SAE | str | os.PathLike) -> SAE:
+    """Make ``sae`` (or the SAE at a path) known as ``name`` in this process: specs and steers may then
+    name it, and a server started with ``--sae NAME=PATH`` serves only the SAEs registered so."""
+    if not name or not isinstance(name, str):
+        raise ValueError(f"an SAE name must be a non-empty string, got {name!r}")
+    loaded = sae if isinstance(sae, SAE) else SAE.load(sae)
+    _REGISTERED[name] = loaded
+    return loaded
+
+
+def registered_saes() -> dict[str, SAE]:
+    """The SAEs registered by name (a copy)."""
+    return dict(_REGISTERED)
+
+
 def load_sae(value: Any, field: str) -> SAE:
-    """``value`` as an ``SAE``: an ``SAE`` itself, or a path / hub id to load (``ValueError`` names ``field``)."""
+    """``value`` as an ``SAE``: an ``SAE`` itself, a registered name, or a path / hub id to load
+    (``ValueError`` names ``field``)."""
     if isinstance(value, SAE):
         return value
+    if isinstance(value, str) and value in _REGISTERED:
+        return _REGISTERED[value]
     if isinstance(value, str | os.PathLike):
         try:
             return SAE.load(value)
