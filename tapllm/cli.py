@@ -150,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dtype of the stored states (default: the compute dtype; float32 for bfloat16 in Arrow)")
     col.add_argument("--out", type=Path, required=True, help="output folder")
     col.add_argument("--layers", default="all", help="block indices, e.g. 0,12,-1, or 'all'")
-    col.add_argument("--points", default="resid_post", help="comma-separated points")
+    col.add_argument("--points", default="resid_post", help="comma-separated points ('none': only --sae features)")
+    col.add_argument("--sae", default=None, metavar="PATH",
+                     help="also store this SAE's top latents per row, sparse (sae_ids, sae_values, sae_error_norm)")
+    col.add_argument("--sae-top", type=int, default=64, help="latents kept per row with --sae (default 64)")
     col.add_argument("--positions", default="prompt", choices=["prompt", "all"])
     col.add_argument("--max-tokens", type=int, default=0,
                      help="0 = prompts only; > 0 generates (greedy) and also captures generated positions "
@@ -325,7 +328,8 @@ def _collect(args: argparse.Namespace) -> int:
     if dataset is None and (args.split != "train" or args.column != "text"):
         raise ValueError("--split and --column apply to --dataset")
     cfg = CollectConfig(
-        input=args.input, dataset=dataset, out=args.out, layers=layers, points=args.points.split(","),
+        input=args.input, dataset=dataset, out=args.out, layers=layers,
+        points=[] if args.points == "none" else args.points.split(","), sae=args.sae, sae_top=args.sae_top,
         positions=args.positions, max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens,
         workers=args.workers, overwrite=args.overwrite, context_size=args.context_size, packing=args.packing,
         truncate=args.truncate, prepend_bos=args.prepend_bos, max_rows=args.max_rows,

@@ -589,3 +589,40 @@ def test_server_sae_features_and_steering(tiny_models, tmp_path):
         assert status == 400 and "unknown SAE" in resp["error"]["message"] and "res1" in resp["error"]["message"]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "arrow"])
+def test_collect_stores_sparse_top_latents(fmt, tiny_models, tmp_path):
+    import tapllm.datasets
+    from tapllm.cli import main
+
+    model = tiny_models["llama"]
+    folder = write_saelens(tmp_path / "s", "jumprelu", hook="blocks.2.hook_resid_post")
+    prompts = random_prompts([9, 15, 4], seed=6)
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    out = tmp_path / "acts"
+    assert main(["collect", "--model", str(model), "--input", str(inp), "--out", str(out), "--dtype", "float32",
+                 "--quiet", "--points", "none", "--sae", str(folder), "--sae-top", "6", "--format", fmt]) == 0
+    ds = tapllm.datasets.open(out)
+    assert ds.metadata["points"] == [] and len(ds) == sum(map(len, prompts))
+    run = json.loads((out / "run.json").read_text())
+    assert run["sae"]["top"] == 6 and run["sae"]["digest"] == SAE.load(folder).digest().hex()
+    llm = LLM(model, dtype="float32")
+    refs = llm.encode(prompts, HiddenStatesSpec(layers=[2], points=["resid_post"], sae=str(folder),
+                                                features="topk:6"), use_tqdm=False)
+    batch = ds[list(range(len(ds)))]
+    assert batch["sae_ids"].shape == (len(ds), 1, 6) and batch["sae_ids"].dtype == torch.int32
+    row = 0
+    sae = SAE.load(folder)
+    for ref in refs:
+        n = len(ref.prompt_token_ids)
+        f = ref.hidden_states.features
+        _close(batch["sae_values"][row : row + n, 0], f.values)
+        _close(batch["sae_error_norm"][row : row + n], f.error_norm)
+        # the sparse row is the dense latents' top: scattering it back gives encode's largest values
+        dense = torch.zeros(n, sae.d_sae).scatter(1, batch["sae_ids"][row : row + n, 0].long(),
+                                                  batch["sae_values"][row : row + n, 0])
+        z = sae.encode(ref.hidden_states["resid_post"][:, 0])
+        _close(dense.topk(6).values, z.topk(6).values)
+        row += n
