@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -157,7 +157,12 @@ class DeviceSAEs:
         key = sae.digest()
         found = self._by_digest.get(key)
         if found is None:
-            found = self._by_digest[key] = sae.to(self.device, torch.float32)
+            found = sae.to(self.device, torch.float32)
+            if found is sae:  # never pack (or otherwise change) the caller's own object
+                found = SAE(replace(sae.cfg), **sae._tensors())
+            found._digest = key
+            found.pack()
+            self._by_digest[key] = found
         return found
 
 
