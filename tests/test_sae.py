@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import random_prompts
+from conftest import hf_greedy, random_prompts
 from tapllm import LLM, SAE, HiddenStates, HiddenStatesSpec, SamplingParams, Steer
 from tapllm.sae.model import SAEConfig
 
@@ -360,6 +360,18 @@ def test_features_encode_last_and_save(llm, tmp_path):
     assert back.features.top(3, 2) == enc.hidden_states.features.top(3, 2)
 
 
+def test_features_of_several_samples(llm):
+    sae = _sae("jumprelu", "resid_post", 1, seed=4)
+    p = random_prompts([10], seed=9)
+    out = llm.generate(p, SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=3, hidden_states=HiddenStatesSpec(
+        points=["resid_post"], layers=[1], sae=sae, features="topk:8")), use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:  # each sample's features are its own, the shared prompt's included once
+        assert len(c.hidden_states.features.positions) == 10 + 4
+        _check_features(c, sae, "topk")
+    assert len(llm.engine.saes._by_digest) >= 1 and all(s.device.type == "cpu" for s in llm.engine.saes._by_digest.values())
+
+
 def test_feature_spec_errors(llm, tiny_models):
     sae = _sae("standard")
     with pytest.raises(ValueError, match="features needs an SAE"):
@@ -409,16 +421,9 @@ class _Hooks:
 def _hf_greedy(model, prompt: list[int], new: int, edits: dict[int, object]) -> list[int]:
     hooks = _Hooks(model, edits)
     try:
-        ids, cache, tokens = torch.tensor([prompt]), None, []
-        with torch.no_grad():
-            for _ in range(new):
-                out = model(input_ids=ids, cache=cache, use_cache=True)
-                cache = out.cache
-                tokens.append(int(out.logits[0, -1].argmax()))
-                ids = torch.tensor([[tokens[-1]]])
+        return hf_greedy(model, prompt, new)[0]
     finally:
         hooks.remove()
-    return tokens
 
 
 def _clamp_ref(sae: SAE, feats: dict[int, float]):

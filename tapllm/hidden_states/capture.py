@@ -280,7 +280,7 @@ class RequestCapture:
 
         Read-only parts (the projection, head indices, the model's lens function) stay shared.
         """
-        shared = [self.sel, self.proj, self.heads, self.device]  # sel holds the device SAE: shared
+        shared = [self.sel, self.sel.features, self.proj, self.heads, self.device]  # the device SAE: shared
         if self.lens is not None:
             shared += [self.lens.fn, self.lens.targets]
         memo = {id(obj): obj for obj in shared if obj is not None}
