@@ -360,6 +360,19 @@ def test_features_encode_last_and_save(llm, tmp_path):
     assert back.features.top(3, 2) == enc.hidden_states.features.top(3, 2)
 
 
+def test_features_of_per_head_and_neuron_points(llm):
+    """SAEs on ``z`` (heads x head_dim, flattened as TransformerLens' hook_z) and ``mlp_post``."""
+    p = random_prompts([8], seed=12)
+    for point, width in (("z", 64), ("mlp_post", 128)):
+        g = _g(5)
+        sae = SAE(SAEConfig("standard", width, 96, point, 2), torch.randn(width, 96, generator=g) * 0.3,
+                  torch.zeros(96), torch.randn(96, width, generator=g) * 0.1, torch.zeros(width))
+        out = llm.encode(p, HiddenStatesSpec(points=[point], layers=[2], sae=sae, features="all"), use_tqdm=False)[0]
+        x = out.hidden_states[point][:, 0].flatten(1)
+        _close(out.hidden_states.features.dense, sae.encode(x))
+        _close(out.hidden_states.features.error_norm, (x - sae.decode(sae.encode(x))).norm(dim=-1))
+
+
 def test_features_of_several_samples(llm):
     sae = _sae("jumprelu", "resid_post", 1, seed=4)
     p = random_prompts([10], seed=9)
