@@ -173,7 +173,6 @@ class CapturePlan:
                 e.capture.advance(e.a, e.b)
         return failed
 
-
     def _rows_of(self, entry: CaptureEntry, point: str, key: int) -> torch.Tensor:
         """``entry``'s recorded rows of ``point`` at layer ``key``: ``[b - a, *shape]`` on the device."""
         offset, slot = self._placed[(point, id(entry))]
