@@ -87,13 +87,33 @@ def load_sae(value: Any, field: str) -> SAE:
     if isinstance(value, str) and value in _REGISTERED:
         return _REGISTERED[value]
     if isinstance(value, str | os.PathLike):
+        key = _load_key(value)
+        if key in _LOADED:  # the same file again (e.g. one spec per request): read once
+            return _LOADED[key]
         try:
-            return SAE.load(value)
+            sae = SAE.load(value)
         except FileNotFoundError as exc:
             raise ValueError(f"{field}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{field}: {exc}") from None
+        if key is not None:
+            if len(_LOADED) >= 8:
+                _LOADED.pop(next(iter(_LOADED)))
+            _LOADED[key] = sae
+        return sae
     raise ValueError(f"{field} must be a tapllm.SAE or the path of one, got {type(value).__name__}")
+
+
+_LOADED: dict[tuple[str, int], SAE] = {}  # SAEs read from local paths, by (path, newest mtime of its files)
+
+
+def _load_key(value: str | os.PathLike) -> tuple[str, int] | None:
+    """A local path's identity for the load cache (None for a hub id: the hub cache serves it)."""
+    path = os.path.realpath(os.fspath(value))
+    if not os.path.exists(path):
+        return None
+    files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in os.listdir(path)]
+    return path, max(os.stat(f).st_mtime_ns for f in files)
 
 
 def check_spec(spec: Any) -> None:
