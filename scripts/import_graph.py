@@ -25,12 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent / "tapllm"
 LAYERS: list[tuple[str, ...]] = [
     ("tapllm.tap", "tapllm._text", "tapllm._options", "tapllm._files", "tapllm._version", "tapllm.dtypes"),
     ("tapllm.platform", "tapllm.layers", "tapllm.kernels"),
-    ("tapllm.config", "tapllm.models", "tapllm.loader"),
+    ("tapllm.config", "tapllm.models", "tapllm.loader", "tapllm.sae"),
     ("tapllm.outputs", "tapllm.hidden_states", "tapllm.steering", "tapllm.structured", "tapllm.sampling_params",
-     "tapllm.tokenizer"),
+     "tapllm.tokenizer", "tapllm.sae.serving"),
     ("tapllm.engine",),
     ("tapllm.llm", "tapllm.server", "tapllm.collect", "tapllm.prompt_records", "tapllm.datasets",
-     "tapllm.client"),
+     "tapllm.client", "tapllm.sae.cli"),
 ]
 LEAVES = ("tapllm.tap",)
 

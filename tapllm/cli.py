@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tapllm import lens_cli
+from tapllm.sae import cli as features_cli
 from tapllm._files import atomic_write
 from tapllm.tap.points import POINTS
 
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--save", type=Path, help="safetensors file for the states (a directory with --input)")
     _add_engine_args(enc)
     lens_cli.add_parser(sub, _add_engine_args)
+    features_cli.add_parser(sub, _add_engine_args)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
     srv.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                      help="model folder or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -100,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="refuse requests whose states could exceed this many bytes (default 64 MiB)")
     srv.add_argument("--enable-steering", action="store_true",
                      help="serve the steering extension (off by default for a shared service)")
+    srv.add_argument("--sae", action="append", default=[], metavar="NAME=PATH",
+                     help="serve the SAE at PATH (folder, params.npz or hub id) as NAME, for the sae_features and "
+                     "steering extensions (repeatable; clients can name only these)")
     srv.add_argument("--max-steers", dest="max_steers_per_request", type=int, default=16,
                      help="most steering entries per request")
     srv.add_argument("--max-logprobs", type=int, default=20,
@@ -148,7 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dtype of the stored states (default: the compute dtype; float32 for bfloat16 in Arrow)")
     col.add_argument("--out", type=Path, required=True, help="output folder")
     col.add_argument("--layers", default="all", help="block indices, e.g. 0,12,-1, or 'all'")
-    col.add_argument("--points", default="resid_post", help=f"comma-separated points: {', '.join(POINTS)}")
+    col.add_argument("--points", default="resid_post",
+                     help=f"comma-separated points: {', '.join(POINTS)} ('none': only --sae features)")
+    col.add_argument("--sae", default=None, metavar="PATH",
+                     help="also store this SAE's top latents per row, sparse (sae_ids, sae_values, sae_error_norm)")
+    col.add_argument("--sae-top", type=int, default=64, help="latents kept per row with --sae (default 64)")
     col.add_argument("--positions", default="prompt", choices=["prompt", "all"])
     col.add_argument("--max-tokens", type=int, default=0,
                      help="0 = prompts only; > 0 generates (greedy) and also captures generated positions "
@@ -181,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             return _collect(args)
         if args.command == "lens":
             return lens_cli.run(args)
+        if args.command == "features":
+            return features_cli.run(args)
         return _run(args)
     except (ValueError, OSError, RuntimeError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -243,6 +254,17 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _register_saes(entries: list[str]) -> None:
+    """``--sae NAME=PATH`` entries, loaded and registered before the server starts."""
+    from tapllm.sae.features import register_sae
+
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--sae: expected NAME=PATH, got {entry!r}")
+        logging.getLogger("tapllm").info("serving SAE %s: %r", name, register_sae(name, path))
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tapllm.config import EngineConfig
     from tapllm.engine.llm_engine import LLMEngine
@@ -258,6 +280,7 @@ def _serve(args: argparse.Namespace) -> int:
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     api_key = _api_key(args)
+    _register_saes(args.sae)
     model = args.model_path or args.model
     engine = LLMEngine.from_config(EngineConfig.from_cli_args(args, model=model))
     name = args.served_model_name or _model_name(model)
@@ -309,7 +332,8 @@ def _collect(args: argparse.Namespace) -> int:
     if dataset is None and (args.split != "train" or args.column != "text"):
         raise ValueError("--split and --column apply to --dataset")
     cfg = CollectConfig(
-        input=args.input, dataset=dataset, out=args.out, layers=layers, points=args.points.split(","),
+        input=args.input, dataset=dataset, out=args.out, layers=layers,
+        points=[] if args.points == "none" else args.points.split(","), sae=args.sae, sae_top=args.sae_top,
         positions=args.positions, max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens,
         workers=args.workers, overwrite=args.overwrite, context_size=args.context_size, packing=args.packing,
         truncate=args.truncate, prepend_bos=args.prepend_bos, max_rows=args.max_rows,

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.hf_input import DatasetSpec
+from tapllm.collect.sae_columns import feature_columns, sae_spec
 from tapllm.collect.sources import DatasetSource, ItemSource
 from tapllm.collect.writer import Manifest, ShardEntry, ShardWriter
 from tapllm.config import EngineConfig
@@ -37,6 +38,10 @@ class CollectConfig:
     records, one request each) or ``dataset`` (any ``datasets`` dataset, streamed and cut
     into contexts by ``context_size``, ``packing``, ``truncate``, ``prepend_bos``,
     ``max_rows`` and ``max_tokens_total``).
+
+    With ``sae``, every row also holds that SAE's ``sae_top`` largest latents as a sparse row:
+    ``sae_ids`` (int32) and ``sae_values`` (float32), each ``[1, sae_top]``, and ``sae_error_norm``
+    (see ``tapllm.collect.sae_columns``); ``points=[]`` then stores the features alone.
     """
 
     out: Path
@@ -58,6 +63,8 @@ class CollectConfig:
     max_tokens_total: int | None = None
     exclude_special_tokens: bool = False
     store_dtype: str = "auto"  # auto: the compute dtype (float32 where the format lacks it)
+    sae: str | None = None  # an SAE (path or hub id): its top-k latents stored as sparse columns
+    sae_top: int = 64
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=64))
 
     def validate(self) -> None:
@@ -87,6 +94,10 @@ class CollectConfig:
             raise ValueError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if not self.points and self.sae is None:
+            raise ValueError("--points is empty: name at least one point (or give --sae to store features alone)")
+        if self.sae is not None and not 1 <= self.sae_top <= 1024:
+            raise ValueError(f"--sae-top must be in [1, 1024], got {self.sae_top}")
         inside = [p for p in self.points if p in HEAD_POINTS]
         if inside:
             raise ValueError(f"--points: datasets hold residual-width points ({', '.join(HIDDEN_POINTS)}); "
@@ -108,6 +119,8 @@ class CollectConfig:
     def spec(self) -> HiddenStatesSpec:
         """What every request captures."""
         positions = self.positions if self.max_tokens > 0 else "prompt"
+        if self.sae is not None:
+            return sae_spec(self, positions)
         return HiddenStatesSpec(layers=self.layers, points=self.points, positions=positions)
 
     def params(self) -> SamplingParams:
@@ -245,6 +258,8 @@ def _columns(out: Any, index: int, store: torch.dtype | None, special: torch.Ten
     cols = {"token_id": seq[pos], "request_index": torch.full((len(pos),), index, dtype=torch.long),
             "position": pos.clone()}
     cols.update({p: hs[p] if store is None else hs[p].to(store) for p in hs.points})
+    if hs.features is not None:
+        cols.update(feature_columns(hs.features))
     if special is not None:
         keep = ~torch.isin(cols["token_id"], special)
         if not bool(keep.all()):

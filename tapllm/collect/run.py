@@ -33,6 +33,7 @@ from tapllm.collect.hf_input import fingerprint as dataset_fingerprint
 from tapllm.collect.sources import DatasetSource, ItemSource, fingerprint, read_items
 from tapllm.collect.lock import LOCK_NAME, OutputLock
 from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
+from tapllm.collect.sae_columns import sae_identity
 from tapllm.collect.provenance import model_id, tokenizer_info, weights_sha256
 from tapllm.collect.shards import arrow_dtype_ok, write_file
 from tapllm.collect.writer import Manifest, ShardEntry, remove_temporaries
@@ -97,6 +98,7 @@ def describe(cfg: CollectConfig, mc: Any, source: dict[str, Any], folder: Path |
         "layers": list(sel.layers), "points": list(cfg.points), "positions": cfg.spec().positions,
         "max_tokens": cfg.max_tokens, "exclude_special_tokens": cfg.exclude_special_tokens,
         "storage": cfg.fmt, "shard_tokens": cfg.shard_tokens, "workers": cfg.workers, **source,
+        **({"sae": sae_identity(cfg)} if cfg.sae is not None else {}),
     }
 
 

@@ -24,10 +24,12 @@ from tapllm.engine.logits_processors import resolve_controls, tokenize_bad_words
 from tapllm.engine.request import Request
 from tapllm.hidden_states.selection import Selection, resolve
 from tapllm.hidden_states.spec import PSEUDO_POINTS
+from tapllm.sae.features import DeviceSAEs, resolve_features
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.resolved import RequestSteering, ResolvedSteer, resolve_steering
 from tapllm.steering.spec import steering_digest
 from tapllm.structured.compiler import GrammarCompiler
+from tapllm.tap import PSEUDO_LAYER
 from tapllm.tokenizer import render_chat
 
 
@@ -51,6 +53,7 @@ class InputProcessor:
         self.point_shapes = point_shapes
         self.context_limited_by_cache = context_limited_by_cache
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
+        self.saes = DeviceSAEs(device)  # SAEs of features and SAE steers, on the device
         self._ids = itertools.count()
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
@@ -121,10 +124,11 @@ class InputProcessor:
 
     def _depth(self, selection: Selection) -> int | None:
         """Blocks a prompt-only request capturing ``selection`` needs run (``None``: all of them)."""
-        if "final" in selection.points:
+        points = selection.tap_points()  # the SAE's input counts too
+        if "final" in points:
             return None
-        block_points = [p for p in selection.points if p not in PSEUDO_POINTS]
-        depth = max(selection.layers) + 1 if block_points and selection.layers else 0
+        keys = [k for p in points if p not in PSEUDO_POINTS for k in selection.tap_keys(p)]
+        depth = max(keys) + 1 if keys else 0
         return None if depth >= self.model_config.num_layers else depth
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -179,7 +183,7 @@ class InputProcessor:
             raise ValueError("steering: this instance was started with enable_steering=False")
         mc = self.model_config
         return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype, self.device,
-                                self.config.max_steers_per_request, self.point_shapes)
+                                self.config.max_steers_per_request, self.point_shapes, saes=self.saes)
 
     def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool, max_tokens: int) -> Selection:
         """Resolve the request's hidden-state spec and apply the instance policy."""
@@ -192,6 +196,10 @@ class InputProcessor:
             num_prompt=p, max_positions=end, encode=encode, vocab_size=mc.vocab_size,
             point_shapes=self.point_shapes,
         )
+        if params.hidden_states.sae is not None:  # SAE features: the SAE moves to the device once per engine
+            sel.features = resolve_features(params.hidden_states, num_layers=mc.num_layers,
+                                            hidden_size=mc.hidden_size, point_shapes=self.point_shapes,
+                                            saes=self.saes, pseudo_layer=PSEUDO_LAYER)
         limit = self.config.hidden_states_max_bytes_per_request
         samples = 1 if encode else params.num_samples
         if limit is not None and sel.max_bytes * samples > limit:

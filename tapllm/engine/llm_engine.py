@@ -64,6 +64,7 @@ class LLMEngine:
                                               self.context_limited_by_cache)
         self.output_processor = OutputProcessor(self.tokenizer, model_config)
         self.grammars = self.input_processor.grammars
+        self.saes = self.input_processor.saes  # SAEs of features and SAE steers, on the device
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(engine_config.seed)
         self.requests: dict[str, Request] = {}

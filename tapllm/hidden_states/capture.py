@@ -18,6 +18,7 @@ from tapllm.hidden_states.result import HiddenStates
 from tapllm.hidden_states.selection import Selection
 from tapllm.hidden_states.sink import CopySink
 from tapllm.hidden_states.spec import QUERY_HEAD_POINTS, HiddenStatesSpec
+from tapllm.sae.features import FeatureBuffers
 
 
 class RequestCapture:
@@ -50,6 +51,8 @@ class RequestCapture:
                 raise ValueError("hidden_states.lens: this model gives no lens function")
             layers = {p: len(sel.layer_keys(p)) for p in sel.points}
             self.lens = LensBuffers(sel.points, layers, sel.lens_k, spec.lens_targets, lens_fn, device)
+        self.features = (FeatureBuffers(sel.features, sel.lo, sel.hi, sel.last_only, num_prompt)
+                         if sel.features is not None else None)
 
     def _new_reducer(self, point: str) -> Reducer:
         r = get_reducer(self.sel.reduce)()
@@ -119,7 +122,7 @@ class RequestCapture:
 
         Read-only parts (the projection, head indices, the model's lens function) stay shared.
         """
-        shared = [self.proj, self.heads, self.device]
+        shared = [self.sel, self.sel.features, self.proj, self.heads, self.device]  # the device SAE: shared
         if self.lens is not None:
             shared += [self.lens.fn, self.lens.targets]
         memo = {id(obj): obj for obj in shared if obj is not None}
@@ -156,4 +159,6 @@ class RequestCapture:
         lens = None
         if self.lens is not None:
             lens = self.lens.of_reduced(reduced) if sel.reduce else self.lens.result(n)
-        return HiddenStates(tensors, positions, list(sel.layers), sel.reduce, self.spec_dict, lens=lens)
+        features = self.features.result(positions) if self.features is not None else None
+        return HiddenStates(tensors, positions, list(sel.layers), sel.reduce, self.spec_dict, lens=lens,
+                            features=features)

@@ -19,6 +19,7 @@ import torch
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.sink import CopySink
 from tapllm.layers.attention import AttentionOptions, attention_probs, gather_keys
+from tapllm.sae.features import FeatureBatch
 from tapllm.tap import RowSpan
 
 
@@ -72,7 +73,7 @@ class CapturePlan:
         self._pattern_plans: list[_PatternPlan] = []
         by_point: dict[str, list[CaptureEntry]] = {}
         for e in entries:
-            for point in e.capture.sel.points:
+            for point in e.capture.sel.tap_points():
                 if point == "attn_pattern":
                     layers = e.capture.sel.layer_keys(point)
                     pp_ = _PatternPlan(e, {k: i for i, k in enumerate(layers)})
@@ -83,18 +84,24 @@ class CapturePlan:
                 by_point.setdefault(point, []).append(e)
         self.targets: dict[tuple[str, int], Target] = {}
         self.points: list[_PointPlan] = []
+        self._placed: dict[tuple[str, int], tuple[int, dict[int, int]]] = {}  # (point, entry) -> offset, slots
+        self._stages: dict[str, _PointPlan] = {}
+        self.features = FeatureBatch(entries)
         for point, es in by_point.items():
-            keys = sorted({k for e in es for k in e.capture.sel.layer_keys(point)})
+            keys = sorted({k for e in es for k in e.capture.sel.tap_keys(point)})
             slot = {k: i for i, k in enumerate(keys)}
             placed = []
             offset = 0
             for e in es:
-                own = e.capture.sel.layer_keys(point)
-                subset = None if list(own) == keys else torch.tensor([slot[k] for k in own], device=device)
+                own = e.capture.sel.layer_keys(point) if point in e.capture.sel.points else None  # None: SAE input only
+                subset = None if own is None or list(own) == keys else torch.tensor([slot[k] for k in own],
+                                                                                    device=device)
                 placed.append((e, offset, subset))
+                self._placed[(point, id(e))] = (offset, slot)
                 offset += e.b - e.a
             pp = _PointPlan(point, keys, placed, _rows(es, device), offset)
             self.points.append(pp)
+            self._stages[point] = pp
             for k, i in slot.items():
                 self.targets[(point, k)] = (pp, i)
 
@@ -142,7 +149,7 @@ class CapturePlan:
                 failed[e.capture] = f"hidden_states: capturing 'attn_pattern' failed: {type(exc).__name__}: {exc}"
         for pp in self.points:
             for e, offset, subset in pp.entries:
-                if e.capture in failed:
+                if e.capture in failed or pp.point not in e.capture.sel.points:
                     continue
                 rows = pp.stage[offset : offset + e.b - e.a]
                 if subset is not None:
@@ -151,11 +158,18 @@ class CapturePlan:
                     e.capture.consume(pp.point, rows, e.a, e.b, self.sink)
                 except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                     failed[e.capture] = f"hidden_states: capturing {pp.point!r} failed: {type(exc).__name__}: {exc}"
+        if self.features:
+            failed.update(self.features.run(self._rows_of, self.sink, failed))
         self.sink.flush()
         for e in self.entries:
             if e.capture not in failed:
                 e.capture.advance(e.a, e.b)
         return failed
+
+    def _rows_of(self, entry: CaptureEntry, point: str, key: int) -> torch.Tensor:
+        """``entry``'s recorded rows of ``point`` at layer ``key``: ``[b - a, *shape]`` on the device."""
+        offset, slot = self._placed[(point, id(entry))]
+        return self._stages[point].stage[offset : offset + entry.b - entry.a, slot[key]]
 
 
 def record_at(target: Target, t: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from tapllm._files import atomic_write
 from tapllm.hidden_states.lens import Lens, LensResult
+from tapllm.sae.features import Features
 from tapllm.dtypes import dtype_name
 
 FORMAT = "tapllm.hidden_states"
@@ -44,6 +45,7 @@ class HiddenStates(Mapping[str, torch.Tensor]):
         spec: dict | None = None,
         metadata: dict[str, str] | None = None,
         lens: Lens | None = None,
+        features: Features | None = None,
     ) -> None:
         self._tensors = tensors
         self.positions = positions
@@ -52,6 +54,7 @@ class HiddenStates(Mapping[str, torch.Tensor]):
         self.spec = spec or {}
         self.metadata = metadata or {}
         self.lens = lens
+        self.features = features
 
     def __getitem__(self, point: str) -> torch.Tensor:
         try:
@@ -83,6 +86,8 @@ class HiddenStates(Mapping[str, torch.Tensor]):
                 t = getattr(res, field)
                 if t is not None:
                     flat[f"lens.{point}.{field}"] = t
+        for name, t in (self.features.tensors() if self.features is not None else {}).items():
+            flat[f"features.{name}"] = t
         return flat
 
     def __repr__(self) -> str:
@@ -122,6 +127,8 @@ class HiddenStates(Mapping[str, torch.Tensor]):
             "reduce": json.dumps(self.reduce),
             "spec": json.dumps(self.spec),
             "lens_targets": json.dumps(self.lens.targets if self.lens is not None else None),
+            "features": json.dumps({"feature_ids": self.features.feature_ids, "sae": self.features.sae}
+                                   if self.features is not None else None),
         }
         for k, v in (metadata or {}).items():
             if k in meta:
@@ -150,16 +157,27 @@ class HiddenStates(Mapping[str, torch.Tensor]):
                 positions = f.get_tensor("positions")
                 lens = _read_lens({k: f.get_tensor(k) for k in f.keys() if k.startswith("lens.")},
                                   json.loads(meta.get("lens_targets", "null")))
+                features = _read_features({k: f.get_tensor(k) for k in f.keys() if k.startswith("features.")},
+                                          json.loads(meta.get("features", "null")))
         except (OSError, KeyError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: unreadable hidden-states file ({exc})") from None
         except Exception as exc:  # safetensors raises its own error type for a corrupt header
             if isinstance(exc, ValueError) and "hidden-states" in str(exc):
                 raise
             raise ValueError(f"{path}: unreadable hidden-states file ({exc})") from None
-        reserved = {"format", "version", "points", "layers", "reduce", "spec", "lens_targets"}
+        reserved = {"format", "version", "points", "layers", "reduce", "spec", "lens_targets", "features"}
         extra = {k: v for k, v in meta.items() if k not in reserved}
         return cls(tensors, positions, json.loads(meta["layers"]), json.loads(meta["reduce"]), json.loads(meta["spec"]),
-                   extra, lens)
+                   extra, lens, features)
+
+
+def _read_features(flat: dict[str, torch.Tensor], meta: dict | None) -> Features | None:
+    """SAE features from ``features.<field>`` tensors (None when there are none)."""
+    if not flat or meta is None:
+        return None
+    t = {k.removeprefix("features."): v for k, v in flat.items()}
+    return Features(t["positions"], t["error_norm"], ids=t.get("ids"), values=t.get("values"), dense=t.get("dense"),
+                    feature_ids=meta.get("feature_ids"), sae=meta.get("sae", ""))
 
 
 def _read_lens(flat: dict[str, torch.Tensor], targets: list[int] | None) -> Lens | None:

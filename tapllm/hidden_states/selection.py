@@ -9,6 +9,7 @@ import torch
 
 from tapllm.hidden_states.spec import (DTYPES, HIDDEN_POINTS, LENS_POINTS, PSEUDO_POINTS, QUERY_HEAD_POINTS,
                                        HiddenStatesSpec)
+from tapllm.sae.features import FeatureSelection
 from tapllm.tap import PSEUDO_LAYER, resolve_indices, resolve_layers
 
 
@@ -27,10 +28,22 @@ class Selection:
     lens_k: int = 0  # logit lens: top tokens kept per state (0: no lens)
     lens_targets: int = 0  # logit lens: target tokens reported per state
     heads: tuple[int, ...] | None = None  # query heads kept for q, z and attn_pattern (None: all)
+    features: FeatureSelection | None = None  # SAE features (tapllm.sae.features), set by the engine
 
     def layer_keys(self, point: str) -> tuple[int, ...]:
         """The model's layer keys of ``point``: block indices, or the pseudo-layer."""
         return (PSEUDO_LAYER,) if point in PSEUDO_POINTS else self.layers
+
+    def tap_points(self) -> tuple[str, ...]:
+        """The points the step records for this request: the captured ones, then the SAE's inputs."""
+        extra = [p for p, _ in self.features.inputs()] if self.features is not None else []
+        return tuple(dict.fromkeys([*self.points, *extra]))
+
+    def tap_keys(self, point: str) -> tuple[int, ...]:
+        """The layer keys of ``point`` the step records: the captured layers, then the SAE's."""
+        keys = self.layer_keys(point) if point in self.points else ()
+        extra = [k for p, k in self.features.inputs() if p == point] if self.features is not None else []
+        return tuple(dict.fromkeys([*keys, *extra]))
 
     @property
     def max_positions(self) -> int:
@@ -47,7 +60,8 @@ class Selection:
         rows = 1 if self.reduce else self.max_positions
         states = rows * sum(self.row_size(p) for p in self.points) * torch.tensor([], dtype=self.dtype).element_size()
         lens_layers = sum(len(self.layer_keys(p)) for p in self.points if p in LENS_POINTS)
-        return states + rows * lens_layers * (12 * self.lens_k + 4 * self.lens_targets)  # int64 ids, float32
+        features = self.max_positions * self.features.row_bytes() if self.features is not None else 0
+        return states + rows * lens_layers * (12 * self.lens_k + 4 * self.lens_targets) + features  # int64 ids, f32
 
 
 def resolve(

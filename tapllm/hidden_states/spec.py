@@ -43,13 +43,18 @@ class HiddenStatesSpec:
         lens_targets: token ids whose logprob the lens also reports at every state.
         heads: query heads kept for ``q``, ``z`` and ``attn_pattern`` (``None``: all of them;
             ``k`` and ``v`` always hold every KV head).
+        sae: a ``tapllm.SAE`` (or the path / hub id of one): its features at the point and block
+            it reads, per selected position, in ``hs.features``. With an SAE, ``points`` and
+            ``layers`` default to nothing: name them to get raw states as well.
+        features: what to keep of the SAE's latents: ``"topk:K"`` (ids and values of the K
+            largest, the default ``topk:16``), a list of feature ids, or ``"all"`` (dense).
 
     Model-independent checks run here; layer range, projection width and the window's fit
     to the sequence are checked when a request is added (they depend on model and prompt).
     """
 
-    layers: Sequence[int] | str = "all"
-    points: Sequence[str] | str = ("resid_post",)
+    layers: Sequence[int] | str | None = None
+    points: Sequence[str] | str | None = None
     positions: str | tuple[int, int] = "all"
     reduce: str | None = None
     project: torch.Tensor | None = None
@@ -57,10 +62,15 @@ class HiddenStatesSpec:
     lens: int | None = None
     lens_targets: Sequence[int] | None = None
     heads: Sequence[int] | None = None
+    sae: Any = None
+    features: Any = None
 
     def __post_init__(self) -> None:
-        self.points = _check_points(self.points)
-        self.layers = _check_layers(self.layers)
+        with_sae = self.sae is not None or self.features is not None
+        if self.points is None:
+            self.points = () if with_sae else ("resid_post",)
+        self.points = _check_points(self.points, allow_empty=with_sae)
+        self.layers = _check_layers("all" if self.layers is None else self.layers)
         self.positions = _check_positions(self.positions)
         if self.reduce is not None:
             if not isinstance(self.reduce, str):
@@ -83,6 +93,10 @@ class HiddenStatesSpec:
             self.lens = 1
         if self.lens is not None:
             self._check_lens()
+        if with_sae:
+            from tapllm.sae.features import check_spec
+
+            check_spec(self)
 
     def _check_lens(self) -> None:
         if isinstance(self.lens, bool) or not isinstance(self.lens, int) or not 1 <= self.lens <= MAX_LENS_K:
@@ -134,10 +148,12 @@ class HiddenStatesSpec:
                 kwargs[key] = _int(val, "lens")
             elif key in ("lens_targets", "heads"):
                 kwargs[key] = [_int(v, key) for v in val.split(",")]
+            elif key in ("sae", "features"):
+                kwargs[key] = val
             else:
                 raise ValueError(
                     f"--hidden-states: unknown key {key!r}; use layers, points, positions, reduce, dtype, lens, "
-                    "lens_targets, heads"
+                    "lens_targets, heads, sae, features"
                 )
         return cls(**kwargs)
 
@@ -153,6 +169,7 @@ class HiddenStatesSpec:
             "lens": self.lens,
             "lens_targets": list(self.lens_targets) if self.lens_targets is not None else None,
             "heads": list(self.heads) if self.heads is not None else None,
+            **({"sae": repr(self.sae), "features": _features_text(self.features)} if self.sae is not None else {}),
         }
 
 
@@ -163,11 +180,17 @@ def _int(text: str, field: str) -> int:
         raise ValueError(f"--hidden-states: {field} needs integers, got {text!r}") from None
 
 
-def _check_points(points: Sequence[str] | str) -> tuple[str, ...]:
+def _features_text(parsed: Any) -> Any:
+    from tapllm.sae.features import features_to_text
+
+    return features_to_text(parsed)
+
+
+def _check_points(points: Sequence[str] | str, allow_empty: bool = False) -> tuple[str, ...]:
     if isinstance(points, str):
         points = [points]
     out = tuple(points)
-    if not out:
+    if not out and not allow_empty:
         raise ValueError("hidden_states.points is empty: name at least one point")
     for p in out:
         if p not in POINTS:

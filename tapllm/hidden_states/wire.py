@@ -22,9 +22,10 @@ import torch
 from tapllm.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
 from tapllm.hidden_states.lens import Lens, LensResult
 from tapllm.hidden_states.result import HiddenStates
+from tapllm.sae.features import Features
 
 ENCODINGS = ("base64", "list")
-_INDEX_DTYPES = {"int64": torch.int64}  # token ids (the logit lens); not a compute dtype
+_INDEX_DTYPES = {"int64": torch.int64, "int32": torch.int32}  # token ids (lens), SAE feature ids; not compute dtypes
 
 
 def _wire_dtype(name: Any) -> torch.dtype | None:
@@ -34,7 +35,7 @@ def _wire_dtype(name: Any) -> torch.dtype | None:
 def tensor_to_wire(t: torch.Tensor, encoding: str) -> dict[str, Any]:
     """One tensor as ``{"shape", "dtype", "data"}``."""
     t = t.detach().cpu().contiguous()
-    index = t.dtype == torch.int64
+    index = t.dtype in (torch.int64, torch.int32)
     if not index and not is_supported(t.dtype):
         raise ValueError(f"cannot encode dtype {t.dtype}")
     if encoding == "list":
@@ -45,7 +46,8 @@ def tensor_to_wire(t: torch.Tensor, encoding: str) -> dict[str, Any]:
         if sys.byteorder != "little":
             array = array.byteswap()
         data = base64.b64encode(array.tobytes()).decode("ascii")
-    return {"shape": list(t.shape), "dtype": "int64" if index else dtype_name(t.dtype), "data": data}
+    name = str(t.dtype).removeprefix("torch.") if index else dtype_name(t.dtype)
+    return {"shape": list(t.shape), "dtype": name, "data": data}
 
 
 def tensor_from_wire(obj: Any, field: str = "tensor") -> torch.Tensor:
@@ -78,7 +80,8 @@ def tensor_from_wire(obj: Any, field: str = "tensor") -> torch.Tensor:
             flat = flat.view(-1, elem).flip(1).reshape(-1)
         return flat.view(dtype).reshape(shape).clone()
     try:
-        return torch.tensor(data, dtype=torch.float64 if dtype == torch.int64 else torch.float32).reshape(shape).to(dtype)
+        wide = torch.float64 if dtype in (torch.int64, torch.int32) else torch.float32
+        return torch.tensor(data, dtype=wide).reshape(shape).to(dtype)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{field}.data must be base64 or a nested list of numbers of shape {shape}") from None
 
@@ -99,6 +102,8 @@ def hidden_states_to_wire(hs: HiddenStates, encoding: str = "base64") -> dict[st
                 "target_logprobs": tensor_to_wire(r.target_logprobs, encoding) if r.target_logprobs is not None
                 else None}
             for p, r in hs.lens.items()}}
+    if hs.features is not None:
+        out["features"] = features_to_wire(hs.features, encoding)
     return out
 
 
@@ -118,4 +123,27 @@ def hidden_states_from_wire(obj: dict[str, Any]) -> HiddenStates:
                                     tensor_from_wire(r["logprobs"], f"{where}.logprobs"),
                                     tensor_from_wire(target, f"{where}.target_logprobs") if target else None)
         lens = Lens(results, obj["lens"].get("targets"))
-    return HiddenStates(tensors, positions, list(obj.get("layers", [])), obj.get("reduce"), lens=lens)
+    features = None
+    if obj.get("features"):
+        features = features_from_wire(obj["features"])
+    return HiddenStates(tensors, positions, list(obj.get("layers", [])), obj.get("reduce"), lens=lens,
+                        features=features)
+
+
+def features_to_wire(features: Features, encoding: str) -> dict[str, Any]:
+    """A request's ``Features`` as JSON: ``positions``, ``error_norm``, ``ids``/``values`` or ``dense``."""
+    out: dict[str, Any] = {"sae": features.sae, "feature_ids": features.feature_ids}
+    for name, t in features.tensors().items():
+        out[name] = t.tolist() if name == "positions" else tensor_to_wire(t, encoding)
+    return out
+
+
+def features_from_wire(obj: dict[str, Any]) -> Features:
+    """Inverse of :func:`features_to_wire` (for clients)."""
+
+    def get(name: str) -> torch.Tensor | None:
+        return tensor_from_wire(obj[name], f"features.{name}") if obj.get(name) is not None else None
+
+    return Features(torch.tensor(obj.get("positions", []), dtype=torch.long), get("error_norm"), ids=get("ids"),
+                    values=get("values"), dense=get("dense"), feature_ids=obj.get("feature_ids"),
+                    sae=obj.get("sae", ""))

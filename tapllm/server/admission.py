@@ -119,7 +119,8 @@ class Admission:
         config = self.engine.config
         if isinstance(body, _Sampling) and (problem := body.unsupported()):
             raise APIError(400, problem, param=_param(problem))
-        wants_states = isinstance(body, HiddenStatesOnlyRequest) or body.hidden_states is not None
+        wants_states = isinstance(body, HiddenStatesOnlyRequest) or body.hidden_states is not None \
+            or body.sae_features is not None
         if wants_states and not config.enable_hidden_states:
             raise APIError(400, "this server does not serve hidden states (start it with --enable-hidden-states)",
                            param="hidden_states")

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tapllm.dtypes import DTYPES
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.hidden_states.wire import tensor_from_wire
+from tapllm.sae.serving import SaeFeaturesRequest, served_sae
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.spec import Steer
 from tapllm.structured.openai_fields import structured_outputs_from
@@ -73,6 +74,8 @@ class SteerRequest(BaseModel):
     values: WireTensor | list[Any] | None = None
     heads: list[int] | None = None
     neurons: list[int] | None = None
+    sae: str | None = None  # the name of an SAE the server serves (--sae NAME=PATH)
+    features: dict[str, float] | list[int] | None = None
 
     def to_steer(self) -> Steer:
         """The engine-side ``Steer``; ``ValueError`` names the field."""
@@ -84,9 +87,10 @@ class SteerRequest(BaseModel):
         values: Any = self.values
         if isinstance(values, WireTensor):
             values = tensor_from_wire(values.model_dump(), "steering.values")
+        sae = served_sae(self.sae, "steering.sae") if self.sae is not None else None
         return Steer(layers=self.layers, point=self.point, op=self.op, vector=vector, scale=self.scale,
                      positions=self.positions, value=self.value, values=values, heads=self.heads,
-                     neurons=self.neurons)
+                     neurons=self.neurons, sae=sae, features=self.features)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -157,6 +161,7 @@ class _Sampling(BaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     hidden_states: HiddenStatesRequest | None = None
+    sae_features: SaeFeaturesRequest | None = None
     steering: list[SteerRequest] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -192,10 +197,21 @@ class _Sampling(BaseModel):
             logit_bias=dict(self.logit_bias) if self.logit_bias else None, min_tokens=self.min_tokens or 0,
             bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            hidden_states=self.hidden_states.to_spec() if self.hidden_states is not None else None,
+            hidden_states=self.states_spec(),
             steering=[s.to_steer() for s in self.steering] if self.steering else None,
             structured_outputs=self.structured(),
         )
+
+    def states_spec(self) -> HiddenStatesSpec | None:
+        """The ``hidden_states`` spec, with the ``sae_features`` extension merged in."""
+        spec = self.hidden_states.to_spec() if self.hidden_states is not None else None
+        return self.sae_features.merge(spec) if self.sae_features is not None else spec
+
+    def states_encoding(self) -> str | None:
+        """How states (and features) go on the wire; None when the request asked for neither."""
+        if self.hidden_states is not None:
+            return self.hidden_states.encoding
+        return self.sae_features.encoding if self.sae_features is not None else None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The structured-output constraint of ``response_format``, ``structured_outputs`` or ``guided_*``."""

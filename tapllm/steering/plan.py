@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ class _Op:
             t[key] = (xf + (target - coef) * self.payload).to(t.dtype)
 
 
-SteerOp = _AddRows | _Op
+SteerOp = Any  # _AddRows, _Op, or an SAE edit (tapllm.sae.steer.SaeEditOp): each has apply(t)
 
 
 class SteeringPlan:
@@ -72,7 +73,7 @@ class SteeringPlan:
     """
 
     def __init__(self, spans: Sequence[tuple[RowSpan, RequestSteering]], device: torch.device) -> None:
-        found: dict[tuple[str, int], list[_Op]] = {}
+        found: dict[tuple[str, int], list[SteerOp]] = {}
         plain_adds: dict[tuple[str, int], list[tuple[int, int, torch.Tensor]]] = {}
         for span, steering in spans:
             for s in steering.steers:
@@ -86,6 +87,9 @@ class SteeringPlan:
                     rows = torch.tensor([span.row + p - span.start for p in w], device=device)
                     picked = torch.tensor([s._position_set[p] for p in w], device=device)
                 for block in s.blocks:
+                    if s.sae is not None:
+                        found.setdefault((s.point, block), []).append(s.sae.op(rows))
+                        continue
                     payload = s.payload.get(block)
                     if s.op == "set":
                         payload = payload[picked] if picked is not None else payload

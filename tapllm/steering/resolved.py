@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ class ResolvedSteer:
     index: torch.Tensor | None = None
     factor: float = 1.0  # scale's factor
     value: float = 0.0  # clamp's coefficient
+    sae: Any = None  # an SAE clamp/set/ablate (tapllm.sae.steer.SaeEdit)
     _position_set: dict[int, int] = field(default_factory=dict)  # explicit position -> its row in payload
 
     def __post_init__(self) -> None:
@@ -83,7 +85,8 @@ class RequestSteering:
 
 def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int, dtype: torch.dtype,
                      device: torch.device, max_steers: int,
-                     point_shapes: dict[str, tuple[int, ...]] | None = None) -> list[ResolvedSteer]:
+                     point_shapes: dict[str, tuple[int, ...]] | None = None, saes: Any = None
+                     ) -> list[ResolvedSteer]:
     """Check steers against the model; ``ValueError`` names the steer and field.
 
     ``point_shapes`` gives the row shape of the points inside attention and the MLP (``q``,
@@ -100,6 +103,12 @@ def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int,
         twice = next((b for i, b in enumerate(blocks) if b in blocks[:i]), None)
         if twice is not None:
             raise ValueError(f"{where}.layers names block {twice} twice")
+        if s.sae is not None and s.op != "add":  # SAE latents set on the device; the SAE is moved once
+            from tapllm.sae.steer import resolve_sae_edit
+
+            out.append(ResolvedSteer(s.point, s.op, blocks, {}, s.positions,
+                                     sae=resolve_sae_edit(s, saes, device, hidden_size, where)))
+            continue
         payload = {}
         if s.op == "set":
             values = _set_values(s, row, where)

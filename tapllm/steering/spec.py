@@ -57,6 +57,12 @@ class Steer:
         heads: for ``q``/``k``/``v``/``z``, the heads to change (query heads for q/z, KV heads
             for k/v); ``None``: all.
         neurons: for ``mlp_post``, the neurons to change; ``None``: all.
+        sae: a ``tapllm.SAE`` (or its path): steer by its features at its point and block
+            (``point`` and ``layers`` then come from the SAE). ``op="add"`` adds decoder
+            directions; ``"clamp"``/``"set"`` set latents keeping the SAE's error term;
+            ``"ablate"`` sets them to 0 (see ``tapllm.sae.steer``).
+        features: with ``sae``: ``{id: scale}`` (add), ``{id: value}`` (clamp/set), ``[ids]``
+            (ablate; add with scale 1).
     """
 
     layers: Sequence[int] | None = None
@@ -69,8 +75,15 @@ class Steer:
     values: Any = None
     heads: Sequence[int] | None = None
     neurons: Sequence[int] | None = None
+    sae: Any = None
+    features: Any = None
 
     def __post_init__(self) -> None:
+        by_sae = self.sae is not None or self.features is not None
+        if by_sae:
+            from tapllm.sae.steer import check_sae_steer
+
+            check_sae_steer(self)  # point, layers, and add's vector, from the SAE
         if self.point not in STEER_POINTS:
             raise ValueError(f"steering.point: unknown point {self.point!r}; choose from {list(STEER_POINTS)}")
         if self.op not in OPS:
@@ -86,6 +99,8 @@ class Steer:
             raise ValueError(f"steering.heads applies to {list(HEAD_STEER_POINTS)}, not {self.point!r}")
         if self.neurons is not None and self.point != "mlp_post":
             raise ValueError(f"steering.neurons applies to 'mlp_post', not {self.point!r}")
+        if by_sae and self.op != "add":
+            return
         if self.op == "set":
             self._check_set()
             return
@@ -206,6 +221,12 @@ class Steer:
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{self.point}|{self.op}|{self.scale!r}|{self.value!r}|{self.positions}|{list(self.layers)}|"
                  f"{self.heads}|{self.neurons}".encode())
+        if self.sae is not None:
+            from tapllm.sae.steer import sae_steer_digest
+
+            h.update(sae_steer_digest(self))
+            if self.op != "add":
+                return h.digest()
         if self.op == "set":
             h.update(str(tuple(self.values.shape)).encode())
             h.update(self.values.numpy().tobytes())

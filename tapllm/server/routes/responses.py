@@ -41,7 +41,7 @@ class Responder:
         if body.stream:
             return StreamingResponse(self.stream(reqs, head, body, fmt), media_type="text/event-stream")
         outputs = await self.ctx.run_all(request, reqs)
-        encoding = body.hidden_states.encoding if body.hidden_states is not None else None
+        encoding = body.states_encoding()
 
         echo = isinstance(body, CompletionRequest) and body.echo
         if echo and body.max_tokens == 0:  # the prompt alone: drop the one token run to score it
@@ -76,7 +76,7 @@ class Responder:
                       ) -> AsyncIterator[str]:
         """SSE chunks; any failure ends the stream with an error event and ``data: [DONE]``."""
         merged: asyncio.Queue[tuple[int, Update | BaseException]] = asyncio.Queue()
-        encoding = body.hidden_states.encoding if body.hidden_states is not None else None
+        encoding = body.states_encoding()
 
         async def pump(i: int, req: EngineRequest) -> None:
             try:
