@@ -65,18 +65,36 @@ def _compiler_version(cxx: str) -> str:
         return "unknown"
 
 
-def _command(cxx: str, variant: str, output: Path) -> list[str]:
-    from torch.utils.cpp_extension import include_paths, library_paths
+def _compile_flags(variant: str) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    flags = ["-O3", "-fPIC", "-std=c++20", "-fopenmp", "-fvisibility=hidden",
+             "-D_GLIBCXX_USE_CXX11_ABI=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
+             f"-DTAPLLM_NS=tapllm_{variant}", *VARIANTS[variant]]
+    return flags + [f"-I{p}" for p in include_paths()] + ["-I" + sysconfig.get_paths()["include"]]
+
+
+def _link_flags() -> list[str]:
+    from torch.utils.cpp_extension import library_paths
 
     libs = library_paths()
-    cmd = [cxx, "-O3", "-shared", "-fPIC", "-std=c++20", "-fopenmp", "-fvisibility=hidden",
-           "-D_GLIBCXX_USE_CXX11_ABI=" + str(int(torch._C._GLIBCXX_USE_CXX11_ABI)),
-           f"-DTAPLLM_NS=tapllm_{variant}", *VARIANTS[variant]]
-    cmd += [f"-I{p}" for p in include_paths()]
-    cmd += ["-I" + sysconfig.get_paths()["include"], *map(str, SOURCES), "-o", str(output)]
-    cmd += [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs]
-    cmd += ["-lc10", "-ltorch_cpu", "-ltorch"]
-    return cmd
+    return [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs] + ["-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+def _compile(cxx: str, variant: str, folder: Path, output: Path) -> None:
+    """Compile every source to an object in parallel (one process each), then link ``output``."""
+    objects = [folder / f"{src.stem}.o" for src in SOURCES]
+    procs = [subprocess.Popen([cxx, *_compile_flags(variant), "-c", str(src), "-o", str(obj)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for src, obj in zip(SOURCES, objects)]
+    errors = [proc.communicate()[1] for proc in procs]
+    failed = [err for proc, err in zip(procs, errors) if proc.returncode != 0]
+    if failed:
+        raise RuntimeError(f"compiling tapllm's kernels for {variant} failed:\n{failed[0][-4000:]}")
+    proc = subprocess.run([cxx, "-shared", "-fopenmp", *map(str, objects), "-o", str(output), *_link_flags()],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"linking tapllm's kernels for {variant} failed:\n{proc.stderr[-4000:]}")
 
 
 def build(variant: str) -> Path:
@@ -87,7 +105,7 @@ def build(variant: str) -> Path:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    flags = " ".join(_command(cxx, variant, Path("out.so")))  # every flag and include path
+    flags = " ".join(_compile_flags(variant) + _link_flags())  # every flag and include path
     key_parts = [*(f.read_bytes() for f in SOURCES + HEADERS), torch.__version__.encode(),
                  str(torch.version.git_version).encode(), _compiler_version(cxx).encode(), flags.encode(),
                  sys.version.encode()]
@@ -105,9 +123,7 @@ def build(variant: str) -> Path:
         logger.info("building tapllm's %s kernels (once; cached in %s)", variant, folder)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             out = Path(tmp) / target.name
-            proc = subprocess.run(_command(cxx, variant, out), capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"compiling tapllm's kernels for {variant} failed:\n{proc.stderr[-4000:]}")
+            _compile(cxx, variant, Path(tmp), out)
             os.replace(out, target)  # atomic: a reader sees the whole library or none
         logger.info("built tapllm's %s kernels in %.1fs", variant, time.perf_counter() - t0)
     return target
