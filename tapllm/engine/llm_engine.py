@@ -6,6 +6,7 @@ and outputs are the output processor's (``engine/output_processor.py``).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import logging
@@ -70,6 +71,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
         self.last_step_tokens = 0  # tokens the latest step ran (prompt chunks and decodes): a metric
+        # The loaded model, tokenizer and grammar tables are long-lived: moved out of the collector's
+        # generations, full collections stop walking them (they took ~5% of a b16 x 512 run's CPU).
+        gc.collect()
+        gc.freeze()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:

@@ -265,6 +265,130 @@ void kv_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 // and value rows (from L1/L2 after the first head). Scores, softmax and the weighted sum are
 // computed in float32. NV (vectors per head row) is a template constant for the common head
 // sizes so a head's query and accumulator stay in registers; 0 means "at run time".
+#if defined(CPU_CAPABILITY_AVX512)
+// Lane j of the result is the sum of the 16 lanes of a[j]: a transpose-and-add tree of 45
+// shuffles and adds, where 16 separate horizontal sums take about three times as many.
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// Asks for the rows of keys [begin, end) ahead of use: a sequence's blocks lie anywhere in the
+// cache, so the hardware prefetcher, which follows strides, does not find them (5 GB/s without).
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
+                          int64_t d) {
+  for (int64_t p = begin; p < end; ++p) {
+    const char* row = reinterpret_cast<const char*>(base + (table[p / block_size] * block_size + p % block_size) * d);
+    for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
+// Scores of every query head of the group against keys [first, len), 16 keys at a time: each key
+// row is widened once for the group, and the 16 dot products of a head are summed by sum16.
+template <typename T, int NV>
+void decode_scores16(const T* q, const T* kh, const int64_t* table, int64_t first, int64_t len, int64_t group,
+                     int64_t block_size, int64_t q_head, float scale, float* scores) {
+  constexpr int64_t D = NV * 16;
+  const int64_t n = len - first;
+  alignas(64) float kbuf[std::is_same_v<T, float> ? 1 : 16 * D];
+  constexpr int64_t AHEAD = 48;  // keys requested ahead: DRAM latency outlasts one 16-key chunk
+  prefetch_rows(kh, table, first, std::min<int64_t>(len, first + AHEAD), block_size, D);
+  for (int64_t p0 = first; p0 < len; p0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, len - p0);
+    prefetch_rows(kh, table, p0 + AHEAD, std::min<int64_t>(len, p0 + AHEAD + 16), block_size, D);
+    const float* rows[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t p = p0 + std::min<int64_t>(j, nk - 1);  // past the end: repeat the last key, not stored
+      const T* krow = kh + (table[p / block_size] * block_size + p % block_size) * D;
+      if constexpr (std::is_same_v<T, float>) {
+        rows[j] = krow;
+      } else {
+        for (int v = 0; v < NV; ++v) loadf<T>(krow + v * 16).store(kbuf + j * D + v * 16);
+        rows[j] = kbuf + j * D;
+      }
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << nk) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_mul_ps(loadf<T>(q + g * q_head + v * 16), _mm512_set1_ps(scale));
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(rows[j]), qv[0]);
+        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(_mm512_loadu_ps(rows[j] + v * 16), qv[v], a);
+        acc[j] = a;
+      }
+      _mm512_mask_storeu_ps(scores + g * n + (p0 - first), keep, sum16(acc));
+    }
+  }
+}
+
+// The whole task with the keys outermost: scores by decode_scores16, a float32 softmax per head,
+// then each value row is widened once and added into the accumulators of up to four heads.
+template <typename T, int NV>
+void decode_task16(const T* q, const T* kh, const T* vh, T* out, const int64_t* table, int64_t first, int64_t len,
+                   int64_t group, int64_t block_size, int64_t q_head, float scale, float softcap, float* scores) {
+  constexpr int64_t D = NV * 16;
+  constexpr int HP = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);  // heads per pass over the values (accumulators in registers)
+  const int64_t n = len - first;
+  decode_scores16<T, NV>(q, kh, table, first, len, group, block_size, q_head, scale, scores);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    int64_t i = 0;
+    if (softcap > 0.f) {
+      const Vec cap(softcap), inv(1.f / softcap);
+      for (; i + W <= n; i += W) ((Vec::loadu(sg + i) * inv).tanh() * cap).store(sg + i);
+      for (; i < n; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+    Vec vmx(mx), vsum(0.f);
+    float sum = 0.f;
+    for (i = 0; i + W <= n; i += W) {
+      const Vec e = (Vec::loadu(sg + i) - vmx).exp();
+      e.store(sg + i);
+      vsum = vsum + e;
+    }
+    for (; i < n; ++i) {
+      sg[i] = std::exp(sg[i] - mx);
+      sum += sg[i];
+    }
+    sum += at::vec::vec_reduce_all<float>(std::plus<Vec>(), vsum);
+    const Vec norm(1.f / sum);
+    for (i = 0; i + W <= n; i += W) (Vec::loadu(sg + i) * norm).store(sg + i);
+    for (; i < n; ++i) sg[i] *= 1.f / sum;
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += HP) {
+    const int hp = static_cast<int>(std::min<int64_t>(HP, group - g0));
+    __m512 av[HP][NV];
+    for (int h = 0; h < HP; ++h)
+      for (int v = 0; v < NV; ++v) av[h][v] = _mm512_setzero_ps();
+    if (g0 == 0) prefetch_rows(vh, table, first, std::min<int64_t>(len, first + 48), block_size, D);
+    for (int64_t p = first; p < len; ++p) {
+      if (g0 == 0 && (p - first) % 16 == 0) prefetch_rows(vh, table, p + 48, std::min<int64_t>(len, p + 64), block_size, D);
+      const T* vrow = vh + (table[p / block_size] * block_size + p % block_size) * D;
+      __m512 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = loadf<T>(vrow + v * 16);
+      for (int h = 0; h < HP; ++h) {
+        if (h >= hp) break;
+        const __m512 w = _mm512_set1_ps(scores[(g0 + h) * n + (p - first)]);
+        for (int v = 0; v < NV; ++v) av[h][v] = _mm512_fmadd_ps(w, vv[v], av[h][v]);
+      }
+    }
+    for (int h = 0; h < hp; ++h)
+      for (int v = 0; v < NV; ++v) storef<T>(out + (g0 + h) * D + v * 16, Vec(av[h][v]));
+  }
+}
+#endif
+
 template <typename T, int NV>
 void decode_task(const T* q, const T* kh, const T* vh, T* out, const int64_t* table, int64_t first, int64_t len,
                  int64_t group, int64_t d, int64_t block_size, int64_t q_head, float scale, float softcap,
@@ -350,6 +474,14 @@ void decode_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* ta
         const int64_t b = task / kv_heads, hk = task % kv_heads;
         const int64_t len = lens[b];
         const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+#if defined(CPU_CAPABILITY_AVX512)
+        if constexpr (NV > 0) {
+          decode_task16<T, NV>(q + b * q_row + hk * group * q_head, kc + hk * head_slots * d,
+                               vc + hk * head_slots * d, out + (b * heads + hk * group) * d, tables + b * table_width,
+                               first, len, group, block_size, q_head, scale, softcap, scores.data());
+          continue;
+        }
+#endif
         decode_task<T, NV>(q + b * q_row + hk * group * q_head, kc + hk * head_slots * d, vc + hk * head_slots * d,
                            out + (b * heads + hk * group) * d, tables + b * table_width, first, len, group, d,
                            block_size, q_head, scale, softcap, scores.data(), qf.data(), acc.data());

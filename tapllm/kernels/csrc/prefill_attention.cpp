@@ -13,7 +13,10 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -53,6 +56,147 @@ struct Task {
   int64_t chunk, head, first;  // KV head; first query position (relative to the chunk)
 };
 
+#if defined(CPU_CAPABILITY_AVX512)
+#define TAPLLM_BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+
+// A bfloat16 task with AVX512-BF16 dot products (vdpbf16ps: 32 products summed pairwise into 16
+// float32 lanes per instruction, twice the FMA rate). Q.K sums pairs of dimensions: the key tile
+// is stored as [d/2][KT] pairs, a query row's pair broadcast. P.V sums pairs of keys: the value
+// tile is [KT/2][d] pairs of rows and the probabilities are rounded to bfloat16 pairs first, as
+// PyTorch's own bf16 attention does. Scores, softmax and the accumulators stay float32.
+// DV: vectors of 16 per head row (d = 16 * DV).
+template <int DV>
+TAPLLM_BF16_TARGET void bf16_dot_task(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, uint16_t* out,
+                                      const int64_t* table, int64_t qstart, int64_t first, int64_t n, int64_t ctx,
+                                      int64_t group, int64_t hk, int64_t heads, int64_t block_size, int64_t q_row,
+                                      int64_t q_head, float scale, int64_t window, float softcap, uint32_t* qp,
+                                      uint32_t* ktp, uint32_t* vtp, uint32_t* pp, float* o, float* m, float* l,
+                                      float* s) {
+  constexpr int64_t d = 16 * DV, dh = d / 2;
+  constexpr int NV = KT / 16;
+  const int64_t rows = n * group;
+  const int64_t padded = (rows + RB - 1) / RB * RB;
+  for (int64_t r = 0; r < padded; ++r) {
+    uint32_t* dst = qp + r * dh;
+    if (r < rows) {
+      std::memcpy(dst, q + (qstart + first + r / group) * q_row + (hk * group + r % group) * q_head, d * 2);
+    } else {
+      std::memset(dst, 0, d * 2);
+    }
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  std::memset(o, 0, padded * d * sizeof(float));
+  const int64_t last_pos = ctx + first + n - 1;
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, ctx + first - window + 1) : 0;
+  for (int64_t k0 = first_key; k0 <= last_pos; k0 += KT) {
+    const int64_t nk = std::min(KT, last_pos + 1 - k0);
+    for (int64_t j = 0; j < KT; j += 2) {  // the tile's pairs; keys past nk are zero
+      const uint32_t* kr[2];
+      const uint16_t* vr[2];
+      for (int u = 0; u < 2; ++u) {
+        const int64_t p = k0 + std::min(j + u, nk - 1);
+        const int64_t slot = table[p / block_size] * block_size + p % block_size;
+        kr[u] = reinterpret_cast<const uint32_t*>(kh + slot * d);
+        vr[u] = vh + slot * d;
+      }
+      const bool real0 = j < nk, real1 = j + 1 < nk;
+      for (int64_t e = 0; e < dh; ++e) {
+        ktp[e * KT + j] = real0 ? kr[0][e] : 0u;
+        ktp[e * KT + j + 1] = real1 ? kr[1][e] : 0u;
+      }
+      uint32_t* vp = vtp + (j / 2) * d;
+      for (int64_t e = 0; e < d; ++e)
+        vp[e] = (real0 ? uint32_t(vr[0][e]) : 0u) | ((real1 ? uint32_t(vr[1][e]) : 0u) << 16);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+      const int rb = static_cast<int>(std::min<int64_t>(RB, rows - r0));
+      __m512 acc[RB][NV];
+      for (int i = 0; i < RB; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+      for (int64_t e = 0; e < dh; ++e) {
+        __m512bh kv[NV];
+        for (int v = 0; v < NV; ++v) kv[v] = (__m512bh)_mm512_loadu_si512(ktp + e * KT + v * 16);
+        for (int i = 0; i < RB; ++i) {
+          const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[(r0 + i) * dh + e]));
+          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], qv, kv[v]);
+        }
+      }
+      for (int i = 0; i < RB; ++i) {
+        const int64_t r = r0 + i;
+        const int64_t pos = ctx + first + r / group;
+        float* sr = s + i * KT;
+        uint32_t* pr = pp + i * (KT / 2);
+        const int64_t lo = i < rb ? std::max<int64_t>(0, (window > 0 ? pos - window + 1 : 0) - k0) : 0;
+        const int64_t hi = i < rb ? std::min<int64_t>(nk, pos + 1 - k0) : 0;
+        if (hi <= lo) {  // padding row, or no visible key in this tile
+          std::memset(pr, 0, KT * 2);
+          continue;
+        }
+        for (int v = 0; v < NV; ++v) {
+          Vec x = Vec(acc[i][v]) * Vec(scale);
+          if (softcap > 0.f) x = (x * Vec(1.f / softcap)).tanh() * Vec(softcap);
+          x.store(sr + v * 16);
+        }
+        for (int64_t j = 0; j < lo; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+        for (int64_t j = hi; j < KT; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+        Vec vmx(-std::numeric_limits<float>::infinity());
+        for (int v = 0; v < NV; ++v) vmx = at::vec::maximum(vmx, Vec::loadu(sr + v * 16));
+        const float mx = std::max(m[r], at::vec::vec_reduce_all<float>(
+            [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmx));
+        const float rescale = std::exp(m[r] - mx);
+        Vec vsum(0.f);
+        for (int v = 0; v < NV; v += 2) {
+          const Vec e0 = (Vec::loadu(sr + v * 16) - Vec(mx)).exp();
+          const Vec e1 = (Vec::loadu(sr + (v + 1) * 16) - Vec(mx)).exp();
+          vsum = vsum + e0 + e1;
+          _mm512_storeu_si512(pr + v * 8, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        l[r] = l[r] * rescale + at::vec::vec_reduce_all<float>(std::plus<Vec>(), vsum);
+        m[r] = mx;
+        if (rescale != 1.f) {
+          float* orow = o + r * d;
+          for (int v = 0; v < DV; ++v) (Vec::loadu(orow + v * 16) * Vec(rescale)).store(orow + v * 16);
+        }
+      }
+      const int64_t pairs = (nk + 1) / 2;
+      for (int v0 = 0; v0 < DV; v0 += 4) {  // four output vectors of the RB rows in registers at a time
+        __m512 ov[RB][4];
+        for (int i = 0; i < RB; ++i)
+          for (int v = 0; v < 4; ++v) ov[i][v] = _mm512_loadu_ps(o + (r0 + i) * d + (v0 + v) * 16);
+        for (int64_t jp = 0; jp < pairs; ++jp) {
+          __m512bh vv[4];
+          for (int v = 0; v < 4; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(vtp + jp * d + (v0 + v) * 16);
+          for (int i = 0; i < RB; ++i) {
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i * (KT / 2) + jp]));
+            for (int v = 0; v < 4; ++v) ov[i][v] = _mm512_dpbf16_ps(ov[i][v], pv, vv[v]);
+          }
+        }
+        for (int i = 0; i < RB; ++i)
+          for (int v = 0; v < 4; ++v) _mm512_storeu_ps(o + (r0 + i) * d + (v0 + v) * 16, ov[i][v]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    auto* dst = reinterpret_cast<at::BFloat16*>(out) + ((qstart + first + r / group) * heads + hk * group + r % group) * d;
+    const Vec inv(1.f / l[r]);
+    for (int v = 0; v < DV; ++v) at::vec::convert_from_float<at::BFloat16>(Vec::loadu(o + r * d + v * 16) * inv,
+                                                                         Vec(0.f)).store(dst + v * 16, 16);
+  }
+}
+
+// Whether the CPU runs vdpbf16ps. CPUID is the right test here: AVX512-BF16 works on the
+// zmm state that the OS has already enabled for AVX512 (ATen's AVX512 dispatch checks it);
+// unlike AMX tiles, no further permission is asked of the kernel.
+bool bf16_dot_supported() {
+  static const bool ok = [] {
+    const char* env = std::getenv("TAPLLM_BF16_DOT");  // "0": float32 products (for comparisons)
+    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0");
+  }();
+  return ok;
+}
+#endif
+
 template <typename T>
 void prefill_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* starts, const int64_t* lens,
                   const int64_t* contexts, const int64_t* tables, int64_t table_width, int64_t heads,
@@ -61,6 +205,33 @@ void prefill_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* s
   const int64_t group = heads / kv_heads;
   const int64_t dv = (d + W - 1) / W;  // vectors per head row (the tail is zero-padded)
   const int64_t dp = dv * W;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if ((d == 64 || d == 128) && bf16_dot_supported()) {
+      at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+        std::vector<uint32_t> qp(QB * group * d / 2 + RB * d), ktp(d / 2 * KT), vtp(KT / 2 * d), pp(RB * KT / 2);
+        std::vector<float> o((QB * group + RB) * d), m(QB * group + RB), l(QB * group + RB), s(RB * KT);
+        for (int64_t ti = begin; ti < end; ++ti) {
+          const Task& task = tasks[ti];
+          const int64_t c = task.chunk;
+          const auto* q16 = reinterpret_cast<const uint16_t*>(q);
+          const auto* k16 = reinterpret_cast<const uint16_t*>(kc) + task.head * head_slots * d;
+          const auto* v16 = reinterpret_cast<const uint16_t*>(vc) + task.head * head_slots * d;
+          auto* o16 = reinterpret_cast<uint16_t*>(out);
+          const int64_t n = std::min(QB, lens[c] - task.first);
+          auto run = [&](auto dv_tag) {
+            bf16_dot_task<decltype(dv_tag)::value>(q16, k16, v16, o16, tables + c * table_width, starts[c], task.first,
+                                                   n, contexts[c], group, task.head, heads, block_size, q_row, q_head,
+                                                   scale, window, softcap, qp.data(), ktp.data(), vtp.data(), pp.data(),
+                                                   o.data(), m.data(), l.data(), s.data());
+          };
+          if (d == 64) run(std::integral_constant<int, 4>()); else run(std::integral_constant<int, 8>());
+        }
+      });
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt(dp * KT), vt(KT * dp), qf, o, m, l, s(RB * KT);
     for (int64_t ti = begin; ti < end; ++ti) {
