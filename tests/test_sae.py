@@ -528,6 +528,69 @@ def test_feature_steering_batched_chunked_cached(tiny_models):
     assert again.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def _same_run(a, b, what: str) -> None:
+    """Same tokens, positions and states (1e-5 of scale), same feature values."""
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids, what
+    ha, hb = a.hidden_states, b.hidden_states
+    assert torch.equal(ha.positions, hb.positions) and ha.layers == hb.layers, what
+    _close(ha["resid_post"], hb["resid_post"])
+    for name, t in hb.features.tensors().items():
+        if name != "ids":  # near-ties may swap ids under other batchings; values pin the result
+            _close(ha.features.tensors()[name], t, 1e-4)
+
+
+def test_feature_steering_preempted_and_chunked_with_a_cache_hit(tiny_models):
+    """Every feature op (add, clamp, set, ablate), with capture, gives the tokens and states of its
+    solo run when its request is preempted and recomputed, and under chunked prefill after a
+    prefix-cache hit (with preemption on top)."""
+    path = tiny_models["llama"]
+    sae = _sae("jumprelu", "resid_post", 1, seed=7)
+    steers = [Steer(op="add", sae=sae, features={5: 8.0, 9: -4.0}, scale=1.5),
+              Steer(op="clamp", sae=sae, features={3: 20.0, 40: 0.0}),
+              Steer(op="set", sae=sae, features={3: 12.0}, positions="prompt"),
+              Steer(op="ablate", sae=sae, features=[3, 40], positions="generated")]
+    shared = random_prompts([20], seed=13)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 9, 1, 14], seed=14)]
+    # positions from 16 on (the prompts' tails and the replies), so the first 16 tokens can come from the cache
+    specs = [HiddenStatesSpec(layers=[1, 2], points=["resid_post"], sae=sae, features="topk:6",
+                              positions=(16, len(p) + NEW - 1)) for p in prompts]
+    params = [SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, steering=[s], hidden_states=spec)
+              for s, spec in zip(steers, specs)]
+    solo = [LLM(path, dtype="float32", enable_prefix_caching=False).generate([p], q, use_tqdm=False)[0]
+            for p, q in zip(prompts, params)]
+    plain = LLM(path, dtype="float32").generate(prompts, SamplingParams(max_tokens=NEW, temperature=0,
+                                                                        ignore_eos=True), use_tqdm=False)
+    assert all(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(solo[:2], plain[:2]))
+
+    # (a) a KV cache holding the prompts only: decoding must preempt the latest admitted request,
+    # so each op in turn comes last and is the one recomputed
+    blocks = sum(-(-len(p) // 4) for p in prompts)
+    tight = LLM(path, dtype="float32", block_size=4, kv_cache_blocks=blocks, enable_prefix_caching=False)
+    for i, s in enumerate(steers):
+        order = [j for j in range(4) if j != i] + [i]
+        outs = tight.generate([prompts[j] for j in order], [params[j] for j in order], use_tqdm=False)
+        assert outs[-1].metrics["num_preemptions"] > 0, s.op
+        for j, a in zip(order, outs):
+            _same_run(a, solo[j], f"{steers[j].op} preempted ({s.op} last)")
+
+    # (b) chunked prefill (7-token budget) after a cache hit on the steered shared prefix
+    cached = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=7)
+    for a, b, s in zip(cached.generate(prompts, params, use_tqdm=False), solo, steers):
+        _same_run(a, b, f"{s.op} chunked")
+    again = cached.generate(prompts, params, use_tqdm=False)
+    assert all(o.metrics["num_cached_tokens"] == 16 for o in again), [o.metrics for o in again]
+    for a, b, s in zip(again, solo, steers):
+        _same_run(a, b, f"{s.op} chunked after a cache hit")
+
+    # (c) all at once: chunked, cached and preempted
+    mixed = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=7, kv_cache_blocks=14)
+    mixed.generate(prompts[:1], params[:1], use_tqdm=False)  # the add steer's prefix in the cache
+    outs = mixed.generate(prompts, params, use_tqdm=False)
+    assert outs[0].metrics["num_cached_tokens"] > 0 and mixed.engine.scheduler.num_preemptions > 0
+    for a, b, s in zip(outs, solo, steers):
+        _same_run(a, b, f"{s.op} chunked, cached, preempted")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(op="scale", features={1: 1.0}), "does not apply to SAE features"),
     (dict(op="clamp", features=[1, 2]), "must be \\{id: value\\}"),
