@@ -239,6 +239,76 @@ def test_load_errors(tmp_path):
     assert SAE.load(renamed, point="resid_pre", layer=0).point == "resid_pre"
 
 
+def _hub_cache(hub: Path, repo: str, files: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> None:
+    """Put the folder ``files`` into the Hugging Face cache ``hub`` as ``repo`` at ``main``, laid out as
+    huggingface_hub lays it out: content-addressed blobs, a snapshot of relative links to them, refs/main."""
+    import hashlib
+    import os
+
+    root = hub / ("models--" + repo.replace("/", "--"))
+    for f in sorted(x for x in files.rglob("*") if x.is_file()):
+        data = f.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = root / "snapshots" / commit / f.relative_to(files)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+
+
+def _same_sae(a: SAE, b: SAE) -> None:
+    assert (a.point, a.layer, a.architecture, a.d_sae, a.cfg.k) == (b.point, b.layer, b.architecture, b.d_sae, b.cfg.k)
+    assert a.digest() == b.digest()
+
+
+def test_hub_ids_load_through_the_local_cache(tmp_path, monkeypatch, llm):
+    """SAELens releases (one folder per SAE id), Gemma Scope (layer_N/width_../average_l0_..) and
+    sparsify (hookpoint folders) by hub id, offline, from a real cache layout; a spec names one too."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub, src = tmp_path / "hub", tmp_path / "src"
+    release = src / "release"
+    write_saelens(release / "blocks.1.hook_resid_post", "topk", k=7)
+    write_saelens(release / "blocks.2.hook_mlp_out", "standard", hook="blocks.2.hook_mlp_out", v6=False, seed=3)
+    save_file({"sparsity": torch.zeros(256)}, str(release / "blocks.2.hook_mlp_out" / "sparsity.safetensors"))
+    _hub_cache(hub, "tapllm-test/tiny-res-saes", release)
+    gemma = write_gemma_scope(src / "gs", layer=2, kind="res").parent
+    _hub_cache(hub, "tapllm-test/gemma-scope-2b-pt-res", src / "gs" / "gemma-scope-2b-pt-res")
+    write_sparsify(src / "sp", "layers.1")
+    write_sparsify(src / "sp", "layers.2.mlp", seed=30)
+    _hub_cache(hub, "tapllm-test/sparsify-tiny", src / "sp")
+
+    res = SAE.load("tapllm-test/tiny-res-saes/blocks.1.hook_resid_post", download_dir=hub)
+    _same_sae(res, SAE.load(release / "blocks.1.hook_resid_post"))
+    assert "/snapshots/" in res.cfg.source
+    _same_sae(SAE.load("tapllm-test/tiny-res-saes", hookpoint="blocks.2.hook_mlp_out", download_dir=hub),
+              SAE.load(release / "blocks.2.hook_mlp_out"))
+    gs = SAE.load("tapllm-test/gemma-scope-2b-pt-res/layer_2/width_16k/average_l0_10", download_dir=hub)
+    assert (gs.point, gs.layer) == ("resid_post", 2)  # read from the snapshot path, not the blob's
+    _same_sae(gs, SAE.load(gemma))
+    _same_sae(SAE.load("tapllm-test/sparsify-tiny", hookpoint="layers.2.mlp", download_dir=hub),
+              SAE.load(src / "sp" / "layers.2.mlp"))
+    with pytest.raises(ValueError, match="several SAEs .*pick one with hookpoint"):
+        SAE.load("tapllm-test/sparsify-tiny", download_dir=hub)
+    with pytest.raises(FileNotFoundError, match="has no 'blocks.9.hook_resid_post'.*blocks.1.hook_resid_post"):
+        SAE.load("tapllm-test/tiny-res-saes/blocks.9.hook_resid_post", download_dir=hub)
+    with pytest.raises(FileNotFoundError, match="'nobody/nothing'.*HF_HUB_OFFLINE"):
+        SAE.load("nobody/nothing", download_dir=hub)
+    with pytest.raises(ValueError, match="local path"):
+        SAE.load(gemma, download_dir=hub)
+
+    # the default cache (HF_HUB_CACHE) serves a spec that names the SAE by hub id
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    p = random_prompts([9], seed=2)
+    out = llm.generate(p, SamplingParams(max_tokens=3, temperature=0, hidden_states=HiddenStatesSpec(
+        layers=[1], points=["resid_post"], sae="tapllm-test/tiny-res-saes/blocks.1.hook_resid_post",
+        features="topk:5")), use_tqdm=False)[0]
+    _check_features(out, res, "topk", 5)
+
+
 # ---- features with generation -------------------------------------------------------------------
 def _sae(arch: str, point: str = "resid_post", layer: int = 1, d_sae: int = 256, seed: int = 0, k: int = 10) -> SAE:
     g = _g(seed)
