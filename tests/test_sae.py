@@ -323,6 +323,30 @@ def _sae(arch: str, point: str = "resid_post", layer: int = 1, d_sae: int = 256,
                torch.randn(d_sae, D, generator=g) * 0.1, torch.randn(D, generator=g) * 0.1, **extra)
 
 
+@pytest.mark.parametrize("arch", ["standard", "jumprelu", "gated"])
+def test_sparse_latents_decode_by_gathering(arch):
+    """A sparse SAE's reconstruction (for the error norm) gathers its active decoder rows; it equals
+    the dense decode, with per-row normalization too, and a row with no active latent gives b_dec."""
+    from tapllm.sae import features as fm
+
+    sae = _sae(arch, d_sae=512, seed=11)
+    sae.b_enc -= 6.0  # about 1 latent in 100 active
+    if sae.b_mag is not None:
+        sae.b_mag -= 6.0
+    x = _rand(40, D, seed=12)
+    x[3] = sae.b_dec  # encodes to nothing, for standard and jumprelu
+    for norm in ("none", "layer_norm"):
+        sae.cfg.normalize_activations = norm
+        z, y = fm.encode_and_reconstruct(sae, x)
+        assert 0 < int(z.count_nonzero()) * fm.SPARSE_DECODE_DENSITY < z.numel()  # the gathering path
+        _close(z, sae.encode(x))
+        _close(y, sae.decode(z, x))
+        _close(fm.sparse_decode(z, sae.W_dec), z @ sae.W_dec)
+        if arch != "gated" and norm == "none":
+            assert int(z[3].count_nonzero()) == 0
+            _close(y[3], sae.b_dec)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_models):
     return LLM(tiny_models["llama"], dtype="float32", block_size=8)

@@ -400,7 +400,8 @@ def _encode_group(entries: list[Any], rows_of: RowsOf) -> list[dict[str, torch.T
 def encode_and_reconstruct(sae: SAE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense latents ``[n, d_sae]`` and the reconstruction ``[n, d_out]`` of float32 rows ``x``.
 
-    A top-k SAE decodes only its k active latents (a gather of k decoder rows per row).
+    A top-k SAE decodes only its k active latents (a gather of k decoder rows per row); on CPU,
+    so does any SAE whose latents are sparse enough that gathering beats the dense matmul.
     """
     xn, factors = sae.normalize(x)
     z = sae.encode_normalized(xn)
@@ -413,8 +414,29 @@ def encode_and_reconstruct(sae: SAE, x: torch.Tensor) -> tuple[torch.Tensor, tor
         if factors is not None:
             scale, shift = factors
             y = y * scale + shift
+    elif z.device.type == "cpu" and not c.rescale_acts_by_decoder_norm and \
+            int(z.count_nonzero()) * SPARSE_DECODE_DENSITY < z.numel():
+        y = sparse_decode(z, sae.W_dec) + sae.b_dec
+        if factors is not None:
+            scale, shift = factors
+            y = y * scale + shift
     else:
         y = sae.decode_normalized(z, factors)
     if sae.W_skip is not None:
         y = y + x @ sae.W_skip.T
     return z, y
+
+
+SPARSE_DECODE_DENSITY = 32  # decode by gathering when fewer than 1 latent in this many is active (CPU)
+
+
+def sparse_decode(z: torch.Tensor, w_dec: torch.Tensor) -> torch.Tensor:
+    """``z @ w_dec`` for mostly-zero latents ``z`` ``[n, d_sae]``: a weighted sum of the active rows of
+    ``w_dec`` per row (equal to the matmul up to float rounding; a row with no active latent gives 0)."""
+    n, d = z.shape
+    flat = z.reshape(-1)
+    idx = flat.nonzero().squeeze(1)  # row-major, so each row's latents are contiguous
+    rows = idx // d
+    offsets = torch.searchsorted(rows, torch.arange(n, device=z.device))  # where each row's bag starts
+    return F.embedding_bag(idx - rows * d, w_dec, offsets=offsets, per_sample_weights=flat.index_select(0, idx),
+                           mode="sum")
