@@ -300,8 +300,13 @@ def test_hub_ids_load_through_the_local_cache(tmp_path, monkeypatch, llm):
     with pytest.raises(ValueError, match="local path"):
         SAE.load(gemma, download_dir=hub)
 
-    # the default cache (HF_HUB_CACHE) serves a spec that names the SAE by hub id
+    # the default cache (HF_HUB_CACHE) serves a spec that names the SAE by hub id, read once
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    from tapllm.sae.features import load_sae
+
+    once = load_sae("tapllm-test/tiny-res-saes/blocks.1.hook_resid_post", "sae")
+    assert load_sae("tapllm-test/tiny-res-saes/blocks.1.hook_resid_post", "sae") is once
+    _same_sae(once, res)
     p = random_prompts([9], seed=2)
     out = llm.generate(p, SamplingParams(max_tokens=3, temperature=0, hidden_states=HiddenStatesSpec(
         layers=[1], points=["resid_post"], sae="tapllm-test/tiny-res-saes/blocks.1.hook_resid_post",

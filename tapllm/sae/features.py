@@ -87,14 +87,15 @@ def load_sae(value: Any, field: str) -> SAE:
     if isinstance(value, str) and value in _REGISTERED:
         return _REGISTERED[value]
     if isinstance(value, str | os.PathLike):
-        key = _load_key(value)
-        if key in _LOADED:  # the same file again (e.g. one spec per request): read once
-            return _LOADED[key]
+        from tapllm.sae.formats import locate_sae
+
         try:
-            sae = SAE.load(value)
-        except FileNotFoundError as exc:
-            raise ValueError(f"{field}: {exc}") from None
-        except ValueError as exc:
+            path = locate_sae(value)  # a hub id becomes its folder in the Hugging Face cache
+            key = _load_key(path)
+            if key in _LOADED:  # the same file again (e.g. one spec per request): read once
+                return _LOADED[key]
+            sae = SAE.load(path)
+        except (FileNotFoundError, ValueError) as exc:
             raise ValueError(f"{field}: {exc}") from None
         if key is not None:
             if len(_LOADED) >= 8:
@@ -104,11 +105,11 @@ def load_sae(value: Any, field: str) -> SAE:
     raise ValueError(f"{field} must be a tapllm.SAE or the path of one, got {type(value).__name__}")
 
 
-_LOADED: dict[tuple[str, int], SAE] = {}  # SAEs read from local paths, by (path, newest mtime of its files)
+_LOADED: dict[tuple[str, int], SAE] = {}  # SAEs read from files (hub ids too), by (path, newest mtime of its files)
 
 
 def _load_key(value: str | os.PathLike) -> tuple[str, int] | None:
-    """A local path's identity for the load cache (None for a hub id: the hub cache serves it)."""
+    """A local path's identity for the load cache (None when it does not exist)."""
     path = os.path.realpath(os.fspath(value))
     if not os.path.exists(path):
         return None

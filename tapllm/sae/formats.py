@@ -107,6 +107,13 @@ def read_sae(path: str | os.PathLike, *, hookpoint: str | None = None, point: st
     return _override(sae, point, layer)
 
 
+def locate_sae(path: str | os.PathLike, revision: str | None = None, download_dir: str | os.PathLike | None = None,
+               hookpoint: str | None = None) -> Path:
+    """Where the SAE named by ``path`` is on disk: a local path as given, a hub id's folder in the
+    Hugging Face cache (fetched if missing and allowed; see ``SAE.load``)."""
+    return _locate(path, revision, download_dir, hookpoint)
+
+
 def _sae_folders(folder: Path, limit: int = 12) -> list[str]:
     """The folders under ``folder`` (up to three levels down) that hold an SAE, relative to it."""
     if not folder.is_dir():
