@@ -239,6 +239,81 @@ def test_load_errors(tmp_path):
     assert SAE.load(renamed, point="resid_pre", layer=0).point == "resid_pre"
 
 
+def _hub_cache(hub: Path, repo: str, files: Path, commit: str = "0123456789abcdef0123456789abcdef01234567") -> None:
+    """Put the folder ``files`` into the Hugging Face cache ``hub`` as ``repo`` at ``main``, laid out as
+    huggingface_hub lays it out: content-addressed blobs, a snapshot of relative links to them, refs/main."""
+    import hashlib
+    import os
+
+    root = hub / ("models--" + repo.replace("/", "--"))
+    for f in sorted(x for x in files.rglob("*") if x.is_file()):
+        data = f.read_bytes()
+        blob = root / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = root / "snapshots" / commit / f.relative_to(files)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+
+
+def _same_sae(a: SAE, b: SAE) -> None:
+    assert (a.point, a.layer, a.architecture, a.d_sae, a.cfg.k) == (b.point, b.layer, b.architecture, b.d_sae, b.cfg.k)
+    assert a.digest() == b.digest()
+
+
+def test_hub_ids_load_through_the_local_cache(tmp_path, monkeypatch, llm):
+    """SAELens releases (one folder per SAE id), Gemma Scope (layer_N/width_../average_l0_..) and
+    sparsify (hookpoint folders) by hub id, offline, from a real cache layout; a spec names one too."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub, src = tmp_path / "hub", tmp_path / "src"
+    release = src / "release"
+    write_saelens(release / "blocks.1.hook_resid_post", "topk", k=7)
+    write_saelens(release / "blocks.2.hook_mlp_out", "standard", hook="blocks.2.hook_mlp_out", v6=False, seed=3)
+    save_file({"sparsity": torch.zeros(256)}, str(release / "blocks.2.hook_mlp_out" / "sparsity.safetensors"))
+    _hub_cache(hub, "tapllm-test/tiny-res-saes", release)
+    gemma = write_gemma_scope(src / "gs", layer=2, kind="res").parent
+    _hub_cache(hub, "tapllm-test/gemma-scope-2b-pt-res", src / "gs" / "gemma-scope-2b-pt-res")
+    write_sparsify(src / "sp", "layers.1")
+    write_sparsify(src / "sp", "layers.2.mlp", seed=30)
+    _hub_cache(hub, "tapllm-test/sparsify-tiny", src / "sp")
+
+    res = SAE.load("tapllm-test/tiny-res-saes/blocks.1.hook_resid_post", download_dir=hub)
+    _same_sae(res, SAE.load(release / "blocks.1.hook_resid_post"))
+    assert "/snapshots/" in res.cfg.source
+    _same_sae(SAE.load("tapllm-test/tiny-res-saes", hookpoint="blocks.2.hook_mlp_out", download_dir=hub),
+              SAE.load(release / "blocks.2.hook_mlp_out"))
+    gs = SAE.load("tapllm-test/gemma-scope-2b-pt-res/layer_2/width_16k/average_l0_10", download_dir=hub)
+    assert (gs.point, gs.layer) == ("resid_post", 2)  # read from the snapshot path, not the blob's
+    _same_sae(gs, SAE.load(gemma))
+    _same_sae(SAE.load("tapllm-test/sparsify-tiny", hookpoint="layers.2.mlp", download_dir=hub),
+              SAE.load(src / "sp" / "layers.2.mlp"))
+    with pytest.raises(ValueError, match="several SAEs .*pick one with hookpoint"):
+        SAE.load("tapllm-test/sparsify-tiny", download_dir=hub)
+    with pytest.raises(FileNotFoundError, match="has no 'blocks.9.hook_resid_post'.*blocks.1.hook_resid_post"):
+        SAE.load("tapllm-test/tiny-res-saes/blocks.9.hook_resid_post", download_dir=hub)
+    with pytest.raises(FileNotFoundError, match="'nobody/nothing'.*HF_HUB_OFFLINE"):
+        SAE.load("nobody/nothing", download_dir=hub)
+    with pytest.raises(ValueError, match="local path"):
+        SAE.load(gemma, download_dir=hub)
+
+    # the default cache (HF_HUB_CACHE) serves a spec that names the SAE by hub id, read once
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    from tapllm.sae.features import load_sae
+
+    once = load_sae("tapllm-test/tiny-res-saes/blocks.1.hook_resid_post", "sae")
+    assert load_sae("tapllm-test/tiny-res-saes/blocks.1.hook_resid_post", "sae") is once
+    _same_sae(once, res)
+    p = random_prompts([9], seed=2)
+    out = llm.generate(p, SamplingParams(max_tokens=3, temperature=0, hidden_states=HiddenStatesSpec(
+        layers=[1], points=["resid_post"], sae="tapllm-test/tiny-res-saes/blocks.1.hook_resid_post",
+        features="topk:5")), use_tqdm=False)[0]
+    _check_features(out, res, "topk", 5)
+
+
 # ---- features with generation -------------------------------------------------------------------
 def _sae(arch: str, point: str = "resid_post", layer: int = 1, d_sae: int = 256, seed: int = 0, k: int = 10) -> SAE:
     g = _g(seed)
@@ -251,6 +326,30 @@ def _sae(arch: str, point: str = "resid_post", layer: int = 1, d_sae: int = 256,
     cfg = SAEConfig(arch, D, d_sae, point, layer, k=k if arch == "topk" else None)
     return SAE(cfg, torch.randn(D, d_sae, generator=g) * 0.3, torch.randn(d_sae, generator=g) * 0.1,
                torch.randn(d_sae, D, generator=g) * 0.1, torch.randn(D, generator=g) * 0.1, **extra)
+
+
+@pytest.mark.parametrize("arch", ["standard", "jumprelu", "gated"])
+def test_sparse_latents_decode_by_gathering(arch):
+    """A sparse SAE's reconstruction (for the error norm) gathers its active decoder rows; it equals
+    the dense decode, with per-row normalization too, and a row with no active latent gives b_dec."""
+    from tapllm.sae import features as fm
+
+    sae = _sae(arch, d_sae=512, seed=11)
+    sae.b_enc -= 6.0  # about 1 latent in 100 active
+    if sae.b_mag is not None:
+        sae.b_mag -= 6.0
+    x = _rand(40, D, seed=12)
+    x[3] = sae.b_dec  # encodes to nothing, for standard and jumprelu
+    for norm in ("none", "layer_norm"):
+        sae.cfg.normalize_activations = norm
+        z, y = fm.encode_and_reconstruct(sae, x)
+        assert 0 < int(z.count_nonzero()) * fm.SPARSE_DECODE_DENSITY < z.numel()  # the gathering path
+        _close(z, sae.encode(x))
+        _close(y, sae.decode(z, x))
+        _close(fm.sparse_decode(z, sae.W_dec), z @ sae.W_dec)
+        if arch != "gated" and norm == "none":
+            assert int(z[3].count_nonzero()) == 0
+            _close(y[3], sae.b_dec)
 
 
 @pytest.fixture(scope="module")
@@ -528,6 +627,69 @@ def test_feature_steering_batched_chunked_cached(tiny_models):
     assert again.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def _same_run(a, b, what: str) -> None:
+    """Same tokens, positions and states (1e-5 of scale), same feature values."""
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids, what
+    ha, hb = a.hidden_states, b.hidden_states
+    assert torch.equal(ha.positions, hb.positions) and ha.layers == hb.layers, what
+    _close(ha["resid_post"], hb["resid_post"])
+    for name, t in hb.features.tensors().items():
+        if name != "ids":  # near-ties may swap ids under other batchings; values pin the result
+            _close(ha.features.tensors()[name], t, 1e-4)
+
+
+def test_feature_steering_preempted_and_chunked_with_a_cache_hit(tiny_models):
+    """Every feature op (add, clamp, set, ablate), with capture, gives the tokens and states of its
+    solo run when its request is preempted and recomputed, and under chunked prefill after a
+    prefix-cache hit (with preemption on top)."""
+    path = tiny_models["llama"]
+    sae = _sae("jumprelu", "resid_post", 1, seed=7)
+    steers = [Steer(op="add", sae=sae, features={5: 8.0, 9: -4.0}, scale=1.5),
+              Steer(op="clamp", sae=sae, features={3: 20.0, 40: 0.0}),
+              Steer(op="set", sae=sae, features={3: 12.0}, positions="prompt"),
+              Steer(op="ablate", sae=sae, features=[3, 40], positions="generated")]
+    shared = random_prompts([20], seed=13)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 9, 1, 14], seed=14)]
+    # positions from 16 on (the prompts' tails and the replies), so the first 16 tokens can come from the cache
+    specs = [HiddenStatesSpec(layers=[1, 2], points=["resid_post"], sae=sae, features="topk:6",
+                              positions=(16, len(p) + NEW - 1)) for p in prompts]
+    params = [SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, steering=[s], hidden_states=spec)
+              for s, spec in zip(steers, specs)]
+    solo = [LLM(path, dtype="float32", enable_prefix_caching=False).generate([p], q, use_tqdm=False)[0]
+            for p, q in zip(prompts, params)]
+    plain = LLM(path, dtype="float32").generate(prompts, SamplingParams(max_tokens=NEW, temperature=0,
+                                                                        ignore_eos=True), use_tqdm=False)
+    assert all(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(solo[:2], plain[:2]))
+
+    # (a) a KV cache holding the prompts only: decoding must preempt the latest admitted request,
+    # so each op in turn comes last and is the one recomputed
+    blocks = sum(-(-len(p) // 4) for p in prompts)
+    tight = LLM(path, dtype="float32", block_size=4, kv_cache_blocks=blocks, enable_prefix_caching=False)
+    for i, s in enumerate(steers):
+        order = [j for j in range(4) if j != i] + [i]
+        outs = tight.generate([prompts[j] for j in order], [params[j] for j in order], use_tqdm=False)
+        assert outs[-1].metrics["num_preemptions"] > 0, s.op
+        for j, a in zip(order, outs):
+            _same_run(a, solo[j], f"{steers[j].op} preempted ({s.op} last)")
+
+    # (b) chunked prefill (7-token budget) after a cache hit on the steered shared prefix
+    cached = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=7)
+    for a, b, s in zip(cached.generate(prompts, params, use_tqdm=False), solo, steers):
+        _same_run(a, b, f"{s.op} chunked")
+    again = cached.generate(prompts, params, use_tqdm=False)
+    assert all(o.metrics["num_cached_tokens"] == 16 for o in again), [o.metrics for o in again]
+    for a, b, s in zip(again, solo, steers):
+        _same_run(a, b, f"{s.op} chunked after a cache hit")
+
+    # (c) all at once: chunked, cached and preempted
+    mixed = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=7, kv_cache_blocks=14)
+    mixed.generate(prompts[:1], params[:1], use_tqdm=False)  # the add steer's prefix in the cache
+    outs = mixed.generate(prompts, params, use_tqdm=False)
+    assert outs[0].metrics["num_cached_tokens"] > 0 and mixed.engine.scheduler.num_preemptions > 0
+    for a, b, s in zip(outs, solo, steers):
+        _same_run(a, b, f"{s.op} chunked, cached, preempted")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(op="scale", features={1: 1.0}), "does not apply to SAE features"),
     (dict(op="clamp", features=[1, 2]), "must be \\{id: value\\}"),
@@ -644,3 +806,27 @@ def test_collect_stores_sparse_top_latents(fmt, tiny_models, tmp_path):
         z = sae.encode(ref.hidden_states["resid_post"][:, 0])
         _close(dense.topk(6).values, z.topk(6).values)
         row += n
+
+
+def test_tiny_sae_training_script_learns_and_saves_saelens(tmp_path):
+    """scripts/train_tiny_sae.py's trainer recovers a sparse dictionary's data, and its SAE round-trips
+    through SAELens' layout."""
+    import importlib.util
+
+    from tapllm.sae.formats import save_saelens
+
+    spec = importlib.util.spec_from_file_location("train_tiny_sae", Path(__file__).parents[1] / "scripts" /
+                                                  "train_tiny_sae.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    g = _g(21)
+    atoms = torch.nn.functional.normalize(torch.randn(96, D, generator=g), dim=-1)
+    codes = torch.zeros(3000, 96).scatter_(1, torch.randint(0, 96, (3000, 3), generator=g),
+                                           torch.rand(3000, 3, generator=g) * 4 + 1)
+    x = codes @ atoms + 0.5
+    w_enc, b_enc, w_dec, b_dec = script.train(x, 128, 4, steps=150, batch=256)
+    sae = SAE(SAEConfig("topk", D, 128, "resid_post", 1, k=4), w_enc.contiguous(), b_enc, w_dec.contiguous(), b_dec)
+    fvu = float((x - sae(x)).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
+    assert fvu < 0.4, fvu  # from about 0.75 at the start
+    back = SAE.load(save_saelens(sae, tmp_path / "sae"))
+    _close(back.encode(x[:50]), sae.encode(x[:50]))

@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--top must be in [1, 1024], got {args.top}")
     if args.html is not None and not (args.html.parent if str(args.html.parent) else Path(".")).is_dir():
         raise FileNotFoundError(f"no such directory: {args.html.parent}")
-    sae = SAE.load(args.sae, hookpoint=args.hookpoint)
+    hub = None if Path(args.sae).expanduser().exists() else getattr(args, "download_dir", None)
+    sae = SAE.load(args.sae, hookpoint=args.hookpoint, download_dir=hub)
     llm = LLM(config=EngineConfig.from_cli_args(args))
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     spec = HiddenStatesSpec(sae=sae, features=f"topk:{args.top}")

@@ -87,14 +87,15 @@ def load_sae(value: Any, field: str) -> SAE:
     if isinstance(value, str) and value in _REGISTERED:
         return _REGISTERED[value]
     if isinstance(value, str | os.PathLike):
-        key = _load_key(value)
-        if key in _LOADED:  # the same file again (e.g. one spec per request): read once
-            return _LOADED[key]
+        from tapllm.sae.formats import locate_sae
+
         try:
-            sae = SAE.load(value)
-        except FileNotFoundError as exc:
-            raise ValueError(f"{field}: {exc}") from None
-        except ValueError as exc:
+            path = locate_sae(value)  # a hub id becomes its folder in the Hugging Face cache
+            key = _load_key(path)
+            if key in _LOADED:  # the same file again (e.g. one spec per request): read once
+                return _LOADED[key]
+            sae = SAE.load(path)
+        except (FileNotFoundError, ValueError) as exc:
             raise ValueError(f"{field}: {exc}") from None
         if key is not None:
             if len(_LOADED) >= 8:
@@ -104,11 +105,11 @@ def load_sae(value: Any, field: str) -> SAE:
     raise ValueError(f"{field} must be a tapllm.SAE or the path of one, got {type(value).__name__}")
 
 
-_LOADED: dict[tuple[str, int], SAE] = {}  # SAEs read from local paths, by (path, newest mtime of its files)
+_LOADED: dict[tuple[str, int], SAE] = {}  # SAEs read from files (hub ids too), by (path, newest mtime of its files)
 
 
 def _load_key(value: str | os.PathLike) -> tuple[str, int] | None:
-    """A local path's identity for the load cache (None for a hub id: the hub cache serves it)."""
+    """A local path's identity for the load cache (None when it does not exist)."""
     path = os.path.realpath(os.fspath(value))
     if not os.path.exists(path):
         return None
@@ -400,7 +401,8 @@ def _encode_group(entries: list[Any], rows_of: RowsOf) -> list[dict[str, torch.T
 def encode_and_reconstruct(sae: SAE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense latents ``[n, d_sae]`` and the reconstruction ``[n, d_out]`` of float32 rows ``x``.
 
-    A top-k SAE decodes only its k active latents (a gather of k decoder rows per row).
+    A top-k SAE decodes only its k active latents (a gather of k decoder rows per row); on CPU,
+    so does any SAE whose latents are sparse enough that gathering beats the dense matmul.
     """
     xn, factors = sae.normalize(x)
     z = sae.encode_normalized(xn)
@@ -413,8 +415,29 @@ def encode_and_reconstruct(sae: SAE, x: torch.Tensor) -> tuple[torch.Tensor, tor
         if factors is not None:
             scale, shift = factors
             y = y * scale + shift
+    elif z.device.type == "cpu" and not c.rescale_acts_by_decoder_norm and \
+            int(z.count_nonzero()) * SPARSE_DECODE_DENSITY < z.numel():
+        y = sparse_decode(z, sae.W_dec) + sae.b_dec
+        if factors is not None:
+            scale, shift = factors
+            y = y * scale + shift
     else:
         y = sae.decode_normalized(z, factors)
     if sae.W_skip is not None:
         y = y + x @ sae.W_skip.T
     return z, y
+
+
+SPARSE_DECODE_DENSITY = 32  # decode by gathering when fewer than 1 latent in this many is active (CPU)
+
+
+def sparse_decode(z: torch.Tensor, w_dec: torch.Tensor) -> torch.Tensor:
+    """``z @ w_dec`` for mostly-zero latents ``z`` ``[n, d_sae]``: a weighted sum of the active rows of
+    ``w_dec`` per row (equal to the matmul up to float rounding; a row with no active latent gives 0)."""
+    n, d = z.shape
+    flat = z.reshape(-1)
+    idx = flat.nonzero().squeeze(1)  # row-major, so each row's latents are contiguous
+    rows = idx // d
+    offsets = torch.searchsorted(rows, torch.arange(n, device=z.device))  # where each row's bag starts
+    return F.embedding_bag(idx - rows * d, w_dec, offsets=offsets, per_sample_weights=flat.index_select(0, idx),
+                           mode="sum")

@@ -77,10 +77,11 @@ def hook_of_point(point: str, layer: int | None) -> str:
 
 
 def read_sae(path: str | os.PathLike, *, hookpoint: str | None = None, point: str | None = None,
-             layer: int | None = None, revision: str | None = None) -> SAEParts:
+             layer: int | None = None, revision: str | None = None,
+             download_dir: str | os.PathLike | None = None) -> SAEParts:
     """Read the SAE at ``path`` (a folder, a ``params.npz``/``.safetensors`` file or a hub id) on CPU:
     its config and weights (``SAE.load`` builds the SAE)."""
-    folder = _locate(path, revision)
+    folder = _locate(path, revision, download_dir, hookpoint)
     if folder.is_file():
         if folder.name.endswith(".npz"):
             return _override(read_gemma_scope(folder), point, layer)
@@ -89,7 +90,7 @@ def read_sae(path: str | os.PathLike, *, hookpoint: str | None = None, point: st
         sub = folder / hookpoint
         if not sub.is_dir():
             raise FileNotFoundError(f"SAE folder {folder} has no hookpoint folder {hookpoint!r}; it has "
-                                    f"{_hookpoints(folder) or 'none'}")
+                                    f"{_sae_folders(folder) or 'none'}")
         folder = sub
     if (folder / SAELENS_WEIGHTS).is_file():
         sae = read_saelens(folder)
@@ -98,23 +99,42 @@ def read_sae(path: str | os.PathLike, *, hookpoint: str | None = None, point: st
     elif (folder / GEMMA_SCOPE_FILE).is_file():
         sae = read_gemma_scope(folder / GEMMA_SCOPE_FILE)
     else:
-        subs = _hookpoints(folder)
+        subs = _sae_folders(folder)
         if subs:
-            raise ValueError(f"{folder} holds several SAEs (sparsify hookpoints {subs}): pick one with hookpoint=")
+            raise ValueError(f"{folder} holds several SAEs ({subs}): pick one with hookpoint=")
         raise ValueError(f"{folder} holds no SAE tapllm reads: expected {SAELENS_WEIGHTS} (SAELens), "
                          f"{SPARSIFY_WEIGHTS} (sparsify) or {GEMMA_SCOPE_FILE} (Gemma Scope)")
     return _override(sae, point, layer)
 
 
-def _hookpoints(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.is_dir() and (p / SPARSIFY_WEIGHTS).is_file()) \
-        if folder.is_dir() else []
+def locate_sae(path: str | os.PathLike, revision: str | None = None, download_dir: str | os.PathLike | None = None,
+               hookpoint: str | None = None) -> Path:
+    """Where the SAE named by ``path`` is on disk: a local path as given, a hub id's folder in the
+    Hugging Face cache (fetched if missing and allowed; see ``SAE.load``)."""
+    return _locate(path, revision, download_dir, hookpoint)
 
 
-def _locate(path: str | os.PathLike, revision: str | None) -> Path:
-    """A local folder/file, or a hub id ``org/name[/subfolder...]`` resolved through the Hugging Face cache."""
+def _sae_folders(folder: Path, limit: int = 12) -> list[str]:
+    """The folders under ``folder`` (up to three levels down) that hold an SAE, relative to it."""
+    if not folder.is_dir():
+        return []
+    found = {f.parent.relative_to(folder).as_posix() for name in (SAELENS_WEIGHTS, SPARSIFY_WEIGHTS, GEMMA_SCOPE_FILE)
+             for depth in ("*/", "*/*/", "*/*/*/") for f in folder.glob(depth + name)}
+    return sorted(found)[:limit]
+
+
+def _locate(path: str | os.PathLike, revision: str | None, download_dir: str | os.PathLike | None,
+            hookpoint: str | None) -> Path:
+    """A local folder/file, or a hub id ``org/name[/subfolder...]`` resolved through the Hugging Face cache.
+
+    On the hub an SAE lives in the repository's root, in a subfolder (a SAELens release's SAE
+    path, such as ``blocks.8.hook_resid_pre`` or ``layer_3/width_16k/average_l0_50``) or in a
+    sparsify hookpoint folder (``hookpoint=``); only that part of the repository is fetched.
+    """
     p = Path(path).expanduser()
     if p.exists():
+        if revision is not None or download_dir is not None:
+            raise ValueError(f"SAE {p} is a local path: revision= and download_dir= apply to hub ids only")
         return p
     text = str(path)
     parts = text.split("/")
@@ -122,11 +142,15 @@ def _locate(path: str | os.PathLike, revision: str | None) -> Path:
         raise FileNotFoundError(f"no such SAE file or folder: {text}")
     from tapllm.loader.hub import looks_like_repo_id, snapshot
 
-    repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
+    repo, sub = "/".join(parts[:2]), "/".join(x for x in parts[2:] if x)
     if not looks_like_repo_id(repo):
         raise FileNotFoundError(f"no such SAE file or folder: {text}")
-    patterns = [f"{sub}/*"] if sub else ["*.json", "*.safetensors", "*.npz"]
-    root = snapshot(repo, revision, patterns=patterns, what="SAE")
+    within = "/".join(x for x in (sub, hookpoint) if x)
+    patterns = [within, f"{within}/*"] if within else ["*.json", "*.safetensors", "*.npz"]
+    root = snapshot(repo, revision, cache_dir=download_dir, patterns=patterns, what="SAE")
+    if sub and not (root / sub).exists():
+        raise FileNotFoundError(f"SAE repository {repo!r} (at {root}) has no {sub!r}; the SAEs in it: "
+                                f"{_sae_folders(root) or 'none'}")
     return root / sub if sub else root
 
 
@@ -282,7 +306,7 @@ def read_gemma_scope(file: Path) -> SAEParts:
     missing = [n for n in ("W_enc", "W_dec", "b_enc", "b_dec", "threshold") if n not in w]
     if missing:
         raise ValueError(f"{where}: params.npz has no {missing}")
-    text = str(file.resolve())
+    text = os.path.abspath(file)  # not resolve(): in the hub cache the file is a link into blobs/
     if "transcoder" in text:
         raise ValueError(f"{where}: Gemma Scope transcoders read the MLP's normalized input, which tapllm does "
                          "not tap; they are not supported")

@@ -72,8 +72,8 @@ class SAE:
     # ---- construction ------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike, *, hookpoint: str | None = None, point: str | None = None,
-             layer: int | None = None, revision: str | None = None, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32) -> SAE:
+             layer: int | None = None, revision: str | None = None, download_dir: str | os.PathLike | None = None,
+             device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> SAE:
         """Read an SAE from a folder, a file or a Hugging Face hub id (through the local cache).
 
         Formats: SAELens (``cfg.json`` + ``sae_weights.safetensors``), EleutherAI sparsify
@@ -81,10 +81,18 @@ class SAE:
         ``hookpoint``), Gemma Scope (``params.npz``). ``point``/``layer`` override (or supply,
         for a Gemma Scope file outside its ``layer_N`` folder) where the SAE reads. Options a
         format has that tapllm does not implement are refused by name (``ValueError``).
+
+        A hub id is ``org/name``, optionally followed by the SAE's folder in the repository as
+        SAELens' releases and Gemma Scope lay them out (``org/name/blocks.8.hook_resid_pre``,
+        ``google/gemma-scope-2b-pt-res/layer_3/width_16k/average_l0_50``); a sparsify
+        repository's hookpoint is named with ``hookpoint``. It is read from the Hugging Face
+        cache (``download_dir``, else ``HF_HUB_CACHE``/``HF_HOME``) at ``revision``, and
+        downloaded only when missing and ``HF_HUB_OFFLINE`` is unset, as models are.
         """
         from tapllm.sae.formats import read_sae
 
-        config, weights = read_sae(path, hookpoint=hookpoint, point=point, layer=layer, revision=revision)
+        config, weights = read_sae(path, hookpoint=hookpoint, point=point, layer=layer, revision=revision,
+                                   download_dir=download_dir)
         return cls(config, **weights).to(device, dtype)
 
     def _check(self) -> None:
