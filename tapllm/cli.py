@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-server-count", type=int, default=1, metavar="N",
                      help="API server processes (HTTP, validation, tokenization, encoding of states) in front of "
                      "the engine core process, sharing the port (default 1)")
+    srv.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                     help="engine core processes (replicas, each with its own KV cache and its share of the CPU "
+                     "cores); requests go to the replica holding their prompt's prefix, else the least busy "
+                     "(default 1)")
     srv.add_argument("--no-engine-process", action="store_true",
                      help="run the engine on a thread of the API server's process instead of in a process of its "
                      "own (as vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0)")
@@ -288,29 +292,45 @@ def _serve(args: argparse.Namespace) -> int:
     model = args.model_path or args.model
     config = EngineConfig.from_cli_args(args, model=model)
     name = args.served_model_name or _model_name(model)
-    if args.api_server_count < 1:
-        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    for flag in ("api_server_count", "data_parallel_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.no_engine_process:
-        if args.api_server_count != 1:
-            raise ValueError("--api-server-count needs the engine core process: drop --no-engine-process")
+        if args.api_server_count != 1 or args.data_parallel_size != 1:
+            raise ValueError("--api-server-count and --data-parallel-size need the engine core process: "
+                             "drop --no-engine-process")
         return _serve_app(args, LLMEngine.from_config(config), name, api_key)
     from tapllm.server.api_servers import bind, serve_many
     from tapllm.server.core_client import CoreProcess, connect
 
     config.validate()
     sock = bind(args.host, args.port) if args.api_server_count > 1 else None
-    core = CoreProcess(config, list(args.sae), args.quiet)
+    n = args.data_parallel_size
+    cpus = _cpu_shares(n)
+    cores: list[CoreProcess] = []
     try:
+        cores.extend(CoreProcess(config, list(args.sae), args.quiet, cpus[i], i) for i in range(n))
         if sock is not None:
-            return serve_many(args.api_server_count, core, sock, _api_server, (args, config, name, api_key))
-        client = connect(core.address, core.pid, config)
-        logging.getLogger("tapllm").info("engine core running in process %d", core.pid)
+            return serve_many(args.api_server_count, cores, sock, _api_server, (args, config, name, api_key))
+        client = connect([c.address for c in cores], [c.pid for c in cores], config)
+        logging.getLogger("tapllm").info("engine core(s) running in process(es) %s", [c.pid for c in cores])
         return _serve_app(args, client, name, api_key)
     finally:
-        core.stop()
+        for core in cores:
+            core.stop()
 
 
-def _api_server(sock: Any, address: str, core_pid: int, args: argparse.Namespace, config: Any, name: str,
+def _cpu_shares(n: int) -> list[list[int] | None]:
+    """The CPUs each of ``n`` replicas is pinned to: contiguous shares (none pinned for one replica,
+    or when there are fewer CPUs than replicas)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if n == 1 or len(cpus) < n:
+        return [None] * n
+    per = len(cpus) // n
+    return [cpus[i * per : (i + 1) * per] for i in range(n)]
+
+
+def _api_server(sock: Any, addresses: list[str], pids: list[int], args: argparse.Namespace, config: Any, name: str,
                 api_key: str | None) -> int:
     """One of ``--api-server-count`` API server processes (spawned: set up logging and SAEs again)."""
     from tapllm.server.core_client import connect
@@ -318,7 +338,7 @@ def _api_server(sock: Any, address: str, core_pid: int, args: argparse.Namespace
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format=f"%(asctime)s %(levelname)s [api {os.getpid()}] %(message)s")
     _register_saes(args.sae)
-    return _serve_app(args, connect(address, core_pid, config), name, api_key, sock=sock)
+    return _serve_app(args, connect(addresses, pids, config), name, api_key, sock=sock)
 
 
 def _serve_app(args: argparse.Namespace, engine: Any, name: str, api_key: str | None, sock: Any = None) -> int:

@@ -157,3 +157,58 @@ def test_two_api_servers_share_the_port_and_stop_together(tiny_models):
         assert all(gone), server.output()[-2000:]
     finally:
         server.stop()
+
+
+def test_data_parallel_routes_a_prefix_to_the_replica_holding_it(tiny_models):
+    server = Server(tiny_models["llama"], "--data-parallel-size", "2")  # KV blocks of 16 tokens
+    try:
+        kids = [p for p in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(kids) == 2  # two engine cores
+        prefix = list(range(100, 100 + 96))  # six full blocks
+
+        def send(tokens: list[int]) -> None:
+            assert server.post("/v1/completions", {"prompt": tokens, "max_tokens": 2})[0] == 200
+
+        def per_replica(name: str) -> list[float]:
+            _, text = server.get("/metrics")
+            rows = [ln for ln in text.splitlines() if ln.startswith(name + "{")]
+            return [float(ln.rsplit(" ", 1)[1]) for ln in sorted(rows)]
+
+        send(prefix + [7])
+        first = per_replica("tapllm_dp_requests_routed_total").index(1.0)
+        send(list(range(300, 396)))  # another prefix: the other, idle replica
+        assert per_replica("tapllm_dp_requests_routed_total") == [1.0, 1.0]
+        for tail in ([8], [9, 10], [11]):
+            hits = server.metric("tapllm_prefix_cache_hits_total")
+            send(prefix + tail)
+            deadline = time.time() + 10  # the core's figures arrive with its next message
+            while server.metric("tapllm_prefix_cache_hits_total") < hits + 96 and time.time() < deadline:
+                time.sleep(0.1)
+            assert server.metric("tapllm_prefix_cache_hits_total") >= hits + 96  # the whole prefix was cached there
+        routed, affinity = per_replica("tapllm_dp_requests_routed_total"), per_replica("tapllm_dp_affinity_routed_total")
+        assert routed[first] == 4 and affinity[first] == 3 and routed[1 - first] == 1
+        hit_rate = server.metric("tapllm_prefix_cache_hit_rate")
+        print(f"data-parallel 2 replicas, prefix-hit rate of the run: {hit_rate:.2f}")
+        assert hit_rate > 0.5
+    finally:
+        server.stop()
+
+
+def test_router_prefers_the_prefix_holder_unless_it_is_much_busier():
+    from tapllm.server.router import PrefixRouter
+
+    router = PrefixRouter(2, block_size=4, slack=2)
+    a, b = list(range(12)), list(range(50, 62))
+    ra = router.choose(a + [1])
+    rb = router.choose(b)
+    assert ra != rb  # idle: the least used
+    assert router.choose(a + [2, 3]) == ra  # the holder of a's blocks, though busier by one
+    assert router.choose(a[:3]) in (0, 1)  # no full block: by load alone
+    before = []  # (ra's load, rb's load) when each pick was made
+    while True:  # to ra until it is much busier, then to rb
+        before.append((router.replicas[ra].in_flight, router.replicas[rb].in_flight))
+        if router.choose(a + [9]) == rb:
+            break
+    ra_load, rb_load = before[-1]
+    assert len(before) > 1 and ra_load > rb_load + 2 and ra_load > 2 * rb_load  # "much busier" at slack=2
+    assert before[-2][0] <= before[-2][1] + 2 or before[-2][0] <= 2 * before[-2][1]

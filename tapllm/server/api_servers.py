@@ -39,10 +39,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_many(count: int, core: CoreProcess, sock: socket.socket, target: Callable[..., Any], args: tuple) -> int:
-    """Run ``target(sock, core.address, core.pid, *args)`` in ``count`` processes until they end; the exit status."""
+def serve_many(count: int, cores: list[CoreProcess], sock: socket.socket, target: Callable[..., Any],
+               args: tuple) -> int:
+    """Run ``target(sock, addresses, pids, *args)`` in ``count`` processes until they end; the exit status.
+
+    ``addresses`` and ``pids`` are the cores' (one per data-parallel replica).
+    """
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_api_server_main, args=(target, sock, core.address, core.pid, *args),
+    addresses, pids = [c.address for c in cores], [c.pid for c in cores]
+    procs = [ctx.Process(target=_api_server_main, args=(target, sock, addresses, pids, *args),
                          name=f"tapllm-api-server-{i}") for i in range(count)]
     for p in procs:
         p.start()
@@ -79,9 +84,9 @@ def _exit_before_serving(sig: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def _api_server_main(target: Callable[..., Any], sock: socket.socket, address: str, core_pid: int,
+def _api_server_main(target: Callable[..., Any], sock: socket.socket, addresses: list[str], pids: list[int],
                      *args: Any) -> None:
     os.setpgid(0, 0)  # signals come from the parent, once (see the module docstring)
     for sig in (signal.SIGTERM, signal.SIGINT):  # until uvicorn serves (and installs its own): nothing to drain
         signal.signal(sig, _exit_before_serving)
-    raise SystemExit(target(sock, address, core_pid, *args))
+    raise SystemExit(target(sock, addresses, pids, *args))

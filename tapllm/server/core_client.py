@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -28,6 +29,7 @@ from tapllm.engine.llm_engine import EngineStats
 from tapllm.engine.request import Request
 from tapllm.server import wire
 from tapllm.server.frontend import EngineFrontend
+from tapllm.server.router import PrefixRouter
 from tapllm.server.runner import LoopStats, RequestObserver, Update, failed
 
 logger = logging.getLogger("tapllm")
@@ -54,14 +56,15 @@ def pid_alive(pid: int) -> bool:
 class CoreProcess:
     """The engine-core process of one server (spawned, so no thread or lock state is inherited)."""
 
-    def __init__(self, config: Any, sae_entries: list[str], quiet: bool) -> None:
+    def __init__(self, config: Any, sae_entries: list[str], quiet: bool, cpus: list[int] | None = None,
+                 index: int = 0) -> None:
         from tapllm.server.core_process import run_core
 
         self.folder = tempfile.mkdtemp(prefix="tapllm-core-")  # mode 0700: only this user reaches the socket
         self.address = f"ipc://{self.folder}/core.sock"
         ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(target=run_core, args=(config, sae_entries, self.address, os.getpid(), quiet),
-                                name="tapllm-engine-core", daemon=False)
+        self.proc = ctx.Process(target=run_core, args=(config, sae_entries, self.address, os.getpid(), quiet, cpus, index),
+                                name=f"tapllm-engine-core-{index}", daemon=False)
         self.proc.start()
 
     @property
@@ -88,69 +91,107 @@ class CoreProcess:
         return self.proc.exitcode
 
 
-def connect(address: str, core_pid: int, config: Any, timeout: float = 600.0) -> CoreClient:
-    """Say hello to the core at ``address`` and wait until it is ready (``timeout`` covers loading the model)."""
+def connect(addresses: list[str], core_pids: list[int], config: Any, timeout: float = 600.0) -> CoreClient:
+    """Say hello to each core (one per data-parallel replica) and wait until all are ready.
+
+    ``timeout`` covers loading the model; a core that dies meanwhile is an error, not a hang.
+    """
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"api-{os.getpid()}-{uuid.uuid4().hex[:6]}".encode())
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    sock.send_multipart(wire.pack(wire.Hello()))
+    socks = []
+    identity = f"api-{os.getpid()}-{uuid.uuid4().hex[:6]}".encode()
+    for address in addresses:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send_multipart(wire.pack(wire.Hello()))
+        socks.append(sock)
     deadline = time.monotonic() + timeout
-    while not sock.poll(200):
-        if not pid_alive(core_pid):
-            sock.close()
-            raise RuntimeError("the engine core process exited while loading the model (its error is above)")
-        if time.monotonic() > deadline:
-            sock.close()
-            raise RuntimeError(f"the engine core was not ready after {timeout:.0f} s")
-    frames = sock.recv_multipart(copy=False)
-    ready = wire.decode_outbound(frames[0].buffer)
-    assert isinstance(ready, wire.Ready), ready
-    model_config = wire.unpack_payload(frames)
+    readies = []
+    for sock, pid in zip(socks, core_pids, strict=True):
+        while not sock.poll(200):
+            if not pid_alive(pid) or time.monotonic() > deadline:
+                for s in socks:
+                    s.close()
+                ctx.term()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine core was not ready after {timeout:.0f} s")
+                raise RuntimeError(f"the engine core process {pid} exited while loading the model (its error is "
+                                   "in the log above)")
+        frames = sock.recv_multipart(copy=False)
+        ready = wire.decode_outbound(frames[0].buffer)
+        assert isinstance(ready, wire.Ready), ready
+        readies.append((ready, wire.unpack_payload(frames)))
+    ready, model_config = readies[0]
     shapes = {k: tuple(v) for k, v in ready.point_shapes.items()}
     frontend = EngineFrontend(config, model_config, shapes, ready.context_limited_by_cache)
-    return CoreClient(ctx, sock, core_pid, frontend, ready.num_kv_blocks)
+    replicas = [_Replica(sock, pid) for sock, pid in zip(socks, core_pids, strict=True)]
+    return CoreClient(ctx, replicas, frontend, ready.num_kv_blocks)
+
+
+@dataclass(slots=True)
+class _Replica:
+    """One engine-core process and what it last reported."""
+
+    sync_sock: zmq.Socket
+    pid: int
+    sock: zmq.asyncio.Socket | None = None
+    stats: EngineStats = field(default_factory=lambda: EngineStats(0, 0, 0.0, 0, 0, 0))
+    requests_aborted: int = 0
+    step_errors: int = 0
 
 
 class CoreClient:
-    """Runs prepared requests on the engine-core process (an ``EngineRunner``; see the module docstring)."""
+    """Runs prepared requests on engine-core processes (an ``EngineRunner``; see the module docstring).
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, core_pid: int, frontend: EngineFrontend,
+    With several cores (data-parallel replicas) a :class:`PrefixRouter` picks each request's;
+    ``stats`` then sums theirs (the KV cache usage is their mean).
+    """
+
+    def __init__(self, ctx: zmq.Context, replicas: list[_Replica], frontend: EngineFrontend,
                  num_kv_blocks: int) -> None:
         self.engine = frontend
         self.stats = LoopStats(EngineStats(0, 0, 0.0, 0, 0, 0))
         self.observer: RequestObserver | None = None
         self.on_core_death: Callable[[str], None] = lambda why: None  # set by the server: exit
-        self.core_pid = core_pid
-        self._ctx, self._sync_sock = ctx, sock
-        self._sock: zmq.asyncio.Socket | None = None
+        self.replicas = replicas
+        self.router = PrefixRouter(len(replicas), frontend.config.block_size)
+        self._ctx = ctx
         self._num_kv_blocks = num_kv_blocks
         self._queues: dict[str, asyncio.Queue[Update]] = {}
+        self._where: dict[str, int] = {}  # request id -> replica
         self._closed: str | None = None
         self._dead = False
         self._tasks: list[asyncio.Task] = []
 
     @property
     def alive(self) -> bool:
-        """Whether the core process runs."""
+        """Whether every core process runs."""
         return not self._dead
 
     @property
     def num_kv_blocks(self) -> int:
-        """Blocks of the core's KV cache."""
+        """Blocks of each core's KV cache."""
         return self._num_kv_blocks
 
+    def replica_figures(self) -> list[tuple[int, int, int, int]]:
+        """Per replica: requests routed there, of them by prefix affinity, prefix-cache hit and queried tokens."""
+        return [(load.routed, load.affinity_routed, r.stats.prefix_cache_hit_tokens, r.stats.prefix_cache_queried_tokens)
+                for load, r in zip(self.router.replicas, self.replicas, strict=True)]
+
     def start(self) -> None:
-        """Start reading the core's messages and watching its process (on the running event loop)."""
-        self._sock = zmq.asyncio.Socket.shadow(self._sync_sock.underlying)
-        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+        """Start reading the cores' messages and watching their processes (on the running event loop)."""
+        for i, r in enumerate(self.replicas):
+            r.sock = zmq.asyncio.Socket.shadow(r.sync_sock.underlying)
+            self._tasks.append(asyncio.ensure_future(self._read(i)))
+        self._tasks.append(asyncio.ensure_future(self._watch()))
 
     def shutdown(self) -> None:
-        """Stop reading (the core itself is stopped by whoever started it)."""
+        """Stop reading (the cores themselves are stopped by whoever started them)."""
         for t in self._tasks:
             t.cancel()
-        self._sync_sock.close(linger=0)
+        for r in self.replicas:
+            r.sync_sock.close(linger=0)
         self._ctx.term()
 
     def abort_all(self, message: str) -> int:
@@ -159,12 +200,11 @@ class CoreClient:
         rids = list(self._queues)
         for rid in rids:
             self._queues.pop(rid).put_nowait(failed(message, "service_unavailable"))
-        if rids and not self._dead:
-            self._send(wire.Abort(rids))
+            self._release(rid, abort=not self._dead)
         return len(rids)
 
     async def generate(self, request: Request) -> AsyncIterator[Update]:
-        """Send a request prepared by admission to the core and yield its updates until it finishes.
+        """Send a request prepared by admission to a core and yield its updates until it finishes.
 
         Leaving the iteration early (client gone, task cancelled) aborts it in the core.
         """
@@ -177,9 +217,10 @@ class CoreClient:
             return
         queue: asyncio.Queue[Update] = asyncio.Queue()
         self._queues[rid] = queue
+        replica = self._where[rid] = self.router.choose(request.prompt_token_ids)
         prompt = request.prompt if isinstance(request.prompt, str) else None
-        self._send(wire.AddRequest(rid, prompt, list(request.prompt_token_ids), request.encode_only,
-                                   request.times.arrival), request.params)
+        self._send(replica, wire.AddRequest(rid, prompt, list(request.prompt_token_ids), request.encode_only,
+                                            request.times.arrival), request.params)
         finished = False
         try:
             while True:
@@ -191,28 +232,38 @@ class CoreClient:
         finally:
             if self._queues.get(rid) is queue:
                 del self._queues[rid]
-            if not finished and not self._dead:
-                self._send(wire.Abort([rid]))
+            self._release(rid, abort=not finished and not self._dead)
 
-    def _send(self, header: Any, payload: Any = None) -> None:
-        assert self._sock is not None
-        self._sock.send_multipart(wire.pack(header, payload), copy=False)
+    def _release(self, rid: str, abort: bool) -> None:
+        replica = self._where.pop(rid, None)
+        if replica is None:
+            return
+        self.router.done(replica)
+        if abort:
+            self._send(replica, wire.Abort([rid]))
 
-    async def _read(self) -> None:
-        assert self._sock is not None
+    def _send(self, replica: int, header: Any, payload: Any = None) -> None:
+        sock = self.replicas[replica].sock
+        assert sock is not None
+        sock.send_multipart(wire.pack(header, payload), copy=False)
+
+    async def _read(self, replica: int) -> None:
+        sock = self.replicas[replica].sock
+        assert sock is not None
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            frames = await sock.recv_multipart(copy=False)
             try:
-                self._dispatch(frames)
+                self._dispatch(replica, frames)
             except Exception:  # one bad message must not stop the server's reading
                 logger.exception("could not read a message of the engine core")
 
-    def _dispatch(self, frames: list[Any]) -> None:
+    def _dispatch(self, replica: int, frames: list[Any]) -> None:
         msg = wire.decode_outbound(frames[0].buffer)
         if not isinstance(msg, wire.Outputs):
             return
-        s = self.stats
-        s.engine, s.requests_aborted, s.step_errors = msg.stats, msg.requests_aborted, msg.step_errors
+        r = self.replicas[replica]
+        r.stats, r.requests_aborted, r.step_errors = msg.stats, msg.requests_aborted, msg.step_errors
+        self._sum_stats()
         if msg.observed is not None and self.observer is not None:
             self._observe(msg.observed)
         payload = iter(wire.unpack_payload(frames) or ())
@@ -223,8 +274,19 @@ class CoreClient:
                 continue
             if u.finished:
                 del self._queues[u.request_id]
+                self._release(u.request_id, abort=False)
             queue.put_nowait(Update(u.text, u.token_ids, logprobs, u.finished, output, u.error, u.error_type,
                                     u.index))
+
+    def _sum_stats(self) -> None:
+        rs = self.replicas
+        s = [r.stats for r in rs]
+        self.stats.engine = EngineStats(
+            sum(x.running for x in s), sum(x.waiting for x in s), sum(x.kv_cache_usage for x in s) / len(s),
+            sum(x.prefix_cache_hit_tokens for x in s), sum(x.prefix_cache_queried_tokens for x in s),
+            sum(x.generated_tokens for x in s))
+        self.stats.requests_aborted = sum(r.requests_aborted for r in rs)
+        self.stats.step_errors = sum(r.step_errors for r in rs)
 
     def _observe(self, observed: wire.Observed) -> None:
         observer = self.observer
@@ -240,10 +302,13 @@ class CoreClient:
             logger.exception("recording the engine core's metrics failed")
 
     async def _watch(self) -> None:
-        while pid_alive(self.core_pid):
+        while True:
+            dead = [r.pid for r in self.replicas if not pid_alive(r.pid)]
+            if dead:
+                break
             await asyncio.sleep(_WATCH_S)
         self._dead = True
-        why = f"the engine core process (pid {self.core_pid}) died"
+        why = f"the engine core process (pid {dead[0]}) died"
         logger.error("%s: failing the requests in flight and exiting", why)
         self.abort_all(f"{why}: request aborted")
         self.on_core_death(why)

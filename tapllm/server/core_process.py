@@ -205,12 +205,22 @@ class EngineCore:
             logger.warning("could not send to an API server: %s", exc)
 
 
-def run_core(config: Any, sae_entries: list[str], address: str, parent_pid: int, quiet: bool) -> None:
-    """The engine-core process's entry point (``multiprocessing`` spawn target)."""
+def run_core(config: Any, sae_entries: list[str], address: str, parent_pid: int, quiet: bool,
+             cpus: list[int] | None = None, index: int = 0) -> None:
+    """The engine-core process's entry point (``multiprocessing`` spawn target).
+
+    ``cpus``: the cores this replica's threads are pinned to (data parallelism: each its share).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when to stop (see the module docstring)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s [core] %(message)s")
+                        format=f"%(asctime)s %(levelname)s [core {index}] %(message)s")
+    if cpus:
+        import torch
+
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+        logger.info("engine core %d pinned to CPUs %s", index, cpus)
     from tapllm.sae.features import register_sae
 
     for entry in sae_entries:

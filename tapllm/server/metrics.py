@@ -11,7 +11,7 @@ sampled it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -103,6 +103,28 @@ class _EngineCollector(Collector):
             sleep.add_metric([state], 1 if state == "awake" else 0)
         yield sleep
         yield InfoMetricFamily(VLLM + "cache_config", "the KV cache's configuration", value=self.cache_info)
+
+
+class _ReplicaCollector(Collector):
+    """Per data-parallel replica: requests routed there (and by prefix affinity), its prefix-cache figures."""
+
+    def __init__(self, replicas: Callable[[], list[tuple[int, int, int, int]]]) -> None:
+        self.replicas = replicas  # (routed, affinity_routed, prefix hit tokens, prefix queried tokens) each
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.replicas()
+        fams = [CounterMetricFamily("tapllm_dp_requests_routed", "requests this API server sent to each replica",
+                                    labels=["replica"]),
+                CounterMetricFamily("tapllm_dp_affinity_routed", "of them, sent there because it held their "
+                                    "prompt's prefix", labels=["replica"]),
+                CounterMetricFamily("tapllm_dp_prefix_cache_hits", "prompt tokens served from each replica's "
+                                    "prefix cache", labels=["replica"]),
+                CounterMetricFamily("tapllm_dp_prefix_cache_queries", "prompt tokens looked up in each replica's "
+                                    "prefix cache", labels=["replica"])]
+        for i, row in enumerate(rows):
+            for fam, value in zip(fams, row, strict=True):
+                fam.add_metric([str(i)], value)
+        yield from fams
 
 
 class _Latency:
@@ -224,6 +246,9 @@ class ServerMetrics:
         r.register(_EngineCollector(engine.stats, {
             "block_size": str(config.block_size), "num_gpu_blocks": str(engine.num_kv_blocks),
             "enable_prefix_caching": str(config.enable_prefix_caching), "cache_dtype": "auto"}))
+        replicas = getattr(engine, "replica_figures", None)
+        if replicas is not None:
+            r.register(_ReplicaCollector(replicas))
         engine.observer = _Latency(r, engine.engine.model_config.max_model_len, config.max_num_batched_tokens)
 
     def render(self) -> bytes:
