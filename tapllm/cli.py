@@ -306,7 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
     config.validate()
     sock = bind(args.host, args.port) if args.api_server_count > 1 else None
     n = args.data_parallel_size
-    cpus = _cpu_shares(n)
+    cpus = _cpu_shares(n, args.api_server_count)
     cores: list[CoreProcess] = []
     try:
         cores.extend(CoreProcess(config, list(args.sae), args.quiet, cpus[i], i) for i in range(n))
@@ -320,11 +320,18 @@ def _serve(args: argparse.Namespace) -> int:
             core.stop()
 
 
-def _cpu_shares(n: int) -> list[list[int] | None]:
-    """The CPUs each of ``n`` replicas is pinned to: contiguous shares (none pinned for one replica,
-    or when there are fewer CPUs than replicas)."""
+def _cpu_shares(n: int, api_servers: int) -> list[list[int] | None]:
+    """The CPUs each of ``n`` engine cores is pinned to (None: not pinned).
+
+    As vLLM advises on CPUs, the API server processes keep CPUs of their own (one each, when
+    that leaves the cores at least one each): an engine core's threads that share a CPU with
+    the API server's busy event loop wait for each other at every parallel region. The rest
+    is split into contiguous shares. With fewer CPUs than cores, nothing is pinned.
+    """
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if n == 1 or len(cpus) < n:
+    if len(cpus) - api_servers >= n:
+        cpus = cpus[api_servers:]
+    if len(cpus) < n or not cpus:
         return [None] * n
     per = len(cpus) // n
     return [cpus[i * per : (i + 1) * per] for i in range(n)]
