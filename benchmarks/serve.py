@@ -47,6 +47,7 @@ import argparse
 import http.client
 import json
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -72,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quick", action="store_true", help="4 clients x 2 requests, prompt 64, 16 new, 1 round")
+    p.add_argument("--serve-args", default="", help="more arguments for tapllm serve (one string)")
     p.add_argument("--compare-processes", action="store_true",
                    help="engine core process vs in-process: ITL of plain clients beside state clients (64 clients)")
     args = p.parse_args(argv)
@@ -92,7 +94,8 @@ def start_server(args: argparse.Namespace, port: int, extra: tuple[str, ...] = (
     """``tapllm serve`` on the default model; returns once /health answers."""
     cmd = [sys.executable, "-m", "tapllm", "serve", "--port", str(port), "--dtype", args.dtype, "--quiet",
            "--enable-hidden-states", "--hidden-states-max-bytes", str(1 << 30), "--api-key", KEY,
-           "--max-num-seqs", str(max(16, args.clients)), "--served-model-name", "default", *extra]
+           "--max-num-seqs", str(max(16, args.clients)), "--served-model-name", "default", *extra,
+           *shlex.split(args.serve_args)]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT)
     deadline = time.time() + 300
     while time.time() < deadline:
