@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,8 @@ def _serve(args: argparse.Namespace) -> int:
     from tapllm.server.core_client import CoreProcess, connect
 
     config.validate()
+    # A SIGTERM while the cores load (before uvicorn handles signals) stops the cores too.
+    signal.signal(signal.SIGTERM, _stop_before_serving)
     sock = bind(args.host, args.port) if args.api_server_count > 1 else None
     n = args.data_parallel_size
     cpus = _cpu_shares(n, args.api_server_count)
@@ -318,6 +321,10 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         for core in cores:
             core.stop()
+
+
+def _stop_before_serving(sig: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _cpu_shares(n: int, api_servers: int) -> list[list[int] | None]:
