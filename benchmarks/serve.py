@@ -20,21 +20,39 @@ What it measures
     and the response bytes received. Then one request's response size with base64 against
     nested float lists (``encoding="list"``), non-streaming, same states.
 
+Engine core process against in-process (``--compare-processes``)
+    The same server started twice: with the engine core in its own process (the default) and
+    with ``--no-engine-process``. In each, ``--clients`` streaming clients (default 64), of which
+    three quarters are plain and one quarter ask for every block's ``resid_post`` at every
+    position (base64). The plain clients each send one request of ``--new-tokens``; the state
+    clients send requests of a quarter of that, one after another, until the plain clients are
+    done, so states are encoded all through the plain streams. Measured on the plain clients:
+    inter-token latency (time between successive text chunks) p50/p99 and output tokens/s;
+    once without the looping clients, once with them looping the same requests without states
+    (their prefills alone), once with states. Target: with the engine in its own process, p99
+    ITL of the plain clients with state clients within 1.5x of the run without.
+    Raw HTTP (``http.client``) so the 64 client threads cost as little as possible.
+
 How to run (from the repository root; needs ``pip install openai``)
     python benchmarks/serve.py                        # 16 clients x 4 requests, prompt 256, 64 new
     python benchmarks/serve.py --quick                # 4 clients x 2 requests, prompt 64, 16 new
     python benchmarks/serve.py --clients 32 --rounds 3
+    python benchmarks/serve.py --compare-processes                  # 64 clients, prompt 256, 64 new
+    python benchmarks/serve.py --compare-processes --prompt-len 64 --new-tokens 32   # a loaded machine
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import random
+import shlex
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -55,7 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quick", action="store_true", help="4 clients x 2 requests, prompt 64, 16 new, 1 round")
+    p.add_argument("--serve-args", default="", help="more arguments for tapllm serve (one string)")
+    p.add_argument("--compare-processes", action="store_true",
+                   help="engine core process vs in-process: ITL of plain clients beside state clients (64 clients)")
     args = p.parse_args(argv)
+    if args.compare_processes and "--clients" not in (argv if argv is not None else sys.argv):
+        args.clients = 64
     if args.quick:
         args.clients, args.requests, args.prompt_len, args.new_tokens, args.rounds = 4, 2, 64, 16, 1
     return args
@@ -67,11 +90,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """``tapllm serve`` on the default model; returns once /health answers."""
     cmd = [sys.executable, "-m", "tapllm", "serve", "--port", str(port), "--dtype", args.dtype, "--quiet",
            "--enable-hidden-states", "--hidden-states-max-bytes", str(1 << 30), "--api-key", KEY,
-           "--max-num-seqs", str(max(16, args.clients)), "--served-model-name", "default"]
+           "--max-num-seqs", str(max(16, args.clients)), "--served-model-name", "default", *extra,
+           *shlex.split(args.serve_args)]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -183,10 +207,98 @@ def response_bytes(url: str, prompt: list[int], states: dict) -> int:
         return len(r.read())
 
 
+def stream_raw(port: int, body: dict) -> tuple[list[float], int]:
+    """Stream one completion over raw HTTP; (times of its text chunks, tokens)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+    times = []
+    for line in resp:
+        if line.startswith(b"data: {") and b'"text": ""' not in line[:400]:
+            times.append(time.perf_counter())
+    conn.close()
+    return times, len(times)
+
+
+def compare_run(port: int, args: argparse.Namespace, prompts: list[list[int]], loops: str) -> dict:
+    """Plain clients (three quarters), and a quarter looping while they run: ``loops`` "none" (no such
+    clients), "plain" (the same requests without states: their prefills alone) or "states"."""
+    with_states = loops != "none"
+    n_states = args.clients // 4
+    n_plain = args.clients - n_states
+    spec = {"layers": "all", "points": ["resid_post"], "positions": "all"}
+    done = threading.Event()
+    state_requests = [0]
+
+    def plain(i: int) -> tuple[list[float], int]:
+        return stream_raw(port, {"model": "default", "prompt": prompts[i], "max_tokens": args.new_tokens,
+                                 "temperature": 0, "ignore_eos": True})
+
+    def states(i: int) -> None:
+        j = 0
+        while not done.is_set():
+            prompt = prompts[n_plain + (i + j) % n_states]
+            if loops == "plain":  # a fresh prompt each time, as capturing requests recompute theirs
+                prompt = [(t + j + 1) % 49000 + 32 for t in prompt]
+            body = {"model": "default", "prompt": prompt, "max_tokens": max(2, args.new_tokens // 4),
+                    "temperature": 0, "ignore_eos": True}
+            stream_raw(port, {**body, "hidden_states": spec} if loops == "states" else body)
+            state_requests[0] += 1
+            j += 1
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.clients) as pool:
+        looping = [pool.submit(states, i) for i in range(n_states)] if with_states else []
+        results = list(pool.map(plain, range(n_plain)))
+        seconds = time.perf_counter() - t0
+        done.set()
+        for f in looping:
+            f.result()
+    gaps = sorted(b - a for times, _ in results for a, b in zip(times, times[1:]))
+    return {"itl_p50": statistics.median(gaps), "itl_p99": gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))],
+            "tok_s": sum(n for _, n in results) / seconds, "state_requests": state_requests[0]}
+
+
+def compare_processes(args: argparse.Namespace) -> None:
+    """Engine core process against in-process, each with and without state clients; print the table."""
+    rng = random.Random(0)
+    rows = []
+    print(f"engine core process vs in-process, default model {args.dtype}: {args.clients} streaming clients "
+          f"({args.clients - args.clients // 4} plain, {args.clients // 4} asking every block's resid_post at every "
+          f"position), prompt {args.prompt_len}, {args.new_tokens} new tokens", flush=True)
+    for mode, extra in (("engine process", ()), ("in-process", ("--no-engine-process",))):
+        port = free_port()
+        proc = start_server(args, port, extra)
+        try:
+            for loops in ("none", "plain", "states"):  # fresh prompts each run: no prefix-cache reuse
+                prompts = [[rng.randrange(32, 49152) for _ in range(args.prompt_len)] for _ in range(args.clients)]
+                compare_run(port, argparse.Namespace(**{**vars(args), "new_tokens": 2}), prompts, "none")  # warm-up
+                res = compare_run(port, args, prompts, loops)
+                rows.append((mode, loops, res))
+                print(f"  {mode:15s} loops {loops:6s} ITL p50 {res['itl_p50'] * 1e3:7.1f} ms "
+                      f"p99 {res['itl_p99'] * 1e3:7.1f} ms, plain {res['tok_s']:7.1f} tok/s, "
+                      f"{res['state_requests']} looping requests", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(f"\n{'mode':15s} {'p99 ITL: states/none':>21s} {'states/plain loops':>19s} "
+          f"{'plain tok/s: states/none':>25s} {'states/plain loops':>19s}")
+    for mode in ("engine process", "in-process"):
+        none, plain, on = (r for m, _, r in rows if m == mode)
+        print(f"{mode:15s} {on['itl_p99'] / none['itl_p99']:20.2f}x {on['itl_p99'] / plain['itl_p99']:18.2f}x "
+              f"{on['tok_s'] / none['tok_s']:24.2f}x {on['tok_s'] / plain['tok_s']:18.2f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Start the server, run the workloads, print the table."""
     args = parse_args(argv)
     sys.path.insert(0, str(REPO_ROOT))
+    if args.compare_processes:
+        compare_processes(args)
+        return
     from tapllm.loader import resolve_model
 
     layers = json.loads((resolve_model(None) / "config.json").read_text())["num_hidden_layers"]

@@ -4,4 +4,5 @@ import sys
 
 from tapllm.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned child (the engine core) imports this module again
+    sys.exit(main())

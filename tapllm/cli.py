@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=10.0,
                      help="on SIGTERM/SIGINT, seconds requests in flight have to finish before they are aborted "
                      "(default 10; a second signal aborts them at once)")
+    srv.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                     help="API server processes (HTTP, validation, tokenization, encoding of states) in front of "
+                     "the engine core process, sharing the port (default 1)")
+    srv.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                     help="engine core processes (replicas, each with its own KV cache and its share of the CPU "
+                     "cores); requests go to the replica holding their prompt's prefix, else the least busy "
+                     "(default 1)")
+    srv.add_argument("--no-engine-process", action="store_true",
+                     help="run the engine on a thread of the API server's process instead of in a process of its "
+                     "own (as vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     _add_engine_args(srv)
     col = sub.add_parser("collect", help="hidden states of a dataset into sharded files (resumable, Ray)")
     src = col.add_mutually_exclusive_group(required=True)
@@ -268,8 +279,6 @@ def _register_saes(entries: list[str]) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from tapllm.config import EngineConfig
     from tapllm.engine.llm_engine import LLMEngine
-    from tapllm.server import create_app
-    from tapllm.server.serving import Lifecycle, run
 
     if args.model is not None and args.model_path is not None:
         raise ValueError("give the model either as MODEL or as --model, not both")
@@ -282,21 +291,90 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = _api_key(args)
     _register_saes(args.sae)
     model = args.model_path or args.model
-    engine = LLMEngine.from_config(EngineConfig.from_cli_args(args, model=model))
+    config = EngineConfig.from_cli_args(args, model=model)
     name = args.served_model_name or _model_name(model)
+    for flag in ("api_server_count", "data_parallel_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.no_engine_process:
+        if args.api_server_count != 1 or args.data_parallel_size != 1:
+            raise ValueError("--api-server-count and --data-parallel-size need the engine core process: "
+                             "drop --no-engine-process")
+        return _serve_app(args, LLMEngine.from_config(config), name, api_key)
+    from tapllm.server.api_servers import bind, serve_many
+    from tapllm.server.core_client import CoreProcess, connect
+
+    config.validate()
+    # A SIGTERM while the cores load (before uvicorn handles signals) stops the cores too.
+    signal.signal(signal.SIGTERM, _stop_before_serving)
+    sock = bind(args.host, args.port) if args.api_server_count > 1 else None
+    n = args.data_parallel_size
+    cpus = _cpu_shares(n, args.api_server_count)
+    cores: list[CoreProcess] = []
+    try:
+        cores.extend(CoreProcess(config, list(args.sae), args.quiet, cpus[i], i) for i in range(n))
+        if sock is not None:
+            return serve_many(args.api_server_count, cores, sock, _api_server, (args, config, name, api_key))
+        client = connect([c.address for c in cores], [c.pid for c in cores], config)
+        logging.getLogger("tapllm").info("engine core(s) running in process(es) %s", [c.pid for c in cores])
+        return _serve_app(args, client, name, api_key)
+    finally:
+        for core in cores:
+            core.stop()
+
+
+def _stop_before_serving(sig: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _cpu_shares(n: int, api_servers: int) -> list[list[int] | None]:
+    """The CPUs each of ``n`` engine cores is pinned to (None: not pinned).
+
+    As vLLM advises on CPUs, the API server processes keep CPUs of their own (one each, when
+    that leaves the cores at least one each): an engine core's threads that share a CPU with
+    the API server's busy event loop wait for each other at every parallel region. The rest
+    is split into contiguous shares. With fewer CPUs than cores, nothing is pinned.
+    """
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) - api_servers >= n:
+        cpus = cpus[api_servers:]
+    if len(cpus) < n or not cpus:
+        return [None] * n
+    per = len(cpus) // n
+    return [cpus[i * per : (i + 1) * per] for i in range(n)]
+
+
+def _api_server(sock: Any, addresses: list[str], pids: list[int], args: argparse.Namespace, config: Any, name: str,
+                api_key: str | None) -> int:
+    """One of ``--api-server-count`` API server processes (spawned: set up logging and SAEs again)."""
+    from tapllm.server.core_client import connect
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format=f"%(asctime)s %(levelname)s [api {os.getpid()}] %(message)s")
+    _register_saes(args.sae)
+    return _serve_app(args, connect(addresses, pids, config), name, api_key, sock=sock)
+
+
+def _serve_app(args: argparse.Namespace, engine: Any, name: str, api_key: str | None, sock: Any = None) -> int:
+    """Serve ``engine`` (an ``LLMEngine``, or a ``CoreClient`` of an engine-core process) until a signal."""
+    from tapllm.server import create_app
+    from tapllm.server.serving import Lifecycle, run
+
     lifecycle = Lifecycle()
     app = create_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
                      max_prompts_per_request=args.max_prompts_per_request, body_read_timeout=args.body_read_timeout,
                      lifecycle=lifecycle)
+    from tapllm.engine.llm_engine import LLMEngine
+
+    cfg = engine.config if isinstance(engine, LLMEngine) else engine.engine.config
     logging.getLogger("tapllm").info(
         "serving %s on http://%s:%d (hidden states %s, steering %s, API key %s)", name, args.host, args.port,
-        "on" if engine.config.enable_hidden_states else "off", "on" if engine.config.enable_steering else "off",
+        "on" if cfg.enable_hidden_states else "off", "on" if cfg.enable_steering else "off",
         "required" if api_key else "not required",
     )
-    run(app, lifecycle, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
-        shutdown_timeout=args.shutdown_timeout, keep_alive_timeout=args.keep_alive_timeout,
-        header_read_timeout=args.header_read_timeout, max_connections=args.max_connections)
-    return 0
+    return run(app, lifecycle, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
+               shutdown_timeout=args.shutdown_timeout, keep_alive_timeout=args.keep_alive_timeout,
+               header_read_timeout=args.header_read_timeout, max_connections=args.max_connections, sock=sock)
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
+from tapllm.server.frontend import EngineFrontend
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.sampling_params import SamplingParams
 from tapllm.server.errors import APIError, check_text, param_of
@@ -43,7 +44,7 @@ _STRUCTURED_FIELD = re.compile(r"\b(?:response_format|structured_outputs|guided_
 class Admission:
     """Turns parsed bodies into prepared ``Request`` objects named ``{request_id}-{i}``."""
 
-    def __init__(self, engine: LLMEngine, served_model_name: str, max_prompts_per_request: int) -> None:
+    def __init__(self, engine: LLMEngine | EngineFrontend, served_model_name: str, max_prompts_per_request: int) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_prompts_per_request = max_prompts_per_request

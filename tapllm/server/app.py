@@ -25,6 +25,7 @@ from tapllm.server.admission import Admission
 from tapllm.server.async_engine import AsyncEngine
 from tapllm.server.bodies import validation_error
 from tapllm.server.context import RouteContext
+from tapllm.server.core_client import CoreClient
 from tapllm.server.errors import APIError
 from tapllm.server.guard import Guard
 from tapllm.server.metrics import ServerMetrics
@@ -34,18 +35,22 @@ from tapllm.server.serving import Lifecycle
 logger = logging.getLogger("tapllm")
 
 
-def create_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None, *,
+def create_app(engine: LLMEngine | CoreClient, served_model_name: str, api_key: str | None = None, *,
                max_request_bytes: int = 8 << 20, max_prompts_per_request: int = 256, body_read_timeout: float = 30.0,
                lifecycle: Lifecycle | None = None) -> FastAPI:
-    """Build the app around ``engine``; its engine thread starts and stops with the app.
+    """Build the app around ``engine``; its runner starts and stops with the app.
 
-    ``lifecycle`` is shared with the uvicorn server (``tapllm.server.serving``) for shutdown.
+    ``engine`` is an ``LLMEngine`` (run on a thread of this process: ``AsyncEngine``) or a
+    ``CoreClient`` connected to an engine-core process. ``lifecycle`` is shared with the
+    uvicorn server (``tapllm.server.serving``) for shutdown.
     """
-    runner = AsyncEngine(engine)
+    runner: AsyncEngine | CoreClient = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
     metrics = ServerMetrics(runner)
     lifecycle = lifecycle or Lifecycle()
     lifecycle.abort_inflight = runner.abort_all
-    admission = Admission(engine, served_model_name, max_prompts_per_request)
+    if isinstance(runner, CoreClient):
+        runner.on_core_death = lambda why: lifecycle.fail(why)
+    admission = Admission(runner.engine, served_model_name, max_prompts_per_request)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -66,7 +71,7 @@ def create_app(engine: LLMEngine, served_model_name: str, api_key: str | None = 
     )
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     _add_error_handlers(app)
-    ctx = RouteContext(runner, admission, metrics, lifecycle, served_model_name, engine.tokenizer)
+    ctx = RouteContext(runner, admission, metrics, lifecycle, served_model_name, runner.engine.tokenizer)
     add_routes(app.router, ctx)
     return app
 

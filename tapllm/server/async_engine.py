@@ -20,32 +20,12 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from tapllm.engine.llm_engine import EngineStats, LLMEngine
-from tapllm.engine.output_processor import StreamCursor
+from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
-from tapllm.outputs import Logprob, RequestOutput
+from tapllm.server.runner import LoopStats, Publisher, RequestObserver, Update, failed
 
 logger = logging.getLogger("tapllm")
-
-
-@dataclass(slots=True)
-class Update:
-    """What a request produced since its previous update."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finished: bool = False
-    output: RequestOutput | None = None  # the complete result, with the final update
-    error: str | None = None  # why the request failed (it is finished)
-    error_type: str | None = None  # "invalid_request_error" | "server_error" | "service_unavailable"
-    index: int = 0  # the sample (n > 1) the text and tokens belong to
-
-
-def _failed(message: str, error_type: str) -> Update:
-    return Update("", [], None, True, error=message, error_type=error_type)
 
 
 @dataclass(slots=True)
@@ -55,30 +35,7 @@ class _Stream:
     request: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    cursor: StreamCursor = field(default_factory=StreamCursor)  # what each sample has sent so far
-    last_token_time: float | None = None  # when the previous update's last token (sample 0) was sampled
-
-
-class RequestObserver(Protocol):
-    """Told by the engine thread what each request produced and when (the server's latency metrics)."""
-
-    def inter_token(self, seconds: float, count: int) -> None:
-        """``count`` tokens followed the previous one by ``seconds`` each."""
-
-    def finished(self, request: Request) -> None:
-        """``request`` completed (not aborted, not failed); its ``times`` are all set."""
-
-    def step(self, tokens: int) -> None:
-        """An engine step ran ``tokens`` tokens."""
-
-
-@dataclass(slots=True)
-class LoopStats:
-    """What ``/metrics`` reads of the engine thread (written by that thread only)."""
-
-    engine: EngineStats  # the engine's latest snapshot (``LLMEngine.stats``), replaced whole
-    requests_aborted: int = 0
-    step_errors: int = 0
+    publisher: Publisher = field(default_factory=Publisher)  # what each sample has sent so far
 
 
 class AsyncEngine:
@@ -105,6 +62,11 @@ class AsyncEngine:
         """Whether the engine thread runs."""
         return self._thread.is_alive()
 
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of the KV cache."""
+        return self.engine.blocks.num_blocks
+
     def start(self) -> None:
         """Start the engine thread."""
         self._thread.start()
@@ -123,7 +85,7 @@ class AsyncEngine:
         self._closed = message
         aborted = 0
         for rid, stream in list(self._active.items()):
-            stream.queue.put_nowait(_failed(message, "service_unavailable"))
+            stream.queue.put_nowait(failed(message, "service_unavailable"))
             self._inbox.put(rid)
             aborted += 1
         self._active.clear()
@@ -137,7 +99,7 @@ class AsyncEngine:
         frees its KV blocks and capture buffers.
         """
         if self._closed is not None:
-            yield _failed(self._closed, "service_unavailable")
+            yield failed(self._closed, "service_unavailable")
             return
         rid = request.request_id
         stream = _Stream(request, asyncio.get_running_loop(), asyncio.Queue())
@@ -176,7 +138,7 @@ class AsyncEngine:
                 self.stats.step_errors += 1
                 for rid in list(self._streams):
                     engine.abort(rid)
-                    self._push(self._streams.pop(rid), _failed(f"engine error: {exc}", "server_error"))
+                    self._push(self._streams.pop(rid), failed(f"engine error: {exc}", "server_error"))
                 continue
             if self.observer is not None and engine.last_step_tokens:
                 self.observer.step(engine.last_step_tokens)
@@ -202,7 +164,7 @@ class AsyncEngine:
         except Exception as exc:  # prepared before, so this is unexpected
             logger.exception("could not add request %s", req.request_id)
             kind = "invalid_request_error" if isinstance(exc, ValueError | TypeError) else "server_error"
-            self._push(stream, _failed(str(exc), kind))
+            self._push(stream, failed(str(exc), kind))
             return
         self._streams[req.request_id] = stream
         if req.group_finished:  # it failed alone as it was added (a reducer plugin's start())
@@ -215,45 +177,12 @@ class AsyncEngine:
             logger.info("aborted request %s", rid)
 
     def _publish(self, stream: _Stream) -> None:
-        """Send what each sample produced since its last update; once all have finished, the result.
-
-        With one sample the final update carries the last text too; with several (n > 1) each
-        sample's text comes in updates with its ``index`` and the final update carries none.
-        """
+        """Push what the request produced since its last update (see ``Publisher.updates``)."""
         req = stream.request
-        done = req.group_finished
-        group = req.group
-        updates = []
-        for d in self.engine.output_processor.deltas(req, stream.cursor):  # stop-string hold-back is done there
-            if d.token_ids and d.index == 0 and self.observer is not None:
-                self._observe(stream, len(d.token_ids))
-            updates.append(Update(d.text, d.token_ids, d.logprobs, index=d.index))
-        if done:
-            final = updates.pop() if len(group) == 1 and updates else Update("", [], None)
-            final.finished = True
-            final.output = self.engine.make_output(req)
-            if final.output.error is not None:  # this request alone failed; the others go on
-                final.error = final.output.error
-                final.error_type = final.output.error_type or "server_error"
-            elif self.observer is not None:
-                try:
-                    self.observer.finished(req)
-                except Exception:  # metrics must never stop the engine thread
-                    logger.exception("recording the metrics of request %s failed", req.request_id)
-            del self._streams[req.request_id]
-            updates.append(final)
-        for update in updates:
+        for update in stream.publisher.updates(self.engine, req, self.observer):
+            if update.finished:
+                del self._streams[req.request_id]
             self._push(stream, update)
-
-    def _observe(self, stream: _Stream, count: int) -> None:
-        """Inter-token latencies of the ``count`` tokens the request sampled since its last update."""
-        now = stream.request.times.last_token
-        try:
-            if stream.last_token_time is not None and now is not None:
-                self.observer.inter_token((now - stream.last_token_time) / count, count)  # type: ignore[union-attr]
-        except Exception:  # metrics must never stop the engine thread
-            logger.exception("recording inter-token latency failed")
-        stream.last_token_time = now
 
     def _push(self, stream: _Stream, update: Update) -> None:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, update)

@@ -20,7 +20,7 @@ from fastapi.responses import Response
 from tapllm.engine.request import Request as EngineRequest
 from tapllm.outputs import RequestOutput
 from tapllm.server.admission import Admission
-from tapllm.server.async_engine import AsyncEngine
+from tapllm.server.runner import EngineRunner
 from tapllm.server.bodies import parse, until_disconnect
 from tapllm.server.errors import ERROR_STATUS, APIError
 from tapllm.server.metrics import ServerMetrics
@@ -31,7 +31,7 @@ from tapllm.server.serving import Lifecycle
 class RouteContext:
     """The engine thread, admission, metrics and lifecycle of one app, and how routes run requests."""
 
-    engine: AsyncEngine
+    engine: EngineRunner
     admission: Admission
     metrics: ServerMetrics
     lifecycle: Lifecycle

@@ -11,14 +11,14 @@ sampled it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tapllm.engine.request import Request
-from tapllm.server.async_engine import AsyncEngine, LoopStats
+from tapllm.server.records import FinishedRecord
+from tapllm.server.runner import EngineRunner, LoopStats
 
 VLLM = "tapllm:"  # the prefix of the series named after vLLM's
 
@@ -105,6 +105,28 @@ class _EngineCollector(Collector):
         yield InfoMetricFamily(VLLM + "cache_config", "the KV cache's configuration", value=self.cache_info)
 
 
+class _ReplicaCollector(Collector):
+    """Per data-parallel replica: requests routed there (and by prefix affinity), its prefix-cache figures."""
+
+    def __init__(self, replicas: Callable[[], list[tuple[int, int, int, int]]]) -> None:
+        self.replicas = replicas  # (routed, affinity_routed, prefix hit tokens, prefix queried tokens) each
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.replicas()
+        fams = [CounterMetricFamily("tapllm_dp_requests_routed", "requests this API server sent to each replica",
+                                    labels=["replica"]),
+                CounterMetricFamily("tapllm_dp_affinity_routed", "of them, sent there because it held their "
+                                    "prompt's prefix", labels=["replica"]),
+                CounterMetricFamily("tapllm_dp_prefix_cache_hits", "prompt tokens served from each replica's "
+                                    "prefix cache", labels=["replica"]),
+                CounterMetricFamily("tapllm_dp_prefix_cache_queries", "prompt tokens looked up in each replica's "
+                                    "prefix cache", labels=["replica"])]
+        for i, row in enumerate(rows):
+            for fam, value in zip(fams, row, strict=True):
+                fam.add_metric([str(i)], value)
+        yield from fams
+
+
 class _Latency:
     """vLLM's per-request histograms and counters, fed by the engine thread (``RequestObserver``)."""
 
@@ -163,55 +185,53 @@ class _Latency:
         for _ in range(count):
             self.itl.observe(seconds)
 
-    def finished(self, request: Request) -> None:
-        t = request.times
-        generated = 0 if request.encode_only else len(request.output_token_ids)
-        if t.arrival is not None and t.finished is not None:
-            self.e2e.observe(t.finished - t.arrival)
-        if t.queued is not None and t.scheduled is not None:
-            self.queue.observe(t.scheduled - t.queued)
-        if t.first_token is not None:
-            if t.arrival is not None:
-                self.ttft.observe(t.first_token - t.arrival)
-            if t.scheduled is not None:
-                self.prefill.observe(t.first_token - t.scheduled)
-            if t.last_token is not None:
-                self.decode.observe(t.last_token - t.first_token)
+    def finished(self, r: FinishedRecord) -> None:
+        generated = r.generated
+        if r.arrival is not None and r.finished is not None:
+            self.e2e.observe(r.finished - r.arrival)
+        if r.queued is not None and r.scheduled is not None:
+            self.queue.observe(r.scheduled - r.queued)
+        if r.first_token is not None:
+            if r.arrival is not None:
+                self.ttft.observe(r.first_token - r.arrival)
+            if r.scheduled is not None:
+                self.prefill.observe(r.first_token - r.scheduled)
+            if r.last_token is not None:
+                self.decode.observe(r.last_token - r.first_token)
                 if generated > 1:
-                    self.tpot.observe((t.last_token - t.first_token) / (generated - 1))
-        self.prompt_len.observe(request.num_prompt_tokens)
-        self.prompt_tokens.inc(request.num_prompt_tokens)
-        if not request.encode_only:
+                    self.tpot.observe((r.last_token - r.first_token) / (generated - 1))
+        self.prompt_len.observe(r.num_prompt_tokens)
+        self.prompt_tokens.inc(r.num_prompt_tokens)
+        if not r.encode_only:
             self.generation_len.observe(generated)
             self.generation_tokens.inc(generated)
-        self.success.labels(request.finish_reason or "stop").inc()
-        if request.num_preemptions:
-            self.preemptions.inc(request.num_preemptions)
-        self._finished_vllm(request)
+        self.success.labels(r.finish_reason or "stop").inc()
+        if r.num_preemptions:
+            self.preemptions.inc(r.num_preemptions)
+        self._finished_vllm(r)
 
-    def _finished_vllm(self, request: Request) -> None:
+    def _finished_vllm(self, r: FinishedRecord) -> None:
         """The families vLLM added beside the latencies: parameters, cache use, inference time."""
-        t, group = request.times, request.group
-        if t.scheduled is not None and t.finished is not None:
-            self.inference.observe(t.finished - t.scheduled)
-        cached = min(request.num_cached_tokens, request.num_prompt_tokens)
-        computed = request.num_prompt_tokens - cached
+        if r.scheduled is not None and r.finished is not None:
+            self.inference.observe(r.finished - r.scheduled)
+        cached = min(r.num_cached_tokens, r.num_prompt_tokens)
+        computed = r.num_prompt_tokens - cached
         self.computed.observe(computed)
         self.cached.inc(cached)
         self.by_source.labels("local_compute").inc(computed)
         self.by_source.labels("local_cache_hit").inc(cached)
         self.cached_by_source.labels("device").inc(cached)
-        self.request_preemptions.observe(sum(s.num_preemptions for s in group))
-        if not request.encode_only:
-            self.params_n.observe(request.params.n)
-            self.params_max_tokens.observe(request.max_tokens)
-            self.max_generation.observe(max(len(s.output_token_ids) for s in group))
+        self.request_preemptions.observe(r.group_preemptions)
+        if not r.encode_only:
+            self.params_n.observe(r.n)
+            self.params_max_tokens.observe(r.max_tokens)
+            self.max_generation.observe(r.max_generated)
 
 
 class ServerMetrics:
     """Request, token and hidden-state counters, latency histograms, and live gauges read from the engine."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineRunner) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         # Labelled by route template ("/v1/completions"; "unmatched" for unknown paths): bounded series.
@@ -224,8 +244,11 @@ class ServerMetrics:
                                            "(tensor bytes, before encoding)", registry=r)
         config = engine.engine.config
         r.register(_EngineCollector(engine.stats, {
-            "block_size": str(config.block_size), "num_gpu_blocks": str(engine.engine.blocks.num_blocks),
+            "block_size": str(config.block_size), "num_gpu_blocks": str(engine.num_kv_blocks),
             "enable_prefix_caching": str(config.enable_prefix_caching), "cache_dtype": "auto"}))
+        replicas = getattr(engine, "replica_figures", None)
+        if replicas is not None:
+            r.register(_ReplicaCollector(replicas))
         engine.observer = _Latency(r, engine.engine.model_config.max_model_len, config.max_num_batched_tokens)
 
     def render(self) -> bytes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
@@ -38,6 +39,9 @@ class Lifecycle:
 
     draining: bool = False
     abort_inflight: Callable[[str], int] = field(default=lambda message: 0)
+    # Set by the server: abort what is in flight and exit with a failure status (the engine died).
+    fail: Callable[[str], None] = field(default=lambda why: None)
+    failed: str | None = None  # why the server is exiting on a failure
 
 
 class HeaderTimeoutH11Protocol(H11Protocol):
@@ -106,6 +110,15 @@ class TapllmServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._abort_timer: asyncio.TimerHandle | None = None
         self._aborted = False
+        lifecycle.fail = self.fail
+
+    def fail(self, why: str) -> None:
+        """Abort what is in flight and exit (from the event loop's thread); ``run`` then returns 1."""
+        self.lifecycle.failed = why
+        if self._loop is None:
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._abort, why)
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -151,8 +164,13 @@ class TapllmServer(uvicorn.Server):
 
 
 def run(app: Any, lifecycle: Lifecycle, *, host: str, port: int, log_level: str, shutdown_timeout: float,
-        keep_alive_timeout: float, header_read_timeout: float, max_connections: int | None) -> None:
-    """Serve ``app`` until a signal stops it."""
+        keep_alive_timeout: float, header_read_timeout: float, max_connections: int | None,
+        sock: socket.socket | None = None) -> int:
+    """Serve ``app`` until a signal stops it (0) or its engine dies (1); the exit status.
+
+    ``sock``: a listening socket to accept on (shared by several API server processes) instead
+    of binding ``host:port``.
+    """
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
         http=protocol_with_header_timeout(header_read_timeout),
@@ -161,4 +179,8 @@ def run(app: Any, lifecycle: Lifecycle, *, host: str, port: int, log_level: str,
         # Our own abort comes at shutdown_timeout; uvicorn cancels what still hangs after that.
         timeout_graceful_shutdown=int(shutdown_timeout + 2 * _ABORT_FLUSH_S + 1),
     )
-    TapllmServer(config, lifecycle, shutdown_timeout).run()
+    TapllmServer(config, lifecycle, shutdown_timeout).run(sockets=[sock] if sock is not None else None)
+    if lifecycle.failed is not None:
+        logger.error("exiting: %s", lifecycle.failed)
+        return 1
+    return 0

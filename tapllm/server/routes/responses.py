@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from tapllm.engine.request import Request as EngineRequest
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
-from tapllm.server.async_engine import Update
+from tapllm.server.runner import Update
 from tapllm.server.bodies import json_response
 from tapllm.server.context import PostRoute, RouteContext
 from tapllm.server.formatting import ChoiceFormat, sse, sse_error
