@@ -125,3 +125,12 @@ def assert_matches_reference(outs, refs, atol: float = 1e-4) -> None:
         assert c.token_ids == tokens
         got = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
         assert max(abs(a - b) for a, b in zip(got, lps)) < atol
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_built() -> None:
+    """Build (or find cached) the fused C++ kernels before the first test: a server a test starts
+    would otherwise pay a machine's first build inside its start-up timeout."""
+    from tapllm.kernels import fused_kernels
+
+    fused_kernels()

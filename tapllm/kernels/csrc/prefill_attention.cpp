@@ -122,6 +122,10 @@ TAPLLM_BF16_TARGET void bf16_dot_task(const uint16_t* q, const uint16_t* kh, con
           for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], qv, kv[v]);
         }
       }
+      // stored with compile-time indices at once: indexing acc by the row loop below would keep
+      // the accumulators in memory (spilled on every step of the dot loop)
+      for (int i = 0; i < RB; ++i)
+        for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + i * KT + v * 16, acc[i][v]);
       for (int i = 0; i < RB; ++i) {
         const int64_t r = r0 + i;
         const int64_t pos = ctx + first + r / group;
@@ -134,7 +138,7 @@ TAPLLM_BF16_TARGET void bf16_dot_task(const uint16_t* q, const uint16_t* kh, con
           continue;
         }
         for (int v = 0; v < NV; ++v) {
-          Vec x = Vec(acc[i][v]) * Vec(scale);
+          Vec x = Vec::loadu(sr + v * 16) * Vec(scale);
           if (softcap > 0.f) x = (x * Vec(1.f / softcap)).tanh() * Vec(softcap);
           x.store(sr + v * 16);
         }
@@ -286,6 +290,8 @@ void prefill_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* s
               for (int v = 0; v < NV; ++v) acc[i][v] = at::vec::fmadd(qv, kv[v], acc[i][v]);
             }
           }
+          for (int i = 0; i < RB; ++i)  // compile-time indices (see bf16_dot_task)
+            for (int v = 0; v < NV; ++v) acc[i][v].store(s.data() + i * KT + v * W);
           for (int i = 0; i < RB; ++i) {
             const int64_t r = r0 + i;
             const int64_t pos = ctx + task.first + r / group;
@@ -303,7 +309,7 @@ void prefill_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* s
             }
             Vec vmx(-std::numeric_limits<float>::infinity());
             for (int v = 0; v < NV; ++v) {
-              Vec x = acc[i][v];
+              Vec x = Vec::loadu(sr + v * W);
               if (softcap > 0.f) x = (x * Vec(1.f / softcap)).tanh() * Vec(softcap);
               x.store(sr + v * W);
             }
