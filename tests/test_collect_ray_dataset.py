@@ -121,6 +121,9 @@ def test_parts_of_a_stream_and_of_a_saved_dataset_cover_the_input_once(tmp_path)
             [w[1:] for w in want], name
     with pytest.raises(ValueError, match="part 2 of 2"):
         part_of(ds, 2, 2)
+    cfg = CollectConfig(out=tmp_path / "o", dataset=DatasetSpec("ds"), workers=2, max_tokens_total=100)
+    with pytest.raises(ValueError, match="--max-tokens-total is a budget over one stream"):
+        cfg.validate()
 
 
 def test_ray_dataset_equals_one_process_and_a_killed_driver_resumes(setup, tmp_path, caplog):
@@ -196,7 +199,7 @@ def test_packed_parts_and_a_killed_worker_resume_exactly(setup, tmp_path):
     while killed_at is None and time.time() < deadline and thread.is_alive():
         lines = _manifest_lines(out, 0)
         if lines >= 1:
-            ray.kill(ray.get_actor(actor_name(out.resolve(), 0), namespace=NAMESPACE))
+            ray.kill(ray.get_actor(actor_name(out.resolve(), 0, attempt=0), namespace=NAMESPACE))
             killed_at = lines
         time.sleep(0.005)
     thread.join(timeout=300)

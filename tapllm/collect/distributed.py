@@ -8,9 +8,9 @@ Each actor writes its part's shards and manifest into the shared output folder; 
 holds the folder's lock for the whole run, shows the progress of every part in one bar (read
 from the parts' manifests) and writes the one ``metadata.json`` once every part is complete.
 An actor that dies (node lost, out of memory, killed) is replaced and its part resumes from
-the part's manifest. Actors are named after the output folder (namespace
-``tapllm-collect``), so a rerun after its driver was killed first ends any actor the dead
-driver left writing there. Only this module imports Ray, and only with ``--ray-address``.
+the part's manifest. Actors are named after the output folder, the part and the attempt
+(namespace ``tapllm-collect``), so a rerun after its driver was killed first ends any actor
+the dead driver left writing there. Only this module imports Ray, and only with ``--ray-address``.
 """
 
 from __future__ import annotations
@@ -66,26 +66,29 @@ class CollectWorker:
                 "seconds": time.perf_counter() - t0}
 
 
-def actor_name(out: Path, part: int) -> str:
-    """The Ray name of the actor collecting ``part`` into ``out``."""
-    return f"collect-{hashlib.sha256(str(out).encode()).hexdigest()[:12]}-part{part:03d}"
+def actor_name(out: Path, part: int, attempt: int = 0) -> str:
+    """The Ray name of the actor collecting ``part`` into ``out`` (``attempt``: 0, then one
+    more for each replacement: a dead actor's name may stay taken while its handle lives)."""
+    return f"collect-{hashlib.sha256(str(out).encode()).hexdigest()[:12]}-part{part:03d}-{attempt}"
 
 
-def _wait_gone(ray: Any, name: str, kill: bool, timeout: float = 60.0) -> None:
-    """Until no live actor holds ``name`` (killing it first with ``kill``)."""
+def _end(ray: Any, name: str, timeout: float = 60.0) -> None:
+    """End the live actor named ``name`` (if any) and wait until it is dead."""
+    try:
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return
+    ray.kill(handle)
     deadline = time.monotonic() + timeout
-    while True:
+    while time.monotonic() < deadline:
         try:
-            handle = ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
+            ray.get(handle.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
             return
-        if kill:
-            logger.warning("ending Ray actor %s, left running by an earlier run into this folder", name)
-            ray.kill(handle)
-            kill = False
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"Ray actor {name} is still alive {timeout:.0f} s after it was ended")
+        except ray.exceptions.GetTimeoutError:
+            continue
         time.sleep(0.2)
+    raise RuntimeError(f"Ray actor {name} is still alive {timeout:.0f} s after it was ended")
 
 
 def _show(bar: tqdm, out: Path, parts: int, t0: float, rows0: int) -> int:
@@ -128,13 +131,14 @@ def run_with_ray(cfg: CollectConfig, run: dict[str, Any], items: list[Item], par
     cfg = replace(cfg, input=cfg.input.resolve() if cfg.input is not None else None, out=cfg.out.resolve())
     if cfg.dataset is not None and Path(cfg.dataset.name).expanduser().exists():
         cfg = replace(cfg, dataset=replace(cfg.dataset, name=str(Path(cfg.dataset.name).expanduser().resolve())))
-    names = [actor_name(cfg.out, k) for k in range(len(parts))]
-    for name in names:  # a killed driver's actors may still be writing here
-        _wait_gone(ray, name, kill=True)
+    for k in range(len(parts)):  # a killed driver's actors may still be writing here
+        for attempt in range(MAX_RESTARTS + 1):
+            _end(ray, actor_name(cfg.out, k, attempt))
+    restarts = [0] * len(parts)
 
     def start(k: int) -> Any:
-        _wait_gone(ray, names[k], kill=False)  # a dead actor's name is freed a moment after it dies
-        actor = Actor.options(name=names[k], namespace=NAMESPACE).remote(cfg, run, per_worker)
+        actor = Actor.options(name=actor_name(cfg.out, k, restarts[k]), namespace=NAMESPACE).remote(
+            cfg, run, per_worker)
         if cfg.dataset is not None:
             ref = actor.run_dataset.remote(k, len(parts), settings)
         else:
@@ -146,13 +150,12 @@ def run_with_ray(cfg: CollectConfig, run: dict[str, Any], items: list[Item], par
     refs: dict[Any, int] = {}
     t0 = time.perf_counter()
     actors = [start(k) for k in range(len(parts))]
-    restarts = [0] * len(parts)
     unit = "req" if cfg.dataset is None else "ctx"
     bar = tqdm(total=len(items) if cfg.dataset is None else None, unit=unit, dynamic_ncols=True,
                desc=f"collecting on {len(parts)} Ray workers", disable=not show_progress)
-    rows0 = _show(bar, cfg.out, len(parts), t0, 0)
     try:
         with bar:
+            rows0 = _show(bar, cfg.out, len(parts), t0, 0)
             while refs:
                 ready, _ = ray.wait(list(refs), num_returns=1, timeout=1.0)
                 _show(bar, cfg.out, len(parts), t0, rows0)
@@ -173,6 +176,6 @@ def run_with_ray(cfg: CollectConfig, run: dict[str, Any], items: list[Item], par
         # The lock is released when the caller returns: no actor may still be writing then.
         for actor in actors:
             ray.kill(actor)
-        for name in names:
-            _wait_gone(ray, name, kill=False)
+        for k in range(len(parts)):
+            _end(ray, actor_name(cfg.out, k, restarts[k]))
     return time.perf_counter() - t0
