@@ -80,8 +80,9 @@ class CollectConfig:
                 raise ValueError(f"{', '.join(used)} apply to --dataset (--input records are run as they are)")
         if self.dataset is not None and self.max_tokens > 0:
             raise ValueError("--max-tokens applies to --input: --dataset contexts are run as prompts only")
-        if self.dataset is not None and self.workers != 1:
-            raise ValueError("--dataset is read as one stream: use it without --workers")
+        if self.dataset is not None and self.workers != 1 and self.max_tokens_total is not None:
+            raise ValueError("--max-tokens-total is a budget over one stream: with --workers, limit the input "
+                             "with --max-rows")
         if self.positions not in ("prompt", "all"):
             raise ValueError(f"--positions must be 'prompt' or 'all', got {self.positions!r}")
         if self.max_tokens < 0:

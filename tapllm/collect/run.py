@@ -246,8 +246,6 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
     cfg.validate()
     if ray_address is None and cfg.workers != 1:
         raise ValueError("--workers needs --ray-address (use 'local' for a Ray instance on this machine)")
-    if ray_address is not None and cfg.dataset is not None:
-        raise ValueError("--dataset is read as one stream: run it without --ray-address")
     folder = model_folder(cfg)
     mc = model_config(cfg, folder)
     if cfg.engine.tokenizer is not None:
@@ -281,7 +279,8 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
         items = read_items(cfg.input) if cfg.input is not None else []
         init_output(cfg.out, run, state)
         remove_temporaries(cfg.out)  # a killed run's; no writer runs yet
-        parts = split_parts(len(items), cfg.workers)
+        # --dataset: each Ray worker reads its own part (tapllm.collect.dataset_parts)
+        parts = split_parts(len(items), cfg.workers) if cfg.input is not None else [(0, 0)] * cfg.workers
         if ray_address is None:
             engine = build_engine(cfg)
             check_engine(engine, run)
@@ -291,5 +290,5 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
             run_part(engine, cfg, source, 0, show_progress)
             seconds = time.perf_counter() - t0
         else:
-            seconds = run_with_ray(cfg, run, items, parts, ray_address, show_progress)
+            seconds = run_with_ray(cfg, run, items, parts, ray_address, show_progress, settings)
         return finalize(cfg.out, run, parts, len(items) if cfg.input is not None else None, seconds)
