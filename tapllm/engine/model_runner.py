@@ -19,9 +19,11 @@ from tapllm.engine.step_tap import CaptureSpan, StepTap, SteerSpan
 from tapllm.hidden_states.sink import CopySink
 from tapllm.kernels import fused_kernels
 from tapllm.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, group_prefills
+from tapllm.layers.linear import Linear
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 from tapllm.platform import available_memory_bytes, cpu_support, tune_cpu_allocator
+from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
 from tapllm.tap import RowSpan
 
@@ -101,6 +103,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(device):
             self.model = build_model(model_config)
+        self.quant = engine_config.quant()
+        if self.quant is not None:  # before loading: each checkpoint tensor is quantized as it is read
+            self.model.quant = self.quant
+            quantize_linears(self.model, self.quant, Linear)
         self.model.load_weights(iter_weights(model_config.path))
         self.model.prepare_for_inference(device)
         self.model.eval()
@@ -109,7 +115,7 @@ class ModelRunner:
         logger.info(
             "loaded %s (%s, %s) in %.1fs; linear layers: %s",
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
-            _linear_path(device, model_config.dtype),
+            _linear_path(device, model_config.dtype) if self.quant is None else self.quant.describe(),
         )
         # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
         self.capture_sink = CopySink(staged=device.type != "cpu")

@@ -46,6 +46,10 @@ class DecoderStack:
             return None
         if any(type(layer) is not block for layer in layers):
             return None
+        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if any(type(m) is not Linear for m in linears):
+            return None  # quantized linears (tapllm.quant) run in the Python blocks
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         eps = getattr(layers[0].input_layernorm, "eps", None)
         packed = {layer.self_attn.qkv_proj.packed is not None for layer in layers}

@@ -1,0 +1,144 @@
+"""Weights kept quantized (int8 per channel, int4 per group): the kernel against its reference,
+and whole models against a float checkpoint holding the dequantized weights of the same
+quantization — greedy tokens equal, states at every block within float32 summation error, with
+capture, steering and the lens on; results and the server name the quantization.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from conftest import random_prompts
+from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
+from tapllm.config import EngineConfig
+from tapllm.kernels import fused_kernels
+from tapllm.quant import parse_quantization
+from tapllm.quant.pack import dequantize, fit_group, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_quantization_options_are_validated():
+    assert parse_quantization(None) is None
+    assert parse_quantization("int4").describe() == "int4-g128"
+    assert parse_quantization("int4", 32).describe() == "int4-g32"
+    assert parse_quantization("int8").describe() == "int8"
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        parse_quantization("fp4")
+    with pytest.raises(ValueError, match="quantization_group_size must be one of"):
+        parse_quantization("int4", 48)
+    with pytest.raises(ValueError, match="applies to quantization='int4' only"):
+        parse_quantization("int8", 64)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="q4").validate()
+
+
+def test_packing_round_trips():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+    assert fit_group(128, 576) == 64 and fit_group(32, 48) is None
+    w = torch.randn(7, 96)
+    for p in (quantize_int4(w, 32), quantize_int8(w)):
+        deq = dequantize(p)
+        assert (deq - w).abs().max() <= p.scales.max() * (0.5 if p.bits == 4 else 0.5) + 1e-6
+    const = torch.full((2, 32), 0.25)  # a constant group has scale 0 and keeps its value exactly
+    assert torch.equal(dequantize(quantize_int4(const, 32)), const)
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, None)])
+def test_kernel_matches_reference(bits, group):
+    ops = fused_kernels()
+    if ops is None:
+        pytest.skip("no fused kernels on this machine")
+    g = torch.Generator().manual_seed(0)
+    n, k = 45, 192  # columns that leave a remainder after every tile width
+    w = torch.randn(n, k, generator=g)
+    p = quantize_int4(w, group) if bits == 4 else quantize_int8(w)
+    deq = dequantize(p)
+    # equal but for the rounding of scale * q + min (one fused multiply-add in C++)
+    torch.testing.assert_close(ops.quant_dequantize(p.q, p.scales, p.mins, p.bits, p.group), deq, rtol=1e-6,
+                               atol=1e-6)
+    for m in (1, 2, 3, 7, 16, 17, 40):  # every row tile, and the dequantize-then-GEMM path
+        for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1.5e-2)):
+            x, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+            got = ops.quant_linear(x, p.q, p.scales, p.mins, b, p.bits, p.group)
+            want = F.linear(x.float(), deq, b.float())
+            assert got.dtype == dtype and got.shape == (m, n)
+            assert ((got.float() - want).abs().max() / want.abs().max()) < tol, (m, dtype)
+
+
+def _dequantized_checkpoint(src, dst, method: str, group: int | None):
+    """A float32 copy of checkpoint ``src`` whose linear weights (and LM head, tied or not) are
+    the dequantized weights that ``quantization=method`` computes with."""
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("tie_word_embeddings"):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        cfg["tie_word_embeddings"] = False
+        (dst / "config.json").write_text(json.dumps(cfg))
+    for name, t in tensors.items():
+        if name == "lm_head.weight" or any(f"{p}.weight" in name for p in PROJ):
+            p = quantize_int4(t, fit_group(group, t.shape[1])) if method == "int4" else quantize_int8(t)
+            tensors[name] = dequantize(p).contiguous()
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+SPEC = HiddenStatesSpec(points=["resid_post", "final"], layers="all", positions="all", lens=3)
+
+
+@pytest.mark.parametrize("name,method,group", [("llama", "int4", 32), ("llama3-rope-tied", "int8", None),
+                                               ("qwen2", "int4", 64)])
+def test_quantized_model_equals_its_dequantized_reference(tiny_models, tmp_path, name, method, group):
+    src = tiny_models[name]
+    ref_folder = _dequantized_checkpoint(src, tmp_path / "ref", method, group or 128)
+    prompts = random_prompts([9, 21], seed=5)
+    steer = [Steer(layers=[1], point="resid_post", vector=torch.randn(64, generator=torch.Generator().manual_seed(1)),
+                   scale=2.0)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, hidden_states=SPEC, steering=steer)
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = LLM(ref_folder, dtype="float32", block_size=4)
+    want, want_plain = ref.generate(prompts, params, use_tqdm=False), ref.generate(prompts, plain, use_tqdm=False)
+    del ref
+    for eager in (False, True):
+        llm = LLM(src, dtype="float32", block_size=4, quantization=method, quantization_group_size=group,
+                  enforce_eager=eager)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        got_plain = llm.generate(prompts, plain, use_tqdm=False)  # no taps: the decode steps' fastest path
+        for a, b in zip(got + got_plain, want + want_plain, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for a, b in zip(got, want, strict=True):
+            hs, rs = a.hidden_states, b.hidden_states
+            assert hs.metadata["quantization"] == llm.engine.quantization == (f"int4-g{group}" if method == "int4"
+                                                                               else "int8")
+            for point in ("resid_post", "final"):
+                torch.testing.assert_close(hs[point], rs[point], rtol=1e-4, atol=1e-4)
+            assert torch.equal(hs.lens["final"].token_ids, rs.lens["final"].token_ids)
+        del llm
+
+
+def test_quantized_states_save_and_wire_name_the_quantization(tiny_models, tmp_path):
+    from tapllm.hidden_states.result import HiddenStates
+    from tapllm.hidden_states.wire import hidden_states_from_wire, hidden_states_to_wire
+
+    llm = LLM(tiny_models["llama"], dtype="float32", block_size=4, quantization="int8")
+    out = llm.encode([random_prompts([6])[0]], HiddenStatesSpec(points="resid_post", layers=[0]))[0]
+    hs = out.hidden_states
+    assert hs.metadata == {"quantization": "int8"}
+    assert HiddenStates.load(hs.save(tmp_path / "s.safetensors")).metadata["quantization"] == "int8"
+    assert hidden_states_from_wire(hidden_states_to_wire(hs)).metadata["quantization"] == "int8"
+    from tapllm.quant.linear import QuantLinear
+
+    model = llm.engine.runner.model
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * len(model.layers) + 1
+    assert model.stack is None  # quantized blocks run in Python (with the fused element-wise kernels)
