@@ -100,25 +100,23 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
 
 
-def quant_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                 bias: torch.Tensor | None, bits: int, group: int) -> torch.Tensor:
-    """A weight-only quantized linear: ``x`` times the float32 weight the packed one stands for."""
-    from tapllm.quant.pack import Packed, dequantize
+def quant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A weight-only quantized linear: ``x`` times the float32 weight that blocks ``w`` stand for."""
+    from tapllm.quant.pack import dequantize
 
-    w = dequantize(Packed(q, scales, mins, bits, group))
-    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    deq = dequantize(w, x.shape[-1])
+    return F.linear(x.float(), deq, None if bias is None else bias.float()).to(x.dtype)
 
 
 def _check_quant(ops: Any, rand: Any, dtype: torch.dtype, tol: float) -> str | None:
     from tapllm.quant.pack import quantize_int4, quantize_int8
 
     w = rand(21, 64).float()
-    for p in (quantize_int4(w, 32), quantize_int8(w)):
+    for packed in (quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32)):
         for m in (1, 5, 18):  # the fused rows and the dequantize-then-GEMM path
             x, b = rand(m, 64), rand(21)
-            got = ops.quant_linear(x, p.q, p.scales, p.mins, b, p.bits, p.group)
-            if not _close(got, quant_linear(x, p.q, p.scales, p.mins, b, p.bits, p.group), tol * 4):
-                return f"quant_linear bits={p.bits} rows={m} ({dtype})"
+            if not _close(ops.quant_linear(x, packed, b), quant_linear(x, packed, b), tol * 4):
+                return f"quant_linear blocks {tuple(packed.shape[1:])} rows={m} ({dtype})"
     return None
 
 

@@ -22,7 +22,7 @@ from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_a
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.models.stack import DecoderStack
-from tapllm.quant.linear import QuantLinear
+from tapllm.quant.linear import QuantLinear, block_shape
 from tapllm.quant.schemes import Quantization
 from tapllm.layers.rotary import apply_rotary
 from tapllm.tap import PSEUDO_LAYER, Tap, no_tap
@@ -257,7 +257,7 @@ class CausalLM(nn.Module):
         """After loading: prepack linear weights where the platform benefits (see layers/linear.py);
         a quantized model's tied LM head is quantized from the embedding."""
         quant: Quantization | None = getattr(self, "quant", None)
-        if self.lm_head is None and quant is not None and QuantLinear.supports(quant, self.cfg.hidden_size):
+        if self.lm_head is None and quant is not None and block_shape(quant, self.cfg.hidden_size):
             self.lm_head = QuantLinear.from_weight(self.embed_tokens.weight.data, None, quant)
         if self.lm_head is None and packing_available(device, self.cfg.dtype):
             self.lm_head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.cfg.dtype)

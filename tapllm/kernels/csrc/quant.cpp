@@ -1,16 +1,17 @@
-// Weight-only quantized linears: y = x W^T + b with W kept as 4- or 8-bit integers and
-// per-group float32 scales, dequantized in registers (never into memory) for decode-sized
-// row counts, and dequantized one column chunk at a time into a GEMM for prefill sizes.
+// Weight-only quantized linears: y = x W^T + b with W kept in GGUF-style blocks, dequantized
+// in registers (never into memory) for decode-sized row counts, and one column chunk at a
+// time into a GEMM for prefill sizes.
 //
-// Layouts (tapllm/quant/schemes.py writes them; GGUF Q4_0/Q4_1/Q8_0 blocks map onto them):
-//   bits 4: q uint8 [N, K/2]; in each run of 32 weights, byte j holds weight j (low nibble)
-//           and weight j + 16 (high nibble), as GGUF's Q4_0/Q4_1 blocks do; w = scale * q + min.
-//   bits 8: q int8 [N, K]; w = scale * q.
-// scales (and mins) are float32 [N, K / group]; group is a multiple of 32 (4 bits) or 16 (8 bits).
+// A weight is one uint8 tensor [N, G, B]: for each output row, G blocks of g = K / G inputs,
+// each block B bytes (tapllm/quant/pack.py writes them; GGUF files hold the same blocks):
+//   B == 2 + g     int8:  float16 d, g int8 q;              w = d * q      (GGUF Q8_0 when g = 32)
+//   B == 4 + g/2   int4:  float16 d, float16 m, g/2 bytes;  w = d * q + m  (GGUF Q4_1 when g = 32)
+//   B == 18, g=32  Q4_0:  float16 d, 16 bytes;              w = d * (q - 8)
+// In 4-bit blocks each run of 32 weights takes 16 bytes: byte j holds weight j (low nibble) and
+// weight j + 16 (high nibble), GGUF's order.
 //
-// Arithmetic: each group's integer-weighted sum of x in float32, times the group's scale;
-// for 4 bits plus min * (sum of x over the group). The result differs from x @ dequant(W)^T
-// in float32 only by the order of the sums.
+// Arithmetic: per block, the integer-weighted sum of x in float32, times d, plus m times the
+// block's sum of x. It differs from x @ dequant(W)^T in float32 only by the order of the sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,13 +22,44 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "kernels.h"
 
 namespace tapllm {
 namespace {
 
+#define TAPLLM_QUANT_DISPATCH(TYPE, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, "quant", __VA_ARGS__)
+
 constexpr int64_t kMaxFusedRows = 16;  // more rows: dequantize a column chunk, then GEMM
-constexpr int64_t kChunkCols = 1024;   // columns dequantized at once on the GEMM path
+constexpr int64_t kChunkCols = 512;    // columns dequantized at once on the GEMM path
+
+enum Kind : int { kInt8 = 0, kInt4 = 1, kQ40 = 2 };
+
+struct Layout {
+  Kind kind;
+  int64_t n, groups, group, bytes, k;  // rows, blocks per row, inputs per block, bytes per block, inputs
+};
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// d and m of a block (m = -8 d for Q4_0, 0 for int8)
+inline void block_scale(const Layout& l, const uint8_t* blk, float& d, float& m) {
+  d = half_at(blk);
+  m = l.kind == kInt4 ? half_at(blk + 2) : (l.kind == kQ40 ? -8.f * d : 0.f);
+}
+
+inline int64_t header(Kind kind) { return kind == kInt4 ? 4 : 2; }
 
 // ---- a few vector helpers, one width per instruction set ----------------------------------
 #if defined(CPU_CAPABILITY_AVX512)
@@ -39,9 +71,8 @@ inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
-// floats of bytes [part * 16, part * 16 + 16) of 16 unsigned / signed bytes
 inline V u8_to_f(__m128i b, int) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
-inline V i8_to_f(const int8_t* p) {
+inline V i8_to_f(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -61,255 +92,203 @@ inline float vsum(V a) {
 inline V u8_to_f(__m128i b, int part) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part ? _mm_srli_si128(b, 8) : b));
 }
-inline V i8_to_f(const int8_t* p) {
+inline V i8_to_f(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 
-// Rows of x widened to float32, and (4 bits) each row's sum over every group.
+// Rows of x widened to float32 [m, K], and each row's sum over every block [m, G].
 struct Rows {
-  const float* x;   // [m, K]
-  const float* xs;  // [m, G] or null
-  int64_t k;
+  const float* x;
+  const float* xs;
 };
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// MR rows x NC columns [n, n + NC) of a 4-bit weight; out[r * ldo + c].
-template <int MR, int NC>
-inline void int4_tile(const Rows& rows, int64_t r0, const uint8_t* q, const float* sc, const float* mn,
-                      int64_t group, int64_t n, float* out, int64_t ldo) {
-  const int64_t k = rows.k, groups = k / group, qrow = k / 2;
+// Rows [r0, r0 + MR) x columns [n, n + NC) into out[r * ldo + col].
+template <int MR, int NC, bool FOUR>
+inline void tile(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n, float* out,
+                 int64_t ldo) {
+  const int64_t k = l.k, g = l.group, hdr = header(l.kind);
   const __m128i low = _mm_set1_epi8(0x0F);
   V acc[MR][NC];
+  float mterm[MR][NC];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = vzero();
-  for (int64_t g = 0; g < groups; ++g) {
+    for (int c = 0; c < NC; ++c) acc[r][c] = vzero(), mterm[r][c] = 0.f;
+  for (int64_t b = 0; b < l.groups; ++b) {
     V t0[MR][NC], t1[MR][NC];
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NC; ++c) t0[r][c] = t1[r][c] = vzero();
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
-      for (int c = 0; c < NC; ++c) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + c) * qrow + k0 / 2));
-        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-        for (int part = 0; part < 16 / kW; ++part) {
-          const V wl = u8_to_f(lo, part), wh = u8_to_f(hi, part);
+    const int64_t kb = b * g;
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* q = w + ((n + c) * l.groups + b) * l.bytes + hdr;
+      if constexpr (FOUR) {
+        for (int64_t s = 0; s < g; s += 32) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + s / 2));
+          const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+          for (int part = 0; part < 16 / kW; ++part) {
+            const V wl = u8_to_f(lo, part), wh = u8_to_f(hi, part);
+            for (int r = 0; r < MR; ++r) {
+              const float* xr = rows.x + (r0 + r) * k + kb + s + part * kW;
+              t0[r][c] = vfma(wl, vload(xr), t0[r][c]);
+              t1[r][c] = vfma(wh, vload(xr + 16), t1[r][c]);
+            }
+          }
+        }
+      } else {
+        for (int64_t s = 0; s < g; s += 2 * kW) {  // g is a multiple of 32 >= 2 kW
+          const V wa = i8_to_f(q + s), wb = i8_to_f(q + s + kW);
           for (int r = 0; r < MR; ++r) {
-            const float* xr = rows.x + (r0 + r) * k + k0 + part * kW;
-            t0[r][c] = vfma(wl, vload(xr), t0[r][c]);
-            t1[r][c] = vfma(wh, vload(xr + 16), t1[r][c]);
+            const float* xr = rows.x + (r0 + r) * k + kb + s;
+            t0[r][c] = vfma(wa, vload(xr), t0[r][c]);
+            t1[r][c] = vfma(wb, vload(xr + kW), t1[r][c]);
           }
         }
       }
     }
     for (int c = 0; c < NC; ++c) {
-      const V s = vset(sc[(n + c) * groups + g]);
-      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(s, vadd(t0[r][c], t1[r][c]), acc[r][c]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    const float* xs = rows.xs + (r0 + r) * groups;
-    for (int c = 0; c < NC; ++c) {
-      const float* m = mn + (n + c) * groups;
-      float bias = 0.f;
-      for (int64_t g = 0; g < groups; ++g) bias += m[g] * xs[g];
-      out[(r0 + r) * ldo + n + c] = vsum(acc[r][c]) + bias;
-    }
-  }
-}
-
-template <int MR, int NC>
-inline void int8_tile(const Rows& rows, int64_t r0, const int8_t* q, const float* sc, int64_t group, int64_t n,
-                      float* out, int64_t ldo) {
-  const int64_t k = rows.k, groups = k / group;
-  V acc[MR][NC];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = vzero();
-  for (int64_t g = 0; g < groups; ++g) {
-    V t0[MR][NC], t1[MR][NC];
-    for (int r = 0; r < MR; ++r)
-      for (int c = 0; c < NC; ++c) t0[r][c] = t1[r][c] = vzero();
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 16) {
-      for (int c = 0; c < NC; ++c) {
-        const int8_t* qc = q + (n + c) * k + k0;
-        for (int part = 0; part < 16 / kW; ++part) {
-          const V w = i8_to_f(qc + part * kW);
-          for (int r = 0; r < MR; ++r) {
-            const V xv = vload(rows.x + (r0 + r) * k + k0 + part * kW);
-            if ((k0 / 16) & 1) t1[r][c] = vfma(w, xv, t1[r][c]);
-            else t0[r][c] = vfma(w, xv, t0[r][c]);
-          }
-        }
+      float d, m;
+      block_scale(l, w + ((n + c) * l.groups + b) * l.bytes, d, m);
+      const V dv = vset(d);
+      for (int r = 0; r < MR; ++r) {
+        acc[r][c] = vfma(dv, vadd(t0[r][c], t1[r][c]), acc[r][c]);
+        if constexpr (FOUR) mterm[r][c] += m * rows.xs[(r0 + r) * l.groups + b];
       }
     }
-    for (int c = 0; c < NC; ++c) {
-      const V s = vset(sc[(n + c) * groups + g]);
-      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(s, vadd(t0[r][c], t1[r][c]), acc[r][c]);
-    }
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) out[(r0 + r) * ldo + n + c] = vsum(acc[r][c]);
+    for (int c = 0; c < NC; ++c) out[(r0 + r) * ldo + n + c] = vsum(acc[r][c]) + mterm[r][c];
 }
 #endif
 
-// Scalar versions (the generic build, and the columns left over after the vector tiles).
-inline void int4_scalar(const Rows& rows, int64_t r, const uint8_t* q, const float* sc, const float* mn,
-                        int64_t group, int64_t n, float* out, int64_t ldo) {
-  const int64_t k = rows.k, groups = k / group;
-  const float* x = rows.x + r * k;
+// One row x one column, scalar (the generic build, and columns left over after the tiles).
+inline float dot_scalar(const Layout& l, const Rows& rows, int64_t r, const uint8_t* w, int64_t n) {
+  const float* x = rows.x + r * l.k;
   float total = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    float t = 0.f;
-    for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
-      const uint8_t* b = q + n * (k / 2) + k0 / 2;
-      for (int j = 0; j < 16; ++j) t += (b[j] & 15) * x[k0 + j] + (b[j] >> 4) * x[k0 + 16 + j];
+  for (int64_t b = 0; b < l.groups; ++b) {
+    const uint8_t* blk = w + (n * l.groups + b) * l.bytes;
+    const uint8_t* q = blk + header(l.kind);
+    const float* xb = x + b * l.group;
+    float d, m, t = 0.f;
+    block_scale(l, blk, d, m);
+    if (l.kind == kInt8) {
+      for (int64_t i = 0; i < l.group; ++i) t += static_cast<float>(static_cast<int8_t>(q[i])) * xb[i];
+    } else {
+      for (int64_t s = 0; s < l.group; s += 32)
+        for (int j = 0; j < 16; ++j) t += (q[s / 2 + j] & 15) * xb[s + j] + (q[s / 2 + j] >> 4) * xb[s + 16 + j];
     }
-    total += sc[n * groups + g] * t + mn[n * groups + g] * rows.xs[r * groups + g];
+    total += d * t + (l.kind == kInt8 ? 0.f : m * rows.xs[r * l.groups + b]);
   }
-  out[r * ldo + n] = total;
+  return total;
 }
 
-inline void int8_scalar(const Rows& rows, int64_t r, const int8_t* q, const float* sc, int64_t group, int64_t n,
-                        float* out, int64_t ldo) {
-  const int64_t k = rows.k, groups = k / group;
-  const float* x = rows.x + r * k;
-  float total = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    float t = 0.f;
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) t += q[n * k + i] * x[i];
-    total += sc[n * groups + g] * t;
-  }
-  out[r * ldo + n] = total;
-}
-
-// Rows [r0, r0 + MR) for columns [n0, n1).
 template <int MR>
-void rows_pass(const Rows& rows, int64_t r0, int bits, const void* q, const float* sc, const float* mn,
-               int64_t group, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+void rows_pass(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n0, int64_t n1, float* out) {
   constexpr int NC = MR == 1 ? 4 : (MR <= 4 ? 2 : 1);
   int64_t n = n0;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   for (; n + NC <= n1; n += NC) {
-    if (bits == 4) int4_tile<MR, NC>(rows, r0, static_cast<const uint8_t*>(q), sc, mn, group, n, out, ldo);
-    else int8_tile<MR, NC>(rows, r0, static_cast<const int8_t*>(q), sc, group, n, out, ldo);
+    if (l.kind == kInt8) tile<MR, NC, false>(l, rows, r0, w, n, out, l.n);
+    else tile<MR, NC, true>(l, rows, r0, w, n, out, l.n);
   }
 #endif
   for (; n < n1; ++n)
-    for (int r = 0; r < MR; ++r) {
-      if (bits == 4) int4_scalar(rows, r0 + r, static_cast<const uint8_t*>(q), sc, mn, group, n, out, ldo);
-      else int8_scalar(rows, r0 + r, static_cast<const int8_t*>(q), sc, group, n, out, ldo);
-    }
+    for (int r = 0; r < MR; ++r) out[(r0 + r) * l.n + n] = dot_scalar(l, rows, r0 + r, w, n);
 }
 
-// out[m, N] (float32) = rows x dequant(W)^T, for m <= kMaxFusedRows; one parallel region.
-void fused_rows(const Rows& rows, int64_t m, int64_t nout, int bits, const void* q, const float* sc,
-                const float* mn, int64_t group, float* out) {
-  // Column blocks of 16: whole tiles per thread, and enough blocks to share among threads.
-  at::parallel_for(0, (nout + 15) / 16, 4, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * 16, n1 = std::min(nout, b1 * 16);
-    for (int64_t nb = n0; nb < n1; nb += 16) {  // a column block stays in L1 across row passes
+// out [m, N] (float32) for m <= kMaxFusedRows; one parallel region per call.
+void fused_rows(const Layout& l, const Rows& rows, int64_t m, const uint8_t* w, float* out) {
+  at::parallel_for(0, (l.n + 15) / 16, 4, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * 16, n1 = std::min(l.n, b1 * 16);
+    for (int64_t nb = n0; nb < n1; nb += 16) {  // a column block stays in L1 across the row passes
       const int64_t ne = std::min(n1, nb + 16);
       int64_t r = 0;
-      for (; r + 8 <= m; r += 8) rows_pass<8>(rows, r, bits, q, sc, mn, group, nb, ne, out, nout);
-      for (; r + 4 <= m; r += 4) rows_pass<4>(rows, r, bits, q, sc, mn, group, nb, ne, out, nout);
-      for (; r + 2 <= m; r += 2) rows_pass<2>(rows, r, bits, q, sc, mn, group, nb, ne, out, nout);
-      for (; r < m; ++r) rows_pass<1>(rows, r, bits, q, sc, mn, group, nb, ne, out, nout);
+      for (; r + 8 <= m; r += 8) rows_pass<8>(l, rows, r, w, nb, ne, out);
+      for (; r + 4 <= m; r += 4) rows_pass<4>(l, rows, r, w, nb, ne, out);
+      for (; r + 2 <= m; r += 2) rows_pass<2>(l, rows, r, w, nb, ne, out);
+      for (; r < m; ++r) rows_pass<1>(l, rows, r, w, nb, ne, out);
     }
   });
 }
 
-void check_weight(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
-                  int64_t group, int64_t k) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous(), "quant: the packed weight must be a contiguous 2-D tensor");
-  TORCH_CHECK(q.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "quant: ", bits, "-bit weights must be ",
-              bits == 4 ? "uint8" : "int8");
-  TORCH_CHECK(group > 0 && group % (bits == 4 ? 32 : 16) == 0 && k % group == 0, "quant: group ", group,
-              " must divide K=", k, " and be a multiple of ", bits == 4 ? 32 : 16);
-  TORCH_CHECK(q.size(1) == (bits == 4 ? k / 2 : k), "quant: weight has ", q.size(1), " columns for K=", k);
-  const int64_t n = q.size(0);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == n && scales.size(1) == k / group, "quant: scales must be float32 [N, K/group]");
-  if (bits == 4) {
-    TORCH_CHECK(mins.has_value() && mins->defined() && mins->scalar_type() == at::kFloat && mins->is_contiguous() &&
-                    mins->sizes() == scales.sizes(), "quant: 4-bit weights need float32 mins shaped like scales");
-  }
-}
-
-// Dequantize rows [n0, n1) of W into out [n1 - n0, K] (float32).
-void dequant_rows(int bits, const void* q, const float* sc, const float* mn, int64_t k, int64_t group, int64_t n0,
-                  int64_t n1, float* out) {
-  const int64_t groups = k / group;
-  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
-    for (int64_t n = a; n < b; ++n) {
-      float* o = out + (n - n0) * k;
-      for (int64_t g = 0; g < groups; ++g) {
-        const float s = sc[n * groups + g], mi = bits == 4 ? mn[n * groups + g] : 0.f;
-        for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
-          if (bits == 4) {
-            const uint8_t* bq = static_cast<const uint8_t*>(q) + n * (k / 2) + k0 / 2;
+// Dequantize rows [n0, n1) of W into out [n1 - n0, K] of T.
+template <typename T>
+void dequant_rows(const Layout& l, const uint8_t* w, int64_t n0, int64_t n1, T* out) {
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t e) {
+    for (int64_t n = a; n < e; ++n) {
+      T* o = out + (n - n0) * l.k;
+      for (int64_t b = 0; b < l.groups; ++b) {
+        const uint8_t* blk = w + (n * l.groups + b) * l.bytes;
+        const uint8_t* q = blk + header(l.kind);
+        T* ob = o + b * l.group;
+        float d, m;
+        block_scale(l, blk, d, m);
+        if (l.kind == kInt8) {
+          for (int64_t i = 0; i < l.group; ++i) ob[i] = static_cast<T>(d * static_cast<float>(static_cast<int8_t>(q[i])));
+        } else {
+          for (int64_t s = 0; s < l.group; s += 32)
             for (int j = 0; j < 16; ++j) {
-              o[k0 + j] = s * static_cast<float>(bq[j] & 15) + mi;
-              o[k0 + 16 + j] = s * static_cast<float>(bq[j] >> 4) + mi;
+              ob[s + j] = static_cast<T>(d * static_cast<float>(q[s / 2 + j] & 15) + m);
+              ob[s + 16 + j] = static_cast<T>(d * static_cast<float>(q[s / 2 + j] >> 4) + m);
             }
-          } else {
-            const int8_t* bq = static_cast<const int8_t*>(q) + n * k + k0;
-            for (int j = 0; j < 32 && k0 + j < (g + 1) * group; ++j) o[k0 + j] = s * static_cast<float>(bq[j]);
-          }
         }
       }
     }
   });
 }
 
+Layout layout_of(const at::Tensor& w, int64_t k) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous(),
+              "quant: the weight must be a contiguous uint8 [N, blocks, bytes] tensor");
+  const int64_t groups = w.size(1), bytes = w.size(2);
+  TORCH_CHECK(groups > 0 && k % groups == 0, "quant: ", groups, " blocks per row do not divide K=", k);
+  const int64_t g = k / groups;
+  Kind kind;
+  if (bytes == 2 + g && g % 32 == 0) kind = kInt8;
+  else if (bytes == 4 + g / 2 && g % 32 == 0) kind = kInt4;
+  else if (bytes == 18 && g == 32) kind = kQ40;
+  else TORCH_CHECK(false, "quant: blocks of ", bytes, " bytes for ", g, " inputs match no known layout");
+  return Layout{kind, w.size(0), groups, g, bytes, k};
+}
+
 }  // namespace
 
-// The float32 weight [N, K] that the packed one stands for (the reference, and for tests).
-at::Tensor quant_dequantize(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
-                            int64_t bits, int64_t group) {
-  const int64_t k = bits == 4 ? q.size(1) * 2 : q.size(1);
-  check_weight(q, scales, mins, bits, group, k);
-  auto out = at::empty({q.size(0), k}, scales.options());
-  const float* mn = bits == 4 ? mins->data_ptr<float>() : nullptr;
-  dequant_rows(static_cast<int>(bits), q.data_ptr(), scales.data_ptr<float>(), mn, k, group, 0, q.size(0),
-               out.data_ptr<float>());
+at::Tensor quant_dequantize(const at::Tensor& w, int64_t k, at::ScalarType dtype) {
+  const Layout l = layout_of(w, k);
+  auto out = at::empty({l.n, k}, at::TensorOptions().dtype(dtype));
+  TAPLLM_QUANT_DISPATCH(dtype, [&] { dequant_rows<scalar_t>(l, w.data_ptr<uint8_t>(), 0, l.n, out.data_ptr<scalar_t>()); });
   return out;
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                        const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
-                        int64_t group) {
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() >= 1, "quant_linear: x must have a feature dimension");
-  const int64_t k = x.size(-1), nout = q.size(0);
-  check_weight(q, scales, mins, bits, group, k);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "quant_linear: x must be float32, bfloat16 or float16");
+  const int64_t k = x.size(-1);
+  const Layout l = layout_of(w, k);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = nout;
-  const int64_t m = x.numel() / std::max<int64_t>(k, 1);
-  const float* mn = bits == 4 ? mins->data_ptr<float>() : nullptr;
+  shape.back() = l.n;
+  const int64_t m = k > 0 ? x.numel() / k : 0;
+  const bool has_bias = bias.has_value() && bias->defined();
   at::Tensor y;
   if (m <= kMaxFusedRows) {
     at::Tensor xf = x.reshape({m, k}).to(at::kFloat).contiguous();
-    at::Tensor xs;
-    if (bits == 4) xs = xf.view({m, k / group, group}).sum(-1).contiguous();
-    at::Tensor out = at::empty({m, nout}, xf.options());
-    Rows rows{xf.data_ptr<float>(), bits == 4 ? xs.data_ptr<float>() : nullptr, k};
-    fused_rows(rows, m, nout, static_cast<int>(bits), q.data_ptr(), scales.data_ptr<float>(), mn, group,
-               out.data_ptr<float>());
-    if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+    at::Tensor xs = xf.view({m, l.groups, l.group}).sum(-1).contiguous();
+    at::Tensor out = at::empty({m, l.n}, xf.options());
+    fused_rows(l, Rows{xf.data_ptr<float>(), xs.data_ptr<float>()}, m, w.data_ptr<uint8_t>(), out.data_ptr<float>());
+    if (has_bias) out.add_(bias->to(at::kFloat));
     y = out.to(x.scalar_type());
   } else {  // prefill sizes: the GEMM library's throughput wins; only a chunk of W is ever dequantized
     at::Tensor x2 = x.reshape({m, k});
-    y = at::empty({m, nout}, x.options());
-    at::Tensor chunk = at::empty({std::min(nout, kChunkCols), k}, scales.options());
-    for (int64_t n0 = 0; n0 < nout; n0 += kChunkCols) {
-      const int64_t n1 = std::min(nout, n0 + kChunkCols);
-      dequant_rows(static_cast<int>(bits), q.data_ptr(), scales.data_ptr<float>(), mn, k, group, n0, n1,
-                   chunk.data_ptr<float>());
-      at::Tensor w = chunk.narrow(0, 0, n1 - n0).to(x.scalar_type());
+    y = at::empty({m, l.n}, x.options());
+    at::Tensor chunk = at::empty({std::min(l.n, kChunkCols), k}, x.options());
+    for (int64_t n0 = 0; n0 < l.n; n0 += kChunkCols) {
+      const int64_t n1 = std::min(l.n, n0 + kChunkCols);
+      TAPLLM_QUANT_DISPATCH(x.scalar_type(), [&] {
+        dequant_rows<scalar_t>(l, w.data_ptr<uint8_t>(), n0, n1, chunk.data_ptr<scalar_t>());
+      });
       std::optional<at::Tensor> b;
-      if (bias.has_value() && bias->defined()) b = bias->narrow(0, n0, n1 - n0).to(x.scalar_type());
-      y.narrow(1, n0, n1 - n0).copy_(at::linear(x2, w, b));
+      if (has_bias) b = bias->narrow(0, n0, n1 - n0).to(x.scalar_type());
+      y.narrow(1, n0, n1 - n0).copy_(at::linear(x2, chunk.narrow(0, 0, n1 - n0), b));
     }
   }
   return y.view(shape);
@@ -321,8 +300,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
 #define TAPLLM_QUANT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 TAPLLM_QUANT_FRAGMENT(TAPLLM_NS, m) {
-  m.def("quant_linear(Tensor x, Tensor q, Tensor scales, Tensor? mins, Tensor? bias, int bits, int group) -> Tensor");
-  m.def("quant_dequantize(Tensor q, Tensor scales, Tensor? mins, int bits, int group) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("quant_dequantize(Tensor w, int k, ScalarType dtype) -> Tensor");
 }
 
 TAPLLM_QUANT_IMPL(TAPLLM_NS, CPU, m) {
