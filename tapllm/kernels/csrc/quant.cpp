@@ -14,6 +14,7 @@
 // block's sum of x. It differs from x @ dequant(W)^T in float32 only by the order of the sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -33,8 +35,10 @@ namespace {
 #define TAPLLM_QUANT_DISPATCH(TYPE, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, "quant", __VA_ARGS__)
 
-constexpr int64_t kMaxFusedRows = 16;  // more rows: dequantize a column chunk, then GEMM
-constexpr int64_t kChunkCols = 512;    // columns dequantized at once on the GEMM path
+// More rows than this: dequantize a column chunk, then GEMM (measured against bf16 oneDNN linears
+// on the default model's shapes: the in-register kernel stops paying beyond these row counts).
+constexpr int64_t kMaxFusedRows = 4;
+constexpr int64_t kChunkBytes = 16 << 20;  // dequantized weight held at once on the GEMM path
 
 enum Kind : int { kInt8 = 0, kInt4 = 1, kQ40 = 2 };
 
@@ -70,6 +74,8 @@ inline V vset(float a) { return _mm512_set1_ps(a); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline void storeu(float* p, V a) { _mm512_storeu_ps(p, a); }
 inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
 inline V u8_to_f(__m128i b, int) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 inline V i8_to_f(const uint8_t* p) {
@@ -83,6 +89,8 @@ inline V vset(float a) { return _mm256_set1_ps(a); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline void storeu(float* p, V a) { _mm256_storeu_ps(p, a); }
 inline float vsum(V a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -104,25 +112,30 @@ struct Rows {
 };
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// Rows [r0, r0 + MR) x columns [n, n + NC) into out[r * ldo + col].
-template <int MR, int NC, bool FOUR>
+// Rows [r0, r0 + MR) x columns [n, n + NC) into out[r * ldo + col]; KIND fixed at compile time so
+// the block loop has no branches, GS > 0 a block size known at compile time (unrolled inner loop).
+template <int MR, int NC, int KIND, int GS>
 inline void tile(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n, float* out,
                  int64_t ldo) {
-  const int64_t k = l.k, g = l.group, hdr = header(l.kind);
+  constexpr bool kFour = KIND != kInt8;
+  constexpr int64_t kHdr = KIND == kInt4 ? 4 : 2;
+  const int64_t k = l.k, g = GS > 0 ? GS : l.group, groups = l.groups, bytes = l.bytes;
   const __m128i low = _mm_set1_epi8(0x0F);
   V acc[MR][NC];
-  float mterm[MR][NC];
+  float mterm[MR][NC] = {};
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = vzero(), mterm[r][c] = 0.f;
-  for (int64_t b = 0; b < l.groups; ++b) {
+    for (int c = 0; c < NC; ++c) acc[r][c] = vzero();
+  const uint8_t* col[NC];
+  for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * groups * bytes;
+  for (int64_t b = 0; b < groups; ++b) {
     V t0[MR][NC], t1[MR][NC];
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NC; ++c) t0[r][c] = t1[r][c] = vzero();
     const int64_t kb = b * g;
     for (int c = 0; c < NC; ++c) {
-      const uint8_t* q = w + ((n + c) * l.groups + b) * l.bytes + hdr;
-      if constexpr (FOUR) {
-        for (int64_t s = 0; s < g; s += 32) {
+      const uint8_t* q = col[c] + b * bytes + kHdr;
+      for (int64_t s = 0; s < g; s += 32) {
+        if constexpr (kFour) {
           const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + s / 2));
           const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
           for (int part = 0; part < 16 / kW; ++part) {
@@ -133,30 +146,41 @@ inline void tile(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w
               t1[r][c] = vfma(wh, vload(xr + 16), t1[r][c]);
             }
           }
-        }
-      } else {
-        for (int64_t s = 0; s < g; s += 2 * kW) {  // g is a multiple of 32 >= 2 kW
-          const V wa = i8_to_f(q + s), wb = i8_to_f(q + s + kW);
-          for (int r = 0; r < MR; ++r) {
-            const float* xr = rows.x + (r0 + r) * k + kb + s;
-            t0[r][c] = vfma(wa, vload(xr), t0[r][c]);
-            t1[r][c] = vfma(wb, vload(xr + kW), t1[r][c]);
+        } else {
+          for (int part = 0; part < 16 / kW; ++part) {
+            const V wa = i8_to_f(q + s + part * kW), wb = i8_to_f(q + s + 16 + part * kW);
+            for (int r = 0; r < MR; ++r) {
+              const float* xr = rows.x + (r0 + r) * k + kb + s + part * kW;
+              t0[r][c] = vfma(wa, vload(xr), t0[r][c]);
+              t1[r][c] = vfma(wb, vload(xr + 16), t1[r][c]);
+            }
           }
         }
       }
     }
     for (int c = 0; c < NC; ++c) {
-      float d, m;
-      block_scale(l, w + ((n + c) * l.groups + b) * l.bytes, d, m);
+      const uint8_t* blk = col[c] + b * bytes;
+      const float d = half_at(blk);
       const V dv = vset(d);
-      for (int r = 0; r < MR; ++r) {
-        acc[r][c] = vfma(dv, vadd(t0[r][c], t1[r][c]), acc[r][c]);
-        if constexpr (FOUR) mterm[r][c] += m * rows.xs[(r0 + r) * l.groups + b];
+      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(dv, vadd(t0[r][c], t1[r][c]), acc[r][c]);
+      if constexpr (kFour) {
+        const float m = KIND == kInt4 ? half_at(blk + 2) : -8.f * d;
+        for (int r = 0; r < MR; ++r) mterm[r][c] += m * rows.xs[(r0 + r) * groups + b];
       }
     }
   }
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NC; ++c) out[(r0 + r) * ldo + n + c] = vsum(acc[r][c]) + mterm[r][c];
+}
+
+template <int MR, int NC, int KIND>
+inline void tile_of(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n, float* out) {
+  switch (l.group) {
+    case 32: return tile<MR, NC, KIND, 32>(l, rows, r0, w, n, out, l.n);
+    case 64: return tile<MR, NC, KIND, 64>(l, rows, r0, w, n, out, l.n);
+    case 128: return tile<MR, NC, KIND, 128>(l, rows, r0, w, n, out, l.n);
+    default: return tile<MR, NC, KIND, 0>(l, rows, r0, w, n, out, l.n);
+  }
 }
 #endif
 
@@ -187,8 +211,9 @@ void rows_pass(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, 
   int64_t n = n0;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   for (; n + NC <= n1; n += NC) {
-    if (l.kind == kInt8) tile<MR, NC, false>(l, rows, r0, w, n, out, l.n);
-    else tile<MR, NC, true>(l, rows, r0, w, n, out, l.n);
+    if (l.kind == kInt8) tile_of<MR, NC, kInt8>(l, rows, r0, w, n, out);
+    else if (l.kind == kInt4) tile_of<MR, NC, kInt4>(l, rows, r0, w, n, out);
+    else tile_of<MR, NC, kQ40>(l, rows, r0, w, n, out);
   }
 #endif
   for (; n < n1; ++n)
@@ -210,28 +235,49 @@ void fused_rows(const Layout& l, const Rows& rows, int64_t m, const uint8_t* w, 
   });
 }
 
-// Dequantize rows [n0, n1) of W into out [n1 - n0, K] of T.
+// Dequantize one block into float32 ob[0, g).
+inline void dequant_block(const Layout& l, const uint8_t* blk, float* ob) {
+  const uint8_t* q = blk + header(l.kind);
+  float d, m;
+  block_scale(l, blk, d, m);
+  int64_t s = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const V dv = vset(d), mv = vset(m);
+  if (l.kind == kInt8) {
+    for (; s < l.group; s += kW) storeu(ob + s, vmul(dv, i8_to_f(q + s)));
+  } else {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (; s < l.group; s += 32) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + s / 2));
+      const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+      for (int part = 0; part < 16 / kW; ++part) {
+        storeu(ob + s + part * kW, vfma(dv, u8_to_f(lo, part), mv));
+        storeu(ob + s + 16 + part * kW, vfma(dv, u8_to_f(hi, part), mv));
+      }
+    }
+  }
+#endif
+  for (; s < l.group; s += 32) {  // the generic build
+    for (int j = 0; j < 32; ++j) {
+      if (l.kind == kInt8) {
+        ob[s + j] = d * static_cast<float>(static_cast<int8_t>(q[s + j]));
+      } else {
+        const uint8_t byte = q[s / 2 + (j & 15)];
+        ob[s + j] = d * static_cast<float>(j < 16 ? byte & 15 : byte >> 4) + m;
+      }
+    }
+  }
+}
+
+// Dequantize rows [n0, n1) of W into out [n1 - n0, K] of T (via one float32 row per thread).
 template <typename T>
 void dequant_rows(const Layout& l, const uint8_t* w, int64_t n0, int64_t n1, T* out) {
   at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t e) {
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : l.k);
     for (int64_t n = a; n < e; ++n) {
-      T* o = out + (n - n0) * l.k;
-      for (int64_t b = 0; b < l.groups; ++b) {
-        const uint8_t* blk = w + (n * l.groups + b) * l.bytes;
-        const uint8_t* q = blk + header(l.kind);
-        T* ob = o + b * l.group;
-        float d, m;
-        block_scale(l, blk, d, m);
-        if (l.kind == kInt8) {
-          for (int64_t i = 0; i < l.group; ++i) ob[i] = static_cast<T>(d * static_cast<float>(static_cast<int8_t>(q[i])));
-        } else {
-          for (int64_t s = 0; s < l.group; s += 32)
-            for (int j = 0; j < 16; ++j) {
-              ob[s + j] = static_cast<T>(d * static_cast<float>(q[s / 2 + j] & 15) + m);
-              ob[s + 16 + j] = static_cast<T>(d * static_cast<float>(q[s / 2 + j] >> 4) + m);
-            }
-        }
-      }
+      float* o = std::is_same_v<T, float> ? reinterpret_cast<float*>(out + (n - n0) * l.k) : row.data();
+      for (int64_t b = 0; b < l.groups; ++b) dequant_block(l, w + (n * l.groups + b) * l.bytes, o + b * l.group);
+      if constexpr (!std::is_same_v<T, float>) at::vec::convert(row.data(), out + (n - n0) * l.k, l.k);
     }
   });
 }
@@ -280,6 +326,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   } else {  // prefill sizes: the GEMM library's throughput wins; only a chunk of W is ever dequantized
     at::Tensor x2 = x.reshape({m, k});
     y = at::empty({m, l.n}, x.options());
+    const int64_t kChunkCols = std::max<int64_t>(256, kChunkBytes / (k * x.element_size()));
     at::Tensor chunk = at::empty({std::min(l.n, kChunkCols), k}, x.options());
     for (int64_t n0 = 0; n0 < l.n; n0 += kChunkCols) {
       const int64_t n1 = std::min(l.n, n0 + kChunkCols);
