@@ -20,6 +20,7 @@ from tapllm.hidden_states.sink import CopySink
 from tapllm.kernels import fused_kernels
 from tapllm.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, group_prefills
 from tapllm.layers.linear import Linear
+from tapllm.loader.gguf_blocks import gguf_source, keep_gguf_blocks
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 from tapllm.platform import available_memory_bytes, cpu_support, tune_cpu_allocator
@@ -104,10 +105,13 @@ class ModelRunner:
         with torch.device(device):
             self.model = build_model(model_config)
         self.quant = engine_config.quant()
-        if self.quant is not None:  # before loading: each checkpoint tensor is quantized as it is read
+        weights = iter_weights(model_config.path)
+        if self.quant is not None and self.quant.method == "gguf":  # the file's blocks as stored
+            weights = keep_gguf_blocks(self.model, gguf_source(engine_config.model), model_config.path, Linear)
+        elif self.quant is not None:  # before loading: each checkpoint tensor is quantized as it is read
             self.model.quant = self.quant
             quantize_linears(self.model, self.quant, Linear)
-        self.model.load_weights(iter_weights(model_config.path))
+        self.model.load_weights(weights)
         self.model.prepare_for_inference(device)
         self.model.eval()
         self.kernels = None if engine_config.enforce_eager or device.type != "cpu" else fused_kernels()

@@ -257,6 +257,12 @@ class CausalLM(nn.Module):
         """After loading: prepack linear weights where the platform benefits (see layers/linear.py);
         a quantized model's tied LM head is quantized from the embedding."""
         quant: Quantization | None = getattr(self, "quant", None)
+        head_blocks = getattr(self, "head_blocks", None)  # a GGUF embedding's blocks, kept as stored
+        if self.lm_head is None and head_blocks is not None:
+            self.lm_head = QuantLinear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.cfg.dtype, quant,
+                                       shape=tuple(head_blocks.shape[1:]))
+            self.lm_head.load_rows(None, head_blocks)
+            self.head_blocks = None
         if self.lm_head is None and quant is not None and block_shape(quant, self.cfg.hidden_size):
             self.lm_head = QuantLinear.from_weight(self.embed_tokens.weight.data, None, quant)
         if self.lm_head is None and packing_available(device, self.cfg.dtype):

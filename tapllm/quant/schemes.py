@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZATIONS = ("int8", "int4", "gguf")
+QUANTIZATIONS = ("int8", "int4", "gguf")  # gguf: a .gguf file's Q8_0/Q4_0/Q4_1 tensors as stored
 INT4_GROUPS = (32, 64, 128)
 DEFAULT_INT4_GROUP = 128  # torchao's and GPTQ's usual choice: 4.5 bits per weight with float32 scale/min
 
