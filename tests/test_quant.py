@@ -39,6 +39,15 @@ def test_quantization_options_are_validated():
         EngineConfig(quantization="q4").validate()
 
 
+def test_cli_flags_reach_the_engine_config():
+    from tapllm.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "-q", "int4", "--quantization-group-size", "32"])
+    cfg = EngineConfig.from_cli_args(args)
+    assert (cfg.quantization, cfg.quantization_group_size) == ("int4", 32)
+    assert cfg.quant().describe() == "int4-g32"
+
+
 def test_packing_round_trips():
     q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
     assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
