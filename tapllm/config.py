@@ -279,10 +279,6 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         self.quant()
-
-    def quant(self) -> Quantization | None:
-        """The validated quantization (``ValueError`` names a bad ``quantization`` field)."""
-        return parse_quantization(self.quantization, self.quantization_group_size)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if not isinstance(self.max_steers_per_request, int) or self.max_steers_per_request < 0:
@@ -290,3 +286,7 @@ class EngineConfig:
         limit = self.hidden_states_max_bytes_per_request
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"hidden_states_max_bytes_per_request must be an integer >= 1 or None, got {limit!r}")
+
+    def quant(self) -> Quantization | None:
+        """The validated quantization (``ValueError`` names a bad ``quantization`` field)."""
+        return parse_quantization(self.quantization, self.quantization_group_size)
