@@ -319,7 +319,8 @@ class LLMEngine:
         if req.capture is not None and reason != "error":
             try:  # reducers finish here, so a plugin that raises fails this request alone
                 req.hidden_states = req.capture.result()
-                req.hidden_states.metadata["quantization"] = self.quantization
+                if self.quantization != "none":  # states of quantized weights say so (saved, sent)
+                    req.hidden_states.metadata["quantization"] = self.quantization
             except Exception as exc:  # noqa: BLE001
                 self._set_error(req, f"hidden_states: finishing the capture failed: {type(exc).__name__}: {exc}",
                                 "server_error")

@@ -23,7 +23,7 @@ from tapllm.layers.linear import Linear
 from tapllm.loader.gguf_blocks import gguf_source, keep_gguf_blocks
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
-from tapllm.platform import available_memory_bytes, cpu_support, tune_cpu_allocator
+from tapllm.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
 from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
 from tapllm.tap import RowSpan
@@ -105,7 +105,7 @@ class ModelRunner:
         with torch.device(device):
             self.model = build_model(model_config)
         self.quant = engine_config.quant()
-        weights = iter_weights(model_config.path)
+        weights = iter_weights(model_config.path, group=1 if self.quant is not None else None)
         if self.quant is not None and self.quant.method == "gguf":  # the file's blocks as stored
             weights = keep_gguf_blocks(self.model, gguf_source(engine_config.model), model_config.path, Linear)
         elif self.quant is not None:  # before loading: each checkpoint tensor is quantized as it is read
@@ -113,6 +113,8 @@ class ModelRunner:
             quantize_linears(self.model, self.quant, Linear)
         self.model.load_weights(weights)
         self.model.prepare_for_inference(device)
+        if device.type == "cpu":
+            trim_heap()  # the load's freed temporaries leave the resident set
         self.model.eval()
         self.kernels = None if engine_config.enforce_eager or device.type != "cpu" else fused_kernels()
         self.model.use_kernels(self.kernels)
