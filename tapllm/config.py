@@ -13,6 +13,7 @@ import torch
 from tapllm.models.registry import ARCHITECTURES
 
 from tapllm.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
+from tapllm.quant.schemes import Quantization, parse_quantization
 
 logger = logging.getLogger("tapllm")
 
@@ -213,6 +214,12 @@ class EngineConfig:
             tokenizer's (vLLM's ``--chat-template``).
         enforce_eager: run the plain PyTorch step (vLLM's name): no fused C++ kernels. The
             eager step is the reference the fused one is tested against.
+        quantization: keep the linear weights (and a tied LM head) quantized, vLLM's spelling:
+            ``"int8"`` (weight-only, a scale per output channel) or ``"int4"`` (weight-only, a
+            scale and a min per group of inputs); quantized at load from any checkpoint, one
+            tensor at a time. ``None``: weights in ``dtype``. See ``tapllm.quant``.
+        quantization_group_size: the int4 group (32, 64 or 128; default 128). A layer whose
+            input size it does not divide takes the largest half of it that does.
     """
 
     model: str | Path | None = None
@@ -240,6 +247,8 @@ class EngineConfig:
     max_logprobs: int = 20
     chat_template: str | Path | None = None
     enforce_eager: bool = False
+    quantization: str | None = None
+    quantization_group_size: int | None = None
 
     @classmethod
     def from_cli_args(cls, args: Any, **overrides: Any) -> EngineConfig:
@@ -269,6 +278,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        self.quant()
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if not isinstance(self.max_steers_per_request, int) or self.max_steers_per_request < 0:
@@ -276,3 +286,7 @@ class EngineConfig:
         limit = self.hidden_states_max_bytes_per_request
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"hidden_states_max_bytes_per_request must be an integer >= 1 or None, got {limit!r}")
+
+    def quant(self) -> Quantization | None:
+        """The validated quantization (``ValueError`` names a bad ``quantization`` field)."""
+        return parse_quantization(self.quantization, self.quantization_group_size)

@@ -46,6 +46,19 @@ def tune_cpu_allocator() -> bool:
     return ok
 
 
+def trim_heap() -> bool:
+    """Hand the heap's free memory back to the kernel once (glibc ``malloc_trim``): after loading,
+    the load's temporaries (e.g. float rows quantized one tensor at a time) would otherwise stay
+    resident under :func:`tune_cpu_allocator`'s settings. True when it ran."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0)) or True
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 def available_memory_bytes() -> int | None:
     """Memory the kernel can hand out now without swapping: ``MemAvailable`` from /proc/meminfo,
     else the free physical pages; ``None`` when neither can be read."""

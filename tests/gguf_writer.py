@@ -36,8 +36,11 @@ def _copy_tokenizer(writer: Any) -> None:
             writer.add_uint32(key, int(value))
 
 
-def write_gguf(path: Path, arch: str, kv: dict[str, Any], tensors: dict[str, torch.Tensor | np.ndarray]) -> Path:
+def write_gguf(path: Path, arch: str, kv: dict[str, Any], tensors: dict[str, torch.Tensor | np.ndarray],
+               types: dict[str, str] | None = None) -> Path:
     """Write ``tensors`` (float32, Hugging Face shapes ``[out, in]``) and ``{arch}.*`` metadata ``kv``.
+
+    ``types`` stores the named tensors quantized by the ``gguf`` package (e.g. ``"Q4_0"``).
 
     ``kv`` keys are given without the ``{arch}.`` prefix; ints become uint32, floats
     float32, strings strings, bools bools, lists arrays.
@@ -62,7 +65,15 @@ def write_gguf(path: Path, arch: str, kv: dict[str, Any], tensors: dict[str, tor
     _copy_tokenizer(writer)
     for name, t in tensors.items():
         array = t.detach().float().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=np.float32)
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        kind = (types or {}).get(name)
+        if kind is None:
+            writer.add_tensor(name, array)
+        else:
+            from gguf.quants import quantize
+
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

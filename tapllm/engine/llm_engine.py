@@ -50,6 +50,9 @@ class LLMEngine:
         engine_config.validate()
         self.model_config = model_config
         self.config = engine_config
+        quant = engine_config.quant()
+        # what every result's states were computed with: "none", "int8", "int4-g128", ...
+        self.quantization = quant.describe() if quant is not None else "none"
         self.device = device
         self.tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path)
         if engine_config.chat_template is not None:
@@ -321,6 +324,8 @@ class LLMEngine:
         if req.capture is not None and reason != "error":
             try:  # reducers finish here, so a plugin that raises fails this request alone
                 req.hidden_states = req.capture.result()
+                if self.quantization != "none":  # states of quantized weights say so (saved, sent)
+                    req.hidden_states.metadata["quantization"] = self.quantization
             except Exception as exc:  # noqa: BLE001
                 self._set_error(req, f"hidden_states: finishing the capture failed: {type(exc).__name__}: {exc}",
                                 "server_error")

@@ -19,9 +19,12 @@ from tapllm.engine.step_tap import CaptureSpan, StepTap, SteerSpan
 from tapllm.hidden_states.sink import CopySink
 from tapllm.kernels import fused_kernels
 from tapllm.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, group_prefills
+from tapllm.layers.linear import Linear
+from tapllm.loader.gguf_blocks import gguf_source, keep_gguf_blocks
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
-from tapllm.platform import available_memory_bytes, cpu_support, tune_cpu_allocator
+from tapllm.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
+from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
 from tapllm.tap import RowSpan
 
@@ -101,15 +104,24 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(device):
             self.model = build_model(model_config)
-        self.model.load_weights(iter_weights(model_config.path))
+        self.quant = engine_config.quant()
+        weights = iter_weights(model_config.path, group=1 if self.quant is not None else None)
+        if self.quant is not None and self.quant.method == "gguf":  # the file's blocks as stored
+            weights = keep_gguf_blocks(self.model, gguf_source(engine_config.model), model_config.path, Linear)
+        elif self.quant is not None:  # before loading: each checkpoint tensor is quantized as it is read
+            self.model.quant = self.quant
+            quantize_linears(self.model, self.quant, Linear)
+        self.model.load_weights(weights)
         self.model.prepare_for_inference(device)
+        if device.type == "cpu":
+            trim_heap()  # the load's freed temporaries leave the resident set
         self.model.eval()
         self.kernels = None if engine_config.enforce_eager or device.type != "cpu" else fused_kernels()
         self.model.use_kernels(self.kernels)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; linear layers: %s",
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
-            _linear_path(device, model_config.dtype),
+            _linear_path(device, model_config.dtype) if self.quant is None else self.quant.describe(),
         )
         # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
         self.capture_sink = CopySink(staged=device.type != "cpu")

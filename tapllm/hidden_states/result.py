@@ -116,7 +116,8 @@ class HiddenStates(Mapping[str, torch.Tensor]):
         """Write a safetensors file (atomically: a temporary file renamed into place).
 
         Tensors are named by point, plus ``positions``; the header metadata records the
-        format, layers, reduction, spec and any extra ``metadata`` strings given.
+        format, layers, reduction, spec, ``self.metadata`` (e.g. the engine's ``quantization``)
+        and any extra ``metadata`` strings given.
         """
         path = Path(path)
         meta = {
@@ -130,7 +131,7 @@ class HiddenStates(Mapping[str, torch.Tensor]):
             "features": json.dumps({"feature_ids": self.features.feature_ids, "sae": self.features.sae}
                                    if self.features is not None else None),
         }
-        for k, v in (metadata or {}).items():
+        for k, v in {**self.metadata, **(metadata or {})}.items():
             if k in meta:
                 raise ValueError(f"metadata key {k!r} is reserved")
             meta[str(k)] = str(v)

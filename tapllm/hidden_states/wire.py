@@ -104,6 +104,8 @@ def hidden_states_to_wire(hs: HiddenStates, encoding: str = "base64") -> dict[st
             for p, r in hs.lens.items()}}
     if hs.features is not None:
         out["features"] = features_to_wire(hs.features, encoding)
+    if hs.metadata:
+        out["metadata"] = dict(hs.metadata)  # e.g. {"quantization": "int4-g128"}
     return out
 
 
@@ -126,8 +128,12 @@ def hidden_states_from_wire(obj: dict[str, Any]) -> HiddenStates:
     features = None
     if obj.get("features"):
         features = features_from_wire(obj["features"])
-    return HiddenStates(tensors, positions, list(obj.get("layers", [])), obj.get("reduce"), lens=lens,
-                        features=features)
+    hs = HiddenStates(tensors, positions, list(obj.get("layers", [])), obj.get("reduce"), lens=lens,
+                      features=features)
+    meta = obj.get("metadata")
+    if isinstance(meta, dict):
+        hs.metadata.update({str(k): str(v) for k, v in meta.items()})
+    return hs
 
 
 def features_to_wire(features: Features, encoding: str) -> dict[str, Any]:

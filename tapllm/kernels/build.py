@@ -28,7 +28,7 @@ import torch
 logger = logging.getLogger("tapllm")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decoder.cpp", CSRC / "prefill_attention.cpp")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decoder.cpp", CSRC / "prefill_attention.cpp", CSRC / "quant.cpp")
 HEADERS = (CSRC / "kernels.h",)
 
 # Compiler flags of each instruction-set variant (ATen's own names for its capability macros).

@@ -100,6 +100,26 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
 
 
+def quant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A weight-only quantized linear: ``x`` times the float32 weight that blocks ``w`` stand for."""
+    from tapllm.quant.pack import dequantize
+
+    deq = dequantize(w, x.shape[-1])
+    return F.linear(x.float(), deq, None if bias is None else bias.float()).to(x.dtype)
+
+
+def _check_quant(ops: Any, rand: Any, dtype: torch.dtype, tol: float) -> str | None:
+    from tapllm.quant.pack import quantize_int4, quantize_int8
+
+    w = rand(21, 64).float()
+    for packed in (quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32)):
+        for m in (1, 5, 18):  # the fused rows and the dequantize-then-GEMM path
+            x, b = rand(m, 64), rand(21)
+            if not _close(ops.quant_linear(x, packed, b), quant_linear(x, packed, b), tol * 4):
+                return f"quant_linear blocks {tuple(packed.shape[1:])} rows={m} ({dtype})"
+    return None
+
+
 def check_all(ops: Any) -> str | None:
     """Run every op of ``ops`` on small random inputs in float32 and bfloat16; the first mismatch, or None."""
     g = torch.Generator().manual_seed(0)
@@ -151,4 +171,7 @@ def check_all(ops: Any) -> str | None:
             want = prefill_attention(qp, kc, vc, starts, plens, ctxs, tables, 0.25, window, cap)
             if not _close(got, want, tol):
                 return f"prefill_attention window={window} softcap={cap} ({dtype})"
+        problem = _check_quant(ops, rand, dtype, tol)
+        if problem:
+            return problem
     return None

@@ -59,14 +59,16 @@ def _iter_bin(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield from state.items()
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(folder: Path, group: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint; a corrupt file raises ValueError.
 
     The file is reopened for each group of tensors: ``safe_open`` maps the whole file, and
     every page read stays in this process's RSS until the mapping is closed, so holding it
     open for the whole load would add the checkpoint's size (e.g. a float32 conversion of a
-    bf16 model) to the load-time memory peak.
+    bf16 model) to the load-time memory peak. ``group`` tensors are read per mapping (default
+    16); a quantized load reads one at a time, so its peak stays near its (smaller) model.
     """
+    group = group or _GROUP
     for file in weight_files(folder):
         if file.suffix == ".bin":
             yield from _iter_bin(file)
@@ -74,9 +76,9 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(file), framework="pt") as f:
                 names = list(f.keys())
-            for start in range(0, len(names), _GROUP):
+            for start in range(0, len(names), group):
                 with safe_open(str(file), framework="pt") as f:
-                    batch = [(name, f.get_tensor(name)) for name in names[start : start + _GROUP]]
+                    batch = [(name, f.get_tensor(name)) for name in names[start : start + group]]
                 yield from batch
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ValueError(f"corrupt checkpoint file {file}: {exc}") from exc

@@ -22,6 +22,8 @@ from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_a
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.models.stack import DecoderStack
+from tapllm.quant.linear import QuantLinear, block_shape
+from tapllm.quant.schemes import Quantization
 from tapllm.layers.rotary import apply_rotary
 from tapllm.tap import PSEUDO_LAYER, Tap, no_tap
 
@@ -245,14 +247,24 @@ class CausalLM(nn.Module):
         """Run the norms, rotary and gated activations of every block with tapllm's fused
         kernels ``ops`` (``tapllm.kernels.fused_kernels()``); ``None`` restores the eager code."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | Attention | GatedMLP):
+            if isinstance(module, RMSNorm | Attention | GatedMLP | QuantLinear):
                 module.kernels = ops
         self.kernels = ops
         self.stack = DecoderStack.maybe(ops, self.layers, self.stack_block, Attention, GatedMLP)
 
     # ---- weights -----------------------------------------------------------------------
     def prepare_for_inference(self, device: torch.device) -> None:
-        """After loading: prepack linear weights where the platform benefits (see layers/linear.py)."""
+        """After loading: prepack linear weights where the platform benefits (see layers/linear.py);
+        a quantized model's tied LM head is quantized from the embedding."""
+        quant: Quantization | None = getattr(self, "quant", None)
+        head_blocks = getattr(self, "head_blocks", None)  # a GGUF embedding's blocks, kept as stored
+        if self.lm_head is None and head_blocks is not None:
+            self.lm_head = QuantLinear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.cfg.dtype, quant,
+                                       shape=tuple(head_blocks.shape[1:]))
+            self.lm_head.load_rows(None, head_blocks)
+            self.head_blocks = None
+        if self.lm_head is None and quant is not None and block_shape(quant, self.cfg.hidden_size):
+            self.lm_head = QuantLinear.from_weight(self.embed_tokens.weight.data, None, quant)
         if self.lm_head is None and packing_available(device, self.cfg.dtype):
             self.lm_head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.cfg.dtype)
             self.lm_head.weight.data = self.embed_tokens.weight.data
@@ -277,9 +289,15 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the parameters; ``ValueError`` names a bad shape or a missing tensor."""
         params = dict(self.named_parameters())
+        # quantized layers take their weight rows through load_rows (no float copy is kept)
+        sinks = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantLinear)}
         filled: dict[str, int] = {}
         for name, tensor in weights:
             for target, offset, value in self.checkpoint_names(name, tensor):
+                if target in sinks:
+                    sinks[target].load_rows(offset, value)
+                    filled[target] = filled.get(target, 0) + value.shape[0]
+                    continue
                 if target not in params:
                     continue  # e.g. lm_head.weight of a tied checkpoint, rotary buffers
                 param = params[target].data
@@ -290,6 +308,7 @@ class CausalLM(nn.Module):
                 dst.copy_(value)
                 filled[target] = filled.get(target, 0) + value.shape[0]
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        missing += [n for n, m in sinks.items() if filled.get(n, 0) != m.out_features]
         if missing:
             more = " ..." if len(missing) > 6 else ""
             raise ValueError(f"checkpoint is missing tensors for: {missing[:6]}{more}")

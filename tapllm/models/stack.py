@@ -18,9 +18,12 @@ from torch import nn
 from tapllm.layers.attention import AttentionMetadata
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNorm
+from tapllm.quant.linear import QuantLinear
 
 
-def _weight(linear: Linear) -> torch.Tensor:
+def _weight(linear: Linear | QuantLinear) -> torch.Tensor:
+    if isinstance(linear, QuantLinear):
+        return linear.blocks  # uint8 blocks: decoder.cpp hands them to quant_linear
     return linear.packed if linear.packed is not None else linear.weight
 
 
@@ -46,9 +49,13 @@ class DecoderStack:
             return None
         if any(type(layer) is not block for layer in layers):
             return None
+        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if any(type(m) not in (Linear, QuantLinear) for m in linears):
+            return None
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         eps = getattr(layers[0].input_layernorm, "eps", None)
-        packed = {layer.self_attn.qkv_proj.packed is not None for layer in layers}
+        packed = {m.packed is not None for m in linears if type(m) is Linear}  # quantized ones need no flag
         mlp_type = mlp
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -58,9 +65,9 @@ class DecoderStack:
                     or mlp.kernel_act is None or mlp.kernel_act != mlp0.kernel_act
                     or layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps):
                 return None
-        if len(packed) != 1:
+        if len(packed) > 1:
             return None
-        return cls(ops, layers, attn0.opts.scale, eps, mlp0.kernel_act, packed.pop())
+        return cls(ops, layers, attn0.opts.scale, eps, mlp0.kernel_act, packed.pop() if packed else False)
 
     def applies(self, meta: AttentionMetadata, rows: int) -> bool:
         """True for a step of decodes only (prefill chunks keep the Python blocks and SDPA)."""

@@ -161,16 +161,17 @@ def usage(outputs: Iterable[RequestOutput]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
+def model_card(name: str, root: str, max_model_len: int, quantization: str = "none") -> dict[str, Any]:
     """One entry of ``/v1/models``, with vLLM's fields: ``root`` (the model as loaded), ``parent`` (``None``: not
-    an adapter), ``max_model_len`` and one permission object (everything allowed but fine-tuning)."""
+    an adapter), ``max_model_len``, one permission object (everything allowed but fine-tuning), and tapllm's
+    ``quantization`` of the weights ("none", "int8", "int4-g128", ...)."""
     now = int(time.time())
     permission = {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
                   "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                   "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                   "organization": "*", "group": None, "is_blocking": False}
     return {"id": name, "object": "model", "created": now, "owned_by": "tapllm", "root": root, "parent": None,
-            "max_model_len": max_model_len, "permission": [permission]}
+            "max_model_len": max_model_len, "permission": [permission], "quantization": quantization}
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ constexpr int64_t kParamsPerLayer = 12;
 // the same op), else at::linear. The packed op is private: the Python side only packs after
 // its probe ran it (tapllm/platform.py), and only then passes packed=true.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, bool packed) {
+  if (w.scalar_type() == at::kByte) return quant_linear(x, w, b);  // a quantized weight (quant.cpp)
   if (!packed) return at::linear(x, w, b);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   c10::List<std::optional<at::Scalar>> scalars;

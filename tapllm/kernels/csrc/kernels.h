@@ -36,4 +36,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& contexts,
                              const at::Tensor& block_tables, double scale, int64_t window, double softcap);
 
+// y = x W^T + b with W in quantized blocks (quant.cpp): uint8 [N, blocks, bytes per block].
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+
 }  // namespace tapllm

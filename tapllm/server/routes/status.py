@@ -37,4 +37,4 @@ class StatusRoutes:
         engine = self.ctx.admission.engine
         root = str(engine.config.model) if engine.config.model is not None else str(engine.model_config.path)
         return {"object": "list", "data": [formatting.model_card(self.ctx.served_model_name, root,
-                                                                 self.ctx.admission.max_len)]}
+                                                                 self.ctx.admission.max_len, engine.quantization)]}

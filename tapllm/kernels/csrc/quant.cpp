@@ -1,0 +1,357 @@
+// Weight-only quantized linears: y = x W^T + b with W kept in GGUF-style blocks, dequantized
+// in registers (never into memory) for decode-sized row counts, and one column chunk at a
+// time into a GEMM for prefill sizes.
+//
+// A weight is one uint8 tensor [N, G, B]: for each output row, G blocks of g = K / G inputs,
+// each block B bytes (tapllm/quant/pack.py writes them; GGUF files hold the same blocks):
+//   B == 2 + g     int8:  float16 d, g int8 q;              w = d * q      (GGUF Q8_0 when g = 32)
+//   B == 4 + g/2   int4:  float16 d, float16 m, g/2 bytes;  w = d * q + m  (GGUF Q4_1 when g = 32)
+//   B == 18, g=32  Q4_0:  float16 d, 16 bytes;              w = d * (q - 8)
+// In 4-bit blocks each run of 32 weights takes 16 bytes: byte j holds weight j (low nibble) and
+// weight j + 16 (high nibble), GGUF's order.
+//
+// Arithmetic: per block, the integer-weighted sum of x in float32, times d, plus m times the
+// block's sum of x. It differs from x @ dequant(W)^T in float32 only by the order of the sums.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+
+namespace tapllm {
+namespace {
+
+#define TAPLLM_QUANT_DISPATCH(TYPE, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, "quant", __VA_ARGS__)
+
+// More rows than this: dequantize a column chunk, then GEMM (measured against bf16 oneDNN linears
+// on the default model's shapes: the in-register kernel stops paying beyond these row counts).
+constexpr int64_t kMaxFusedRows = 4;
+constexpr int64_t kChunkBytes = 16 << 20;  // dequantized weight held at once on the GEMM path
+
+enum Kind : int { kInt8 = 0, kInt4 = 1, kQ40 = 2 };
+
+struct Layout {
+  Kind kind;
+  int64_t n, groups, group, bytes, k;  // rows, blocks per row, inputs per block, bytes per block, inputs
+};
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// d and m of a block (m = -8 d for Q4_0, 0 for int8)
+inline void block_scale(const Layout& l, const uint8_t* blk, float& d, float& m) {
+  d = half_at(blk);
+  m = l.kind == kInt4 ? half_at(blk + 2) : (l.kind == kQ40 ? -8.f * d : 0.f);
+}
+
+inline int64_t header(Kind kind) { return kind == kInt4 ? 4 : 2; }
+
+// ---- a few vector helpers, one width per instruction set ----------------------------------
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kW = 16;
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float a) { return _mm512_set1_ps(a); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+inline void storeu(float* p, V a) { _mm512_storeu_ps(p, a); }
+inline float vsum(V a) { return _mm512_reduce_add_ps(a); }
+inline V u8_to_f(__m128i b, int) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+inline V i8_to_f(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr int kW = 8;
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset(float a) { return _mm256_set1_ps(a); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+inline void storeu(float* p, V a) { _mm256_storeu_ps(p, a); }
+inline float vsum(V a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline V u8_to_f(__m128i b, int part) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part ? _mm_srli_si128(b, 8) : b));
+}
+inline V i8_to_f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// Rows of x widened to float32 [m, K], and each row's sum over every block [m, G].
+struct Rows {
+  const float* x;
+  const float* xs;
+};
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Rows [r0, r0 + MR) x columns [n, n + NC) into out[r * ldo + col]; KIND fixed at compile time so
+// the block loop has no branches, GS > 0 a block size known at compile time (unrolled inner loop).
+template <int MR, int NC, int KIND, int GS>
+inline void tile(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n, float* out,
+                 int64_t ldo) {
+  constexpr bool kFour = KIND != kInt8;
+  constexpr int64_t kHdr = KIND == kInt4 ? 4 : 2;
+  const int64_t k = l.k, g = GS > 0 ? GS : l.group, groups = l.groups, bytes = l.bytes;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  V acc[MR][NC];
+  float mterm[MR][NC] = {};
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = vzero();
+  const uint8_t* col[NC];
+  for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * groups * bytes;
+  for (int64_t b = 0; b < groups; ++b) {
+    V t0[MR][NC], t1[MR][NC];
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < NC; ++c) t0[r][c] = t1[r][c] = vzero();
+    const int64_t kb = b * g;
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* q = col[c] + b * bytes + kHdr;
+      for (int64_t s = 0; s < g; s += 32) {
+        if constexpr (kFour) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + s / 2));
+          const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+          for (int part = 0; part < 16 / kW; ++part) {
+            const V wl = u8_to_f(lo, part), wh = u8_to_f(hi, part);
+            for (int r = 0; r < MR; ++r) {
+              const float* xr = rows.x + (r0 + r) * k + kb + s + part * kW;
+              t0[r][c] = vfma(wl, vload(xr), t0[r][c]);
+              t1[r][c] = vfma(wh, vload(xr + 16), t1[r][c]);
+            }
+          }
+        } else {
+          for (int part = 0; part < 16 / kW; ++part) {
+            const V wa = i8_to_f(q + s + part * kW), wb = i8_to_f(q + s + 16 + part * kW);
+            for (int r = 0; r < MR; ++r) {
+              const float* xr = rows.x + (r0 + r) * k + kb + s + part * kW;
+              t0[r][c] = vfma(wa, vload(xr), t0[r][c]);
+              t1[r][c] = vfma(wb, vload(xr + 16), t1[r][c]);
+            }
+          }
+        }
+      }
+    }
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* blk = col[c] + b * bytes;
+      const float d = half_at(blk);
+      const V dv = vset(d);
+      for (int r = 0; r < MR; ++r) acc[r][c] = vfma(dv, vadd(t0[r][c], t1[r][c]), acc[r][c]);
+      if constexpr (kFour) {
+        const float m = KIND == kInt4 ? half_at(blk + 2) : -8.f * d;
+        for (int r = 0; r < MR; ++r) mterm[r][c] += m * rows.xs[(r0 + r) * groups + b];
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) out[(r0 + r) * ldo + n + c] = vsum(acc[r][c]) + mterm[r][c];
+}
+
+template <int MR, int NC, int KIND>
+inline void tile_of(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n, float* out) {
+  switch (l.group) {
+    case 32: return tile<MR, NC, KIND, 32>(l, rows, r0, w, n, out, l.n);
+    case 64: return tile<MR, NC, KIND, 64>(l, rows, r0, w, n, out, l.n);
+    case 128: return tile<MR, NC, KIND, 128>(l, rows, r0, w, n, out, l.n);
+    default: return tile<MR, NC, KIND, 0>(l, rows, r0, w, n, out, l.n);
+  }
+}
+#endif
+
+// One row x one column, scalar (the generic build, and columns left over after the tiles).
+inline float dot_scalar(const Layout& l, const Rows& rows, int64_t r, const uint8_t* w, int64_t n) {
+  const float* x = rows.x + r * l.k;
+  float total = 0.f;
+  for (int64_t b = 0; b < l.groups; ++b) {
+    const uint8_t* blk = w + (n * l.groups + b) * l.bytes;
+    const uint8_t* q = blk + header(l.kind);
+    const float* xb = x + b * l.group;
+    float d, m, t = 0.f;
+    block_scale(l, blk, d, m);
+    if (l.kind == kInt8) {
+      for (int64_t i = 0; i < l.group; ++i) t += static_cast<float>(static_cast<int8_t>(q[i])) * xb[i];
+    } else {
+      for (int64_t s = 0; s < l.group; s += 32)
+        for (int j = 0; j < 16; ++j) t += (q[s / 2 + j] & 15) * xb[s + j] + (q[s / 2 + j] >> 4) * xb[s + 16 + j];
+    }
+    total += d * t + (l.kind == kInt8 ? 0.f : m * rows.xs[r * l.groups + b]);
+  }
+  return total;
+}
+
+template <int MR>
+void rows_pass(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n0, int64_t n1, float* out) {
+  constexpr int NC = MR == 1 ? 4 : (MR <= 4 ? 2 : 1);
+  int64_t n = n0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  for (; n + NC <= n1; n += NC) {
+    if (l.kind == kInt8) tile_of<MR, NC, kInt8>(l, rows, r0, w, n, out);
+    else if (l.kind == kInt4) tile_of<MR, NC, kInt4>(l, rows, r0, w, n, out);
+    else tile_of<MR, NC, kQ40>(l, rows, r0, w, n, out);
+  }
+#endif
+  for (; n < n1; ++n)
+    for (int r = 0; r < MR; ++r) out[(r0 + r) * l.n + n] = dot_scalar(l, rows, r0 + r, w, n);
+}
+
+// out [m, N] (float32) for m <= kMaxFusedRows; one parallel region per call.
+void fused_rows(const Layout& l, const Rows& rows, int64_t m, const uint8_t* w, float* out) {
+  at::parallel_for(0, (l.n + 15) / 16, 4, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * 16, n1 = std::min(l.n, b1 * 16);
+    for (int64_t nb = n0; nb < n1; nb += 16) {  // a column block stays in L1 across the row passes
+      const int64_t ne = std::min(n1, nb + 16);
+      int64_t r = 0;
+      for (; r + 8 <= m; r += 8) rows_pass<8>(l, rows, r, w, nb, ne, out);
+      for (; r + 4 <= m; r += 4) rows_pass<4>(l, rows, r, w, nb, ne, out);
+      for (; r + 2 <= m; r += 2) rows_pass<2>(l, rows, r, w, nb, ne, out);
+      for (; r < m; ++r) rows_pass<1>(l, rows, r, w, nb, ne, out);
+    }
+  });
+}
+
+// Dequantize one block into float32 ob[0, g).
+inline void dequant_block(const Layout& l, const uint8_t* blk, float* ob) {
+  const uint8_t* q = blk + header(l.kind);
+  float d, m;
+  block_scale(l, blk, d, m);
+  int64_t s = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const V dv = vset(d), mv = vset(m);
+  if (l.kind == kInt8) {
+    for (; s < l.group; s += kW) storeu(ob + s, vmul(dv, i8_to_f(q + s)));
+  } else {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (; s < l.group; s += 32) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + s / 2));
+      const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+      for (int part = 0; part < 16 / kW; ++part) {
+        storeu(ob + s + part * kW, vfma(dv, u8_to_f(lo, part), mv));
+        storeu(ob + s + 16 + part * kW, vfma(dv, u8_to_f(hi, part), mv));
+      }
+    }
+  }
+#endif
+  for (; s < l.group; s += 32) {  // the generic build
+    for (int j = 0; j < 32; ++j) {
+      if (l.kind == kInt8) {
+        ob[s + j] = d * static_cast<float>(static_cast<int8_t>(q[s + j]));
+      } else {
+        const uint8_t byte = q[s / 2 + (j & 15)];
+        ob[s + j] = d * static_cast<float>(j < 16 ? byte & 15 : byte >> 4) + m;
+      }
+    }
+  }
+}
+
+// Dequantize rows [n0, n1) of W into out [n1 - n0, K] of T (via one float32 row per thread).
+template <typename T>
+void dequant_rows(const Layout& l, const uint8_t* w, int64_t n0, int64_t n1, T* out) {
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t e) {
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : l.k);
+    for (int64_t n = a; n < e; ++n) {
+      float* o = std::is_same_v<T, float> ? reinterpret_cast<float*>(out + (n - n0) * l.k) : row.data();
+      for (int64_t b = 0; b < l.groups; ++b) dequant_block(l, w + (n * l.groups + b) * l.bytes, o + b * l.group);
+      if constexpr (!std::is_same_v<T, float>) at::vec::convert(row.data(), out + (n - n0) * l.k, l.k);
+    }
+  });
+}
+
+Layout layout_of(const at::Tensor& w, int64_t k) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous(),
+              "quant: the weight must be a contiguous uint8 [N, blocks, bytes] tensor");
+  const int64_t groups = w.size(1), bytes = w.size(2);
+  TORCH_CHECK(groups > 0 && k % groups == 0, "quant: ", groups, " blocks per row do not divide K=", k);
+  const int64_t g = k / groups;
+  Kind kind;
+  if (bytes == 2 + g && g % 32 == 0) kind = kInt8;
+  else if (bytes == 4 + g / 2 && g % 32 == 0) kind = kInt4;
+  else if (bytes == 18 && g == 32) kind = kQ40;
+  else TORCH_CHECK(false, "quant: blocks of ", bytes, " bytes for ", g, " inputs match no known layout");
+  return Layout{kind, w.size(0), groups, g, bytes, k};
+}
+
+}  // namespace
+
+at::Tensor quant_dequantize(const at::Tensor& w, int64_t k, at::ScalarType dtype) {
+  const Layout l = layout_of(w, k);
+  auto out = at::empty({l.n, k}, at::TensorOptions().dtype(dtype));
+  TAPLLM_QUANT_DISPATCH(dtype, [&] { dequant_rows<scalar_t>(l, w.data_ptr<uint8_t>(), 0, l.n, out.data_ptr<scalar_t>()); });
+  return out;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1, "quant_linear: x must have a feature dimension");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "quant_linear: x must be float32, bfloat16 or float16");
+  const int64_t k = x.size(-1);
+  const Layout l = layout_of(w, k);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = l.n;
+  const int64_t m = k > 0 ? x.numel() / k : 0;
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor y;
+  if (m <= kMaxFusedRows) {
+    at::Tensor xf = x.reshape({m, k}).to(at::kFloat).contiguous();
+    at::Tensor xs = xf.view({m, l.groups, l.group}).sum(-1).contiguous();
+    at::Tensor out = at::empty({m, l.n}, xf.options());
+    fused_rows(l, Rows{xf.data_ptr<float>(), xs.data_ptr<float>()}, m, w.data_ptr<uint8_t>(), out.data_ptr<float>());
+    if (has_bias) out.add_(bias->to(at::kFloat));
+    y = out.to(x.scalar_type());
+  } else {  // prefill sizes: the GEMM library's throughput wins; only a chunk of W is ever dequantized
+    at::Tensor x2 = x.reshape({m, k});
+    y = at::empty({m, l.n}, x.options());
+    const int64_t kChunkCols = std::max<int64_t>(256, kChunkBytes / (k * x.element_size()));
+    at::Tensor chunk = at::empty({std::min(l.n, kChunkCols), k}, x.options());
+    for (int64_t n0 = 0; n0 < l.n; n0 += kChunkCols) {
+      const int64_t n1 = std::min(l.n, n0 + kChunkCols);
+      TAPLLM_QUANT_DISPATCH(x.scalar_type(), [&] {
+        dequant_rows<scalar_t>(l, w.data_ptr<uint8_t>(), n0, n1, chunk.data_ptr<scalar_t>());
+      });
+      std::optional<at::Tensor> b;
+      if (has_bias) b = bias->narrow(0, n0, n1 - n0).to(x.scalar_type());
+      y.narrow(1, n0, n1 - n0).copy_(at::linear(x2, chunk.narrow(0, 0, n1 - n0), b));
+    }
+  }
+  return y.view(shape);
+}
+
+}  // namespace tapllm
+
+#define TAPLLM_QUANT_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define TAPLLM_QUANT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+TAPLLM_QUANT_FRAGMENT(TAPLLM_NS, m) {
+  m.def("quant_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("quant_dequantize(Tensor w, int k, ScalarType dtype) -> Tensor");
+}
+
+TAPLLM_QUANT_IMPL(TAPLLM_NS, CPU, m) {
+  m.impl("quant_linear", &tapllm::quant_linear);
+  m.impl("quant_dequantize", &tapllm::quant_dequantize);
+}

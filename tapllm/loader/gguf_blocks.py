@@ -1,0 +1,116 @@
+"""A GGUF file's quantized tensors kept as stored (``quantization="gguf"``).
+
+The GGUF blocks Q8_0, Q4_0 and Q4_1 are exactly the packed layouts of tapllm's quantized
+linears (``tapllm.quant.pack``), so a linear whose checkpoint tensors are all of one such type
+receives the file's bytes unchanged (copied once from the file's memory map, never
+dequantized). Everything else (norms, the embedding table, linears of other GGUF types such
+as Q4_K / Q6_K, which have no kernel yet) comes from the cached dequantized folder as before.
+A tied LM head reads the embedding's blocks when those are of a kept type (the default
+model's Q8_0 ``token_embd``), as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tapllm.loader.gguf_convert import GGUF_ARCHS, _llama_fix
+from tapllm.loader.weights import weight_files
+from tapllm.quant.linear import QuantLinear
+from tapllm.quant.pack import block_kind
+from tapllm.quant.schemes import Quantization
+
+logger = logging.getLogger("tapllm")
+
+KEPT = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # GGUF type -> bytes per block of 32
+EMBED = "model.embed_tokens.weight"
+
+
+def gguf_source(model: str | Path | None) -> Path:
+    """The GGUF file behind ``model`` (``None``: the default model's); ``ValueError`` otherwise."""
+    from tapllm.loader.checkpoint import default_model_path
+
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"quantization='gguf' needs a .gguf model file, got model={str(model)!r}")
+    return path
+
+
+def _raw_tensors(path: Path, config: Any) -> dict[str, torch.Tensor]:
+    """``{Hugging Face name: uint8 [N, K/32, B]}`` for every tensor of a kept type, with the
+    architecture's row fix-ups (Llama's q/k permutation acts on rows, so it applies to blocks)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    mapping = GGUF_ARCHS.get(arch)
+    if mapping is None or mapping.fix not in (None, _llama_fix):
+        return {}  # other fix-ups (e.g. GPT-2's transposes) do not act on rows
+    out = {}
+    for t in reader.tensors:
+        name, kind = mapping.hf_name(t.name), t.tensor_type.name
+        if name is None or kind not in KEPT or len(t.shape) != 2:
+            continue
+        n, k = int(t.shape[1]), int(t.shape[0])
+        blocks = np.asarray(t.data).reshape(n, k // 32, KEPT[kind])
+        if mapping.fix is not None:
+            blocks = mapping.fix(name, blocks, config)
+        out[name] = torch.from_numpy(np.array(blocks, dtype=np.uint8, order="C", copy=True))
+    return out
+
+
+def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_type: type) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn ``model``'s linears whose GGUF tensors are all of one kept type into
+    :class:`QuantLinear` layers of that layout, and return the weights to load: those
+    layers' blocks as stored, every other tensor from the dequantized ``folder``."""
+    raw = _raw_tensors(gguf_path, model.cfg.hf_config)
+    quant = Quantization("gguf")
+    sources: dict[str, list[str]] = {}  # linear parameter -> the checkpoint names filling it
+    names = {}
+    for f in weight_files(folder):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                names[name] = f
+                shape = st.get_slice(name).get_shape()
+                for target, _, _ in model.checkpoint_names(name, torch.empty(shape, device="meta")):
+                    sources.setdefault(target, []).append(name)
+    modules = dict(model.named_modules())
+    kept: set[str] = set()
+    for target, srcs in sources.items():
+        module = modules.get(target.removesuffix(".weight"))
+        if type(module) is not linear_type or not target.endswith(".weight"):
+            continue
+        shapes = {tuple(raw[s].shape[1:]) if s in raw else None for s in srcs}
+        if len(shapes) != 1 or None in shapes:
+            continue  # some source is not kept as stored, or the types differ within a fused weight
+        groups, nbytes = shapes.pop()
+        n, k = module.weight.shape
+        if block_kind(k, groups, nbytes) is None:
+            continue
+        parent, _, attr = target.removesuffix(".weight").rpartition(".")
+        layer = QuantLinear(k, n, module.bias is not None, module.weight.dtype, quant, shape=(groups, nbytes))
+        setattr(modules[parent] if parent else model, attr, layer)
+        kept.update(srcs)
+    tied = getattr(model, "lm_head", 0) is None and EMBED in raw
+    model.quant = quant
+    model.head_blocks = raw[EMBED] if tied else None  # CausalLM.prepare_for_inference builds the head
+    logger.info("GGUF as stored: %d of %d checkpoint tensors kept in their blocks%s", len(kept), len(names),
+                " (and the tied LM head)" if tied else "")
+    return _weights(names, kept, raw)
+
+
+def _weights(names: dict[str, Path], kept: set[str], raw: dict[str, torch.Tensor]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, f in names.items():
+        if name in kept:
+            yield name, raw[name]
+        else:
+            with safe_open(str(f), framework="pt") as st:
+                yield name, st.get_tensor(name)

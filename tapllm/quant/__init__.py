@@ -1,0 +1,5 @@
+"""Weights kept quantized: int8 / int4 weight-only schemes, their packing, and :class:`QuantLinear`."""
+
+from tapllm.quant.schemes import QUANTIZATIONS, Quantization, parse_quantization
+
+__all__ = ["QUANTIZATIONS", "Quantization", "parse_quantization"]

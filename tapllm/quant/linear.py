@@ -1,0 +1,104 @@
+"""A linear layer whose weight stays packed in 4- or 8-bit blocks (see :mod:`tapllm.quant.pack`).
+
+``forward`` runs tapllm's ``quant_linear`` kernel (dequantization in registers for decode
+row counts, a column chunk at a time into a GEMM for prefill sizes) when the fused kernels
+passed their probe, else the reference: dequantize to float32 and ``F.linear`` (the numbers
+the kernel must reproduce). Rows are filled one checkpoint tensor at a time
+(:meth:`load_rows`): float rows are quantized as they arrive, GGUF blocks are copied as
+stored, so a float copy of the whole weight never exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tapllm.quant.pack import block_kind, dequantize, fit_group, quantize_int4, quantize_int8
+from tapllm.quant.schemes import Quantization
+
+
+def block_shape(quant: Quantization, in_features: int) -> tuple[int, int] | None:
+    """``(blocks per row, bytes per block)`` of a weight with ``in_features`` inputs under ``quant``,
+    or None when it cannot take it (inputs not a multiple of 32; GGUF layouts come from the file)."""
+    if quant.method == "int8" and in_features % 32 == 0:
+        return 1, 2 + in_features
+    group = fit_group(quant.group or 128, in_features) if quant.method == "int4" else None
+    return None if group is None else (in_features // group, 4 + group // 2)
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` as packed blocks ``uint8 [N, G, B]`` (``blocks``)."""
+
+    kernels: Any = None  # tapllm's fused kernel ops when they run (set by CausalLM.use_kernels)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 quant: Quantization, shape: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.quant = in_features, out_features, quant
+        shape = shape or block_shape(quant, in_features)
+        if shape is None:
+            raise ValueError(f"{quant.describe()} cannot pack a weight with {in_features} inputs")
+        self.register_buffer("blocks", torch.zeros(out_features, *shape, dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, quant: Quantization) -> QuantLinear:
+        """A layer quantizing ``weight`` ``[N, K]`` (e.g. a tied embedding used as the LM head)."""
+        layer = cls(weight.shape[1], weight.shape[0], bias is not None, weight.dtype, quant)
+        layer.load_rows(None, weight)
+        if bias is not None:
+            layer.bias.data.copy_(bias)
+        return layer
+
+    def load_rows(self, offset: int | None, value: torch.Tensor) -> None:
+        """Fill rows ``offset..`` (``None``: all) from float rows ``[n, K]`` (quantized here) or from
+        packed blocks ``uint8 [n, G, B]`` of this layer's layout (copied as they are)."""
+        start = 0 if offset is None else offset
+        _, groups, nbytes = self.blocks.shape
+        if value.dtype == torch.uint8:
+            if value.dim() != 3 or tuple(value.shape[1:]) != (groups, nbytes):
+                raise ValueError(f"packed rows of shape {tuple(value.shape)} do not match this layer's blocks "
+                                 f"[{groups}, {nbytes}] ({self.quant.describe()})")
+            packed = value
+        else:
+            if value.dim() != 2 or value.shape[1] != self.in_features:
+                raise ValueError(f"weight rows of shape {tuple(value.shape)} do not fit {self.in_features} inputs")
+            group = self.in_features // groups
+            kind = block_kind(self.in_features, groups, nbytes)
+            packed = quantize_int8(value, group) if kind == "int8" else quantize_int4(value, group)
+        if start + packed.shape[0] > self.out_features:
+            raise ValueError(f"rows {start}..{start + packed.shape[0]} exceed the {self.out_features} outputs")
+        self.blocks[start : start + packed.shape[0]] = packed
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this layer computes with."""
+        return dequantize(self.blocks, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.quant_linear(x, self.blocks, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.dequantized(), bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        _, groups, nbytes = self.blocks.shape
+        return f"in={self.in_features}, out={self.out_features}, {self.quant.describe()}, blocks={groups}x{nbytes}B"
+
+
+def quantize_linears(model: nn.Module, quant: Quantization, linear_type: type) -> int:
+    """Replace every ``linear_type`` module of ``model`` (before loading) by a :class:`QuantLinear`
+    with empty storage; returns how many. Layers whose inputs ``quant`` cannot pack stay as they are."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not linear_type:
+                continue
+            n, k = child.weight.shape
+            if block_shape(quant, k) is None:
+                continue
+            setattr(parent, name, QuantLinear(k, n, child.bias is not None, child.weight.dtype, quant))
+            count += 1
+    return count

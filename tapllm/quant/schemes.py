@@ -1,0 +1,45 @@
+"""What ``quantization=`` may say, validated where it enters (``LLM``, the CLI, the server).
+
+Spellings follow vLLM where it has one: ``"int8"`` (weight-only, one scale per output
+channel), ``"int4"`` (weight-only, asymmetric, a scale and a min per group of input
+channels), ``"gguf"`` (a GGUF file's quantized tensors kept as stored). ``None`` keeps the
+model's dtype for every weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUANTIZATIONS = ("int8", "int4", "gguf")  # gguf: a .gguf file's Q8_0/Q4_0/Q4_1 tensors as stored
+INT4_GROUPS = (32, 64, 128)
+DEFAULT_INT4_GROUP = 128  # torchao's and GPTQ's usual choice: 4.5 bits per weight with float32 scale/min
+
+
+@dataclass(frozen=True, slots=True)
+class Quantization:
+    """A validated quantization choice: ``method`` and, for int4, the ``group`` size."""
+
+    method: str
+    group: int | None = None
+
+    def describe(self) -> str:
+        """The short name results and the server report, e.g. ``"int4-g128"``."""
+        return f"{self.method}-g{self.group}" if self.method == "int4" else self.method
+
+
+def parse_quantization(method: str | None, group: int | None = None) -> Quantization | None:
+    """Check ``quantization`` and ``quantization_group_size``; ``ValueError`` names the field."""
+    if method is None or method == "none":
+        if group is not None:
+            raise ValueError("quantization_group_size applies to quantization='int4' only")
+        return None
+    if not isinstance(method, str) or method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {method!r}")
+    if method != "int4":
+        if group is not None:
+            raise ValueError(f"quantization_group_size applies to quantization='int4' only, not {method!r}")
+        return Quantization(method)
+    group = DEFAULT_INT4_GROUP if group is None else group
+    if isinstance(group, bool) or not isinstance(group, int) or group not in INT4_GROUPS:
+        raise ValueError(f"quantization_group_size must be one of {list(INT4_GROUPS)}, got {group!r}")
+    return Quantization("int4", group)

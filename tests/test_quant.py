@@ -1,0 +1,228 @@
+"""Weights kept quantized (int8 per channel, int4 per group): the kernel against its reference,
+and whole models against a float checkpoint holding the dequantized weights of the same
+quantization — greedy tokens equal, states at every block within float32 summation error, with
+capture, steering and the lens on; results and the server name the quantization.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from conftest import random_prompts
+from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
+from tapllm.config import EngineConfig
+from tapllm.kernels import fused_kernels
+from tapllm.quant import parse_quantization
+from tapllm.quant.pack import dequantize, fit_group, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_quantization_options_are_validated():
+    assert parse_quantization(None) is None
+    assert parse_quantization("int4").describe() == "int4-g128"
+    assert parse_quantization("int4", 32).describe() == "int4-g32"
+    assert parse_quantization("int8").describe() == "int8"
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        parse_quantization("fp4")
+    with pytest.raises(ValueError, match="quantization_group_size must be one of"):
+        parse_quantization("int4", 48)
+    with pytest.raises(ValueError, match="applies to quantization='int4' only"):
+        parse_quantization("int8", 64)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="q4").validate()
+
+
+def test_cli_flags_reach_the_engine_config():
+    from tapllm.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "-q", "int4", "--quantization-group-size", "32"])
+    cfg = EngineConfig.from_cli_args(args)
+    assert (cfg.quantization, cfg.quantization_group_size) == ("int4", 32)
+    assert cfg.quant().describe() == "int4-g32"
+
+
+def test_packing_round_trips():
+    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(q)), q)
+    assert fit_group(128, 576) == 64 and fit_group(32, 48) is None
+    w = torch.randn(7, 96)
+    for blocks, step in ((quantize_int4(w, 32), 15), (quantize_int8(w), 254), (quantize_int8(w, 32), 254)):
+        deq = dequantize(blocks, 96)
+        spread = w.view(7, blocks.shape[1], -1)
+        spread = (spread.amax(-1) - spread.amin(-1)) if step == 15 else 2 * spread.abs().amax(-1)
+        assert ((deq - w).view_as(spread[..., None].expand(-1, -1, 96 // blocks.shape[1])).abs()
+                <= (spread / step * 0.51 + 1e-3)[..., None]).all()
+    assert tuple(quantize_int4(w, 32).shape) == (7, 3, 20)  # GGUF Q4_1's 20-byte blocks
+    assert tuple(quantize_int8(w, 32).shape) == (7, 3, 34)  # GGUF Q8_0's 34-byte blocks
+    const = torch.full((2, 32), 0.25)  # a constant group has d = 0 and keeps its value exactly
+    assert torch.equal(dequantize(quantize_int4(const, 32), 32), const)
+
+
+def _q4_0(w: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_0 blocks of ``w`` (via the gguf package), as ``uint8 [N, K/32, 18]``."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(w.numpy(), GGMLQuantizationType.Q4_0)
+    return torch.from_numpy(raw.copy()).view(w.shape[0], -1, 18)
+
+
+@pytest.mark.parametrize("kind", ["int4-32", "int4-64", "int8", "int8-32", "q4_0"])
+def test_kernel_matches_reference(kind):
+    ops = fused_kernels()
+    if ops is None:
+        pytest.skip("no fused kernels on this machine")
+    g = torch.Generator().manual_seed(0)
+    n, k = 45, 192  # columns that leave a remainder after every tile width
+    w = torch.randn(n, k, generator=g)
+    blocks = {"int4-32": lambda: quantize_int4(w, 32), "int4-64": lambda: quantize_int4(w, 64),
+              "int8": lambda: quantize_int8(w), "int8-32": lambda: quantize_int8(w, 32), "q4_0": lambda: _q4_0(w)}[kind]()
+    deq = dequantize(blocks, k)
+    assert ((deq - w).norm() / w.norm()) < (0.02 if kind.startswith("int8") else 0.15)
+    if kind == "q4_0":  # the gguf package's own dequantization agrees with ours
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        ref = gguf_dequantize(blocks.view(n, -1).numpy(), GGMLQuantizationType.Q4_0)
+        torch.testing.assert_close(deq, torch.from_numpy(ref.reshape(n, k)), rtol=1e-6, atol=1e-6)
+    # equal but for the rounding of d * q + m (one fused multiply-add in C++)
+    torch.testing.assert_close(ops.quant_dequantize(blocks, k, torch.float32), deq, rtol=1e-6, atol=1e-6)
+    for m in (1, 2, 3, 7, 16, 17, 40):  # every row tile, and the dequantize-then-GEMM path
+        for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1.5e-2)):
+            x, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+            got = ops.quant_linear(x, blocks, b)
+            want = F.linear(x.float(), deq, b.float())
+            assert got.dtype == dtype and got.shape == (m, n)
+            assert ((got.float() - want).abs().max() / want.abs().max()) < tol, (m, dtype)
+
+
+def _dequantized_checkpoint(src, dst, method: str, group: int | None):
+    """A float32 copy of checkpoint ``src`` whose linear weights (and LM head, tied or not) are
+    the dequantized weights that ``quantization=method`` computes with."""
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("tie_word_embeddings"):
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        cfg["tie_word_embeddings"] = False
+        (dst / "config.json").write_text(json.dumps(cfg))
+    for name, t in tensors.items():
+        if name == "lm_head.weight" or any(f"{p}.weight" in name for p in PROJ):
+            k = t.shape[1]
+            blocks = quantize_int4(t, fit_group(group, k)) if method == "int4" else quantize_int8(t)
+            tensors[name] = dequantize(blocks, k).contiguous()
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+SPEC = HiddenStatesSpec(points=["resid_post", "final"], layers="all", positions="all", lens=3)
+
+
+@pytest.mark.parametrize("name,method,group", [("llama", "int4", 32), ("llama3-rope-tied", "int8", None),
+                                               ("qwen2", "int4", 64)])
+def test_quantized_model_equals_its_dequantized_reference(tiny_models, tmp_path, name, method, group):
+    src = tiny_models[name]
+    ref_folder = _dequantized_checkpoint(src, tmp_path / "ref", method, group or 128)
+    prompts = random_prompts([9, 21], seed=5)
+    steer = [Steer(layers=[1], point="resid_post", vector=torch.randn(64, generator=torch.Generator().manual_seed(1)),
+                   scale=2.0)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, hidden_states=SPEC, steering=steer)
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = LLM(ref_folder, dtype="float32", block_size=4)
+    want, want_plain = ref.generate(prompts, params, use_tqdm=False), ref.generate(prompts, plain, use_tqdm=False)
+    del ref
+    for eager in (False, True):
+        llm = LLM(src, dtype="float32", block_size=4, quantization=method, quantization_group_size=group,
+                  enforce_eager=eager)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        got_plain = llm.generate(prompts, plain, use_tqdm=False)  # no taps: the decode steps' fastest path
+        for a, b in zip(got + got_plain, want + want_plain, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for a, b in zip(got, want, strict=True):
+            hs, rs = a.hidden_states, b.hidden_states
+            assert hs.metadata["quantization"] == llm.engine.quantization == (f"int4-g{group}" if method == "int4"
+                                                                               else "int8")
+            for point in ("resid_post", "final"):
+                torch.testing.assert_close(hs[point], rs[point], rtol=1e-4, atol=1e-4)
+            assert torch.equal(hs.lens["final"].token_ids, rs.lens["final"].token_ids)
+        del llm
+
+
+def test_quantized_states_save_and_wire_name_the_quantization(tiny_models, tmp_path):
+    from tapllm.hidden_states.result import HiddenStates
+    from tapllm.hidden_states.wire import hidden_states_from_wire, hidden_states_to_wire
+
+    llm = LLM(tiny_models["llama"], dtype="float32", block_size=4, quantization="int8")
+    out = llm.encode([random_prompts([6])[0]], HiddenStatesSpec(points="resid_post", layers=[0]))[0]
+    hs = out.hidden_states
+    assert hs.metadata == {"quantization": "int8"}
+    assert HiddenStates.load(hs.save(tmp_path / "s.safetensors")).metadata["quantization"] == "int8"
+    assert hidden_states_from_wire(hidden_states_to_wire(hs)).metadata["quantization"] == "int8"
+    from tapllm.quant.linear import QuantLinear
+
+    model = llm.engine.runner.model
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * len(model.layers) + 1
+    assert (model.stack is not None) == (fused_kernels() is not None)  # decode steps run in C++ too
+
+
+def test_gguf_blocks_run_as_stored(tiny_models, tmp_path):
+    """A Llama GGUF with Q4_0, Q4_1 and Q8_0 tensors: ``quantization="gguf"`` keeps their blocks
+    (a fused q/k/v of mixed types stays dequantized), and equals the dequantized GGUF."""
+    from gguf_writer import permute_for_llama_cpp, write_gguf
+    from tapllm.quant.linear import QuantLinear
+
+    folder = tiny_models["llama"]
+    cfg = json.loads((folder / "config.json").read_text())
+    sd = load_file(folder / "model.safetensors")
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    kinds = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
+             "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+               "output.weight": sd["lm_head.weight"]}
+    types = {"output.weight": "Q8_0"}
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, cpp in names.items():
+            w = sd[f"model.layers.{i}.{hf_name}.weight"]
+            if cpp == "attn_q":
+                w = permute_for_llama_cpp(w, cfg["num_attention_heads"])
+            elif cpp == "attn_k":
+                w = permute_for_llama_cpp(w, cfg["num_key_value_heads"])
+            tensors[f"blk.{i}.{cpp}.weight"] = w
+            if cpp in kinds:
+                types[f"blk.{i}.{cpp}.weight"] = kinds[cpp]
+    types["blk.0.attn_v.weight"] = "Q8_0"  # block 0's q/k/v mix types: that fused weight is not kept
+    kv = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+          "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+          "attention.head_count": cfg["num_attention_heads"], "attention.head_count_kv": cfg["num_key_value_heads"],
+          "rope.freq_base": float(cfg["rope_parameters"]["rope_theta"]),
+          "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]), "vocab_size": cfg["vocab_size"],
+          "rope.dimension_count": cfg["hidden_size"] // cfg["num_attention_heads"]}
+    path = write_gguf(tmp_path / "tiny-q.gguf", "llama", kv, tensors, types)
+    prompts = random_prompts([7, 18], seed=9)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, hidden_states=SPEC)
+    want = LLM(path, dtype="float32", block_size=4).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, dtype="float32", block_size=4, quantization="gguf")
+    model = llm.engine.runner.model
+    assert not isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert tuple(model.layers[1].self_attn.qkv_proj.blocks.shape[1:]) == (2, 18)  # Q4_0
+    assert tuple(model.layers[1].mlp.gate_up_proj.blocks.shape[1:]) == (2, 20)  # Q4_1
+    assert tuple(model.lm_head.blocks.shape[1:]) == (2, 34)  # Q8_0
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.hidden_states.metadata["quantization"] == "gguf"
+        torch.testing.assert_close(a.hidden_states["resid_post"], b.hidden_states["resid_post"], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="needs a .gguf model file"):
+        LLM(tiny_models["llama"], dtype="float32", quantization="gguf")
