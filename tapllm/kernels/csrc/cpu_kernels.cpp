@@ -265,6 +265,31 @@ void kv_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 // and value rows (from L1/L2 after the first head). Scores, softmax and the weighted sum are
 // computed in float32. NV (vectors per head row) is a template constant for the common head
 // sizes so a head's query and accumulator stay in registers; 0 means "at run time".
+// Scores [0, n) soft-capped (when softcap > 0) and replaced by exp(score - max), in place;
+// returns their sum (the softmax's denominator).
+inline float exp_scores(float* sg, int64_t n, float softcap) {
+  int64_t i = 0;
+  if (softcap > 0.f) {
+    const Vec cap(softcap), inv(1.f / softcap);
+    for (; i + W <= n; i += W) ((Vec::loadu(sg + i) * inv).tanh() * cap).store(sg + i);
+    for (; i < n; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
+  }
+  float mx = -std::numeric_limits<float>::infinity();
+  for (i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+  Vec vmx(mx), vsum(0.f);
+  float sum = 0.f;
+  for (i = 0; i + W <= n; i += W) {
+    const Vec e = (Vec::loadu(sg + i) - vmx).exp();
+    e.store(sg + i);
+    vsum = vsum + e;
+  }
+  for (; i < n; ++i) {
+    sg[i] = std::exp(sg[i] - mx);
+    sum += sg[i];
+  }
+  return sum + at::vec::vec_reduce_all<float>(std::plus<Vec>(), vsum);
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // Lane j of the result is the sum of the 16 lanes of a[j]: a transpose-and-add tree of 45
 // shuffles and adds, where 16 separate horizontal sums take about three times as many.
@@ -342,26 +367,8 @@ void decode_task16(const T* q, const T* kh, const T* vh, T* out, const int64_t* 
   decode_scores16<T, NV>(q, kh, table, first, len, group, block_size, q_head, scale, scores);
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * n;
+    const float sum = exp_scores(sg, n, softcap);
     int64_t i = 0;
-    if (softcap > 0.f) {
-      const Vec cap(softcap), inv(1.f / softcap);
-      for (; i + W <= n; i += W) ((Vec::loadu(sg + i) * inv).tanh() * cap).store(sg + i);
-      for (; i < n; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
-    }
-    float mx = -std::numeric_limits<float>::infinity();
-    for (i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
-    Vec vmx(mx), vsum(0.f);
-    float sum = 0.f;
-    for (i = 0; i + W <= n; i += W) {
-      const Vec e = (Vec::loadu(sg + i) - vmx).exp();
-      e.store(sg + i);
-      vsum = vsum + e;
-    }
-    for (; i < n; ++i) {
-      sg[i] = std::exp(sg[i] - mx);
-      sum += sg[i];
-    }
-    sum += at::vec::vec_reduce_all<float>(std::plus<Vec>(), vsum);
     const Vec norm(1.f / sum);
     for (i = 0; i + W <= n; i += W) (Vec::loadu(sg + i) * norm).store(sg + i);
     for (; i < n; ++i) sg[i] *= 1.f / sum;
@@ -402,7 +409,6 @@ void decode_task(const T* q, const T* kh, const T* vh, T* out, const int64_t* ta
     Vec qv[NV > 0 ? NV : 1];
     if constexpr (NV > 0)
       for (int v = 0; v < NV; ++v) qv[v] = Vec::loadu(qf + v * W);
-    float mx = -std::numeric_limits<float>::infinity();
     for (int64_t p = first; p < len; ++p) {
       const T* krow = kh + (table[p / block_size] * block_size + p % block_size) * d;
       Vec a(0.f);
@@ -412,25 +418,7 @@ void decode_task(const T* q, const T* kh, const T* vh, T* out, const int64_t* ta
       for (int64_t j = nv * W; j < d; ++j) sc += static_cast<float>(krow[j]) * qf[j];
       sg[p - first] = sc;
     }
-    int64_t i = 0;
-    if (softcap > 0.f) {
-      const Vec cap(softcap), inv(1.f / softcap);
-      for (; i + W <= n; i += W) ((Vec::loadu(sg + i) * inv).tanh() * cap).store(sg + i);
-      for (; i < n; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
-    }
-    for (i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
-    Vec vmx(mx), vsum(0.f);
-    float sum = 0.f;
-    for (i = 0; i + W <= n; i += W) {
-      Vec e = (Vec::loadu(sg + i) - vmx).exp();
-      e.store(sg + i);
-      vsum = vsum + e;
-    }
-    for (; i < n; ++i) {
-      sg[i] = std::exp(sg[i] - mx);
-      sum += sg[i];
-    }
-    sum += at::vec::vec_reduce_all<float>(std::plus<Vec>(), vsum);
+    const float sum = exp_scores(sg, n, softcap);
     const float norm = 1.f / sum;
     Vec av[NV > 0 ? NV : 1];
     if constexpr (NV > 0) {
