@@ -290,3 +290,8 @@ class EngineConfig:
     def quant(self) -> Quantization | None:
         """The validated quantization (``ValueError`` names a bad ``quantization`` field)."""
         return parse_quantization(self.quantization, self.quantization_group_size)
+
+    def quantization_label(self) -> str:
+        """What states are computed with, as results and ``/v1/models`` name it: "none", "int8", "int4-g128", ..."""
+        quant = self.quant()
+        return quant.describe() if quant is not None else "none"

@@ -50,9 +50,7 @@ class LLMEngine:
         engine_config.validate()
         self.model_config = model_config
         self.config = engine_config
-        quant = engine_config.quant()
-        # what every result's states were computed with: "none", "int8", "int4-g128", ...
-        self.quantization = quant.describe() if quant is not None else "none"
+        self.quantization = engine_config.quantization_label()  # what every result's states were computed with
         self.device = device
         self.tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path)
         if engine_config.chat_template is not None:

@@ -33,6 +33,7 @@ class EngineFrontend:
                  context_limited_by_cache: bool) -> None:
         self.config = config
         self.model_config = model_config
+        self.quantization = config.quantization_label()
         self.tokenizer = load_tokenizer(model_config.tokenizer_path or model_config.path)
         if config.chat_template is not None:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
