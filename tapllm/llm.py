@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,9 @@ class LLM:
         elif options or model is not None:
             raise TypeError("give either config=EngineConfig(...) or model and options, not both")
         self.engine = LLMEngine.from_config(config)
+        # The engine froze the heap out of the collector's full passes (gc.freeze); once this LLM is
+        # dropped, anything of it caught in a reference cycle must become collectable again.
+        weakref.finalize(self, gc.unfreeze)
 
     @property
     def tokenizer(self) -> Any:
