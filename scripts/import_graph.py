@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tapllm.engine",),
     ("tapllm.llm", "tapllm.server", "tapllm.collect", "tapllm.prompt_records", "tapllm.datasets",
      "tapllm.client", "tapllm.sae.cli"),
+    ("tapllm.serving",),
 ]
 LEAVES = ("tapllm.tap",)
 
