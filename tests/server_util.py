@@ -12,6 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import torch
+
 KEY = "test-key"
 
 
@@ -118,3 +120,18 @@ def serving(model: Path, *args: str, **kw):
         yield server
     finally:
         server.stop()
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """``a`` equals ``b`` in shape and dtype, and in value within 1e-5 of ``b``'s scale."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
+
+
+def same_states(got, ref) -> None:
+    """Two ``HiddenStates``: the same positions, layers and points, every tensor :func:`close`."""
+    assert got is not None and ref is not None
+    assert got.positions.tolist() == ref.positions.tolist() and got.layers == ref.layers
+    assert got.points == ref.points
+    for p in ref.points:
+        close(got[p], ref[p])

@@ -15,7 +15,7 @@ from conftest import random_prompts
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 from tapllm.client import decode_hidden_states
 
-from server_util import KEY, Server
+from server_util import KEY, Server, close, same_states
 
 openai = pytest.importorskip("openai")
 
@@ -40,19 +40,6 @@ def reference(tiny_models):
     return LLM(tiny_models["llama"], dtype="float32")
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
-
-
-def _same_states(got, ref) -> None:
-    assert got is not None and ref is not None
-    assert got.positions.tolist() == ref.positions.tolist() and got.layers == ref.layers
-    assert got.points == ref.points
-    for p in ref.points:
-        _close(got[p], ref[p])
-
-
 SPEC = {"layers": [0, -1], "points": ["resid_post", "attn_out"], "positions": "all"}
 
 
@@ -72,14 +59,14 @@ def test_completions_and_chat_equal_llm(server, reference):
         r = client.completions.create(**common, extra_body={"ignore_eos": True,
                                                             "hidden_states": {**SPEC, "encoding": encoding}})
         assert r.choices[0].text == ref.outputs[0].text and r.usage.completion_tokens == 8
-        _same_states(decode_hidden_states(r.choices[0]), ref.hidden_states)
+        same_states(decode_hidden_states(r.choices[0]), ref.hidden_states)
     # streaming: text deltas, then the states with the final chunk of the choice
     chunks = list(client.completions.create(**common, stream=True, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True, "hidden_states": SPEC}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == ref.outputs[0].text
     final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
-    _same_states(decode_hidden_states(final.choices[0]), ref.hidden_states)
+    same_states(decode_hidden_states(final.choices[0]), ref.hidden_states)
     assert chunks[-1].usage.completion_tokens == 8
 
     # chat, through the chat template
@@ -89,12 +76,12 @@ def test_completions_and_chat_equal_llm(server, reference):
     r = client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6, temperature=0,
                                        extra_body={"ignore_eos": True, "hidden_states": SPEC})
     assert r.choices[0].message.content == chat_ref.outputs[0].text
-    _same_states(decode_hidden_states(r.choices[0]), chat_ref.hidden_states)
+    same_states(decode_hidden_states(r.choices[0]), chat_ref.hidden_states)
     stream = list(client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6,
                                                  temperature=0, stream=True,
                                                  extra_body={"ignore_eos": True, "hidden_states": SPEC}))
     assert "".join(c.choices[0].delta.content or "" for c in stream) == chat_ref.outputs[0].text
-    _same_states(decode_hidden_states(stream[-1].choices[0]), chat_ref.hidden_states)
+    same_states(decode_hidden_states(stream[-1].choices[0]), chat_ref.hidden_states)
 
     # logprobs come back OpenAI-style
     r = client.completions.create(**common, logprobs=2, extra_body={"ignore_eos": True})
@@ -109,14 +96,14 @@ def test_prompt_only_states_endpoint(server, reference):
     assert status == 200, body
     refs = reference.encode(prompts, spec, use_tqdm=False)
     for item, ref in zip(body["data"], refs):
-        _same_states(decode_hidden_states(item), ref.hidden_states)
+        same_states(decode_hidden_states(item), ref.hidden_states)
     assert body["usage"]["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in refs)
     # a projection sent as a list of lists, reduced on the server
     dirs = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     status, body = server.post("/v1/hidden_states", {"input": prompts[0], "hidden_states": {
         **spec, "project": dirs.tolist(), "reduce": "mean"}})
     got = decode_hidden_states(body["data"][0])
-    _close(got["final"], (refs[0].hidden_states["final"] @ dirs.T).mean(0))
+    close(got["final"], (refs[0].hidden_states["final"] @ dirs.T).mean(0))
 
 
 def test_32_concurrent_mixed_requests(server, reference):
@@ -149,7 +136,7 @@ def test_32_concurrent_mixed_requests(server, reference):
         if specs[i % 4] is None:
             assert hs is None
         else:
-            _same_states(hs, ref.hidden_states)
+            same_states(hs, ref.hidden_states)
 
 
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, plain_server):
@@ -262,7 +249,7 @@ def test_steering_extension(server, plain_server, reference):
         r = client.completions.create(model="tiny_llama", prompt=prompt, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True, "steering": [body], "hidden_states": SPEC})
         assert r.choices[0].text == ref.outputs[0].text
-        _same_states(decode_hidden_states(r.choices[0]), ref.hidden_states)
+        same_states(decode_hidden_states(r.choices[0]), ref.hidden_states)
 
     ok = {"prompt": "Hi", "max_tokens": 2}
     cases = [

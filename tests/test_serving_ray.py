@@ -26,7 +26,7 @@ from tapllm import LLM, HiddenStatesSpec, SamplingParams
 from tapllm.client import decode_hidden_states
 from tapllm.serving.options import RayServeOptions
 
-from server_util import free_port
+from server_util import free_port, same_states
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -94,18 +94,6 @@ def metric(text: str, name: str) -> float:
     return next(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + " "))
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
-
-
-def _same_states(got, ref) -> None:
-    assert got is not None and ref is not None
-    assert got.positions.tolist() == ref.positions.tolist() and got.layers == ref.layers
-    for p in ref.points:
-        _close(got[p], ref[p])
-
-
 def test_one_engine_replica_per_node(deployed):
     where = [serve.get_deployment_handle(f"tapllm-engine-{i}", app_name=APP).where.remote().result()
              for i in range(2)]
@@ -125,12 +113,12 @@ def test_answers_equal_a_local_llm(deployed, reference):
     assert plain.choices[0].text == ref.outputs[0].text and decode_hidden_states(plain.choices[0]) is None
     r = client.completions.create(**common, extra_body={"ignore_eos": True, "hidden_states": SPEC})
     assert r.choices[0].text == ref.outputs[0].text and r.usage.completion_tokens == 8
-    _same_states(decode_hidden_states(r.choices[0]), ref.hidden_states)
+    same_states(decode_hidden_states(r.choices[0]), ref.hidden_states)
     chunks = list(client.completions.create(**common, stream=True,
                                             extra_body={"ignore_eos": True, "hidden_states": SPEC}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
     final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
-    _same_states(decode_hidden_states(final.choices[0]), ref.hidden_states)
+    same_states(decode_hidden_states(final.choices[0]), ref.hidden_states)
 
     messages = [{"role": "user", "content": "Name a colour."}]
     chat_ref = reference.chat(messages, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
@@ -138,7 +126,7 @@ def test_answers_equal_a_local_llm(deployed, reference):
     r = client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6, temperature=0,
                                        extra_body={"ignore_eos": True, "hidden_states": SPEC})
     assert r.choices[0].message.content == chat_ref.outputs[0].text
-    _same_states(decode_hidden_states(r.choices[0]), chat_ref.hidden_states)
+    same_states(decode_hidden_states(r.choices[0]), chat_ref.hidden_states)
     stream = list(client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6,
                                                  temperature=0, stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].delta.content or "" for c in stream) == chat_ref.outputs[0].text
