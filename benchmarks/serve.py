@@ -30,7 +30,11 @@ Engine core process against in-process (``--compare-processes``)
     inter-token latency (time between successive text chunks) p50/p99 and output tokens/s;
     once without the looping clients, once with them looping the same requests without states
     (their prefills alone), once with states. Target: with the engine in its own process, p99
-    ITL of the plain clients with state clients within 1.5x of the run without.
+    ITL of the plain clients with state clients within 1.5x of the run without. All of it at
+    each token budget of ``--budgets`` (the servers' ``--max-num-batched-tokens``; default
+    2048, the default of ``tapllm serve``, and 256): the budget bounds the prompt tokens that
+    share a step with the plain clients' decodes, so it trades the state clients' prefill
+    throughput for the plain clients' p99 latency.
     Raw HTTP (``http.client``) so the 64 client threads cost as little as possible.
 
 How to run (from the repository root; needs ``pip install openai``)
@@ -76,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--serve-args", default="", help="more arguments for tapllm serve (one string)")
     p.add_argument("--compare-processes", action="store_true",
                    help="engine core process vs in-process: ITL of plain clients beside state clients (64 clients)")
+    p.add_argument("--budgets", default="2048,256",
+                   help="--compare-processes: the servers' --max-num-batched-tokens, each a run of its own")
     args = p.parse_args(argv)
     if args.compare_processes and "--clients" not in (argv if argv is not None else sys.argv):
         args.clients = 64
@@ -263,33 +269,38 @@ def compare_run(port: int, args: argparse.Namespace, prompts: list[list[int]], l
 
 
 def compare_processes(args: argparse.Namespace) -> None:
-    """Engine core process against in-process, each with and without state clients; print the table."""
+    """Engine core process against in-process, each with and without state clients, at each token
+    budget of ``--budgets``; print the table."""
     rng = random.Random(0)
     rows = []
+    budgets = [int(b) for b in args.budgets.split(",")]
     print(f"engine core process vs in-process, default model {args.dtype}: {args.clients} streaming clients "
           f"({args.clients - args.clients // 4} plain, {args.clients // 4} asking every block's resid_post at every "
-          f"position), prompt {args.prompt_len}, {args.new_tokens} new tokens", flush=True)
-    for mode, extra in (("engine process", ()), ("in-process", ("--no-engine-process",))):
-        port = free_port()
-        proc = start_server(args, port, extra)
-        try:
-            for loops in ("none", "plain", "states"):  # fresh prompts each run: no prefix-cache reuse
-                prompts = [[rng.randrange(32, 49152) for _ in range(args.prompt_len)] for _ in range(args.clients)]
-                compare_run(port, argparse.Namespace(**{**vars(args), "new_tokens": 2}), prompts, "none")  # warm-up
-                res = compare_run(port, args, prompts, loops)
-                rows.append((mode, loops, res))
-                print(f"  {mode:15s} loops {loops:6s} ITL p50 {res['itl_p50'] * 1e3:7.1f} ms "
-                      f"p99 {res['itl_p99'] * 1e3:7.1f} ms, plain {res['tok_s']:7.1f} tok/s, "
-                      f"{res['state_requests']} looping requests", flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
-    print(f"\n{'mode':15s} {'p99 ITL: states/none':>21s} {'states/plain loops':>19s} "
+          f"position), prompt {args.prompt_len}, {args.new_tokens} new tokens, token budgets {budgets}", flush=True)
+    for budget in budgets:
+        for mode, extra in (("engine process", ()), ("in-process", ("--no-engine-process",))):
+            port = free_port()
+            proc = start_server(args, port, (*extra, "--max-num-batched-tokens", str(budget)))
+            try:
+                for loops in ("none", "plain", "states"):  # fresh prompts each run: no prefix-cache reuse
+                    prompts = [[rng.randrange(32, 49152) for _ in range(args.prompt_len)] for _ in range(args.clients)]
+                    compare_run(port, argparse.Namespace(**{**vars(args), "new_tokens": 2}), prompts, "none")  # warm-up
+                    res = compare_run(port, args, prompts, loops)
+                    rows.append((budget, mode, loops, res))
+                    print(f"  budget {budget:5d} {mode:15s} loops {loops:6s} ITL p50 {res['itl_p50'] * 1e3:7.1f} ms "
+                          f"p99 {res['itl_p99'] * 1e3:7.1f} ms, plain {res['tok_s']:7.1f} tok/s, "
+                          f"{res['state_requests']} looping requests", flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    print(f"\n{'budget':>6s} {'mode':15s} {'p99 ITL: states/none':>21s} {'states/plain loops':>19s} "
           f"{'plain tok/s: states/none':>25s} {'states/plain loops':>19s}")
-    for mode in ("engine process", "in-process"):
-        none, plain, on = (r for m, _, r in rows if m == mode)
-        print(f"{mode:15s} {on['itl_p99'] / none['itl_p99']:20.2f}x {on['itl_p99'] / plain['itl_p99']:18.2f}x "
-              f"{on['tok_s'] / none['tok_s']:24.2f}x {on['tok_s'] / plain['tok_s']:18.2f}x")
+    for budget in budgets:
+        for mode in ("engine process", "in-process"):
+            none, plain, on = (r for b, m, _, r in rows if m == mode and b == budget)
+            print(f"{budget:6d} {mode:15s} {on['itl_p99'] / none['itl_p99']:20.2f}x "
+                  f"{on['itl_p99'] / plain['itl_p99']:18.2f}x "
+                  f"{on['tok_s'] / none['tok_s']:24.2f}x {on['tok_s'] / plain['tok_s']:18.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
