@@ -275,7 +275,10 @@ inline float exp_scores(float* sg, int64_t n, float softcap) {
     for (; i < n; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
   }
   float mx = -std::numeric_limits<float>::infinity();
-  for (i = 0; i < n; ++i) mx = std::max(mx, sg[i]);
+  Vec vmax(mx);
+  for (i = 0; i + W <= n; i += W) vmax = at::vec::maximum(vmax, Vec::loadu(sg + i));
+  for (; i < n; ++i) mx = std::max(mx, sg[i]);
+  mx = std::max(mx, at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax));
   Vec vmx(mx), vsum(0.f);
   float sum = 0.f;
   for (i = 0; i + W <= n; i += W) {
@@ -373,10 +376,11 @@ void decode_task16(const T* q, const T* kh, const T* vh, T* out, const int64_t* 
     for (i = 0; i + W <= n; i += W) (Vec::loadu(sg + i) * norm).store(sg + i);
     for (; i < n; ++i) sg[i] *= 1.f / sum;
   }
-  for (int64_t g0 = 0; g0 < group; g0 += HP) {
-    const int hp = static_cast<int>(std::min<int64_t>(HP, group - g0));
-    __m512 av[HP][NV];
-    for (int h = 0; h < HP; ++h)
+  // heads [g0, g0 + HPN) over every value row, the head count a compile-time constant
+  auto pass = [&](auto hp_tag, int64_t g0) {
+    constexpr int HPN = decltype(hp_tag)::value;
+    __m512 av[HPN][NV];
+    for (int h = 0; h < HPN; ++h)
       for (int v = 0; v < NV; ++v) av[h][v] = _mm512_setzero_ps();
     if (g0 == 0) prefetch_rows(vh, table, first, std::min<int64_t>(len, first + 48), block_size, D);
     for (int64_t p = first; p < len; ++p) {
@@ -384,14 +388,21 @@ void decode_task16(const T* q, const T* kh, const T* vh, T* out, const int64_t* 
       const T* vrow = vh + (table[p / block_size] * block_size + p % block_size) * D;
       __m512 vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = loadf<T>(vrow + v * 16);
-      for (int h = 0; h < HP; ++h) {
-        if (h >= hp) break;
+      for (int h = 0; h < HPN; ++h) {
         const __m512 w = _mm512_set1_ps(scores[(g0 + h) * n + (p - first)]);
         for (int v = 0; v < NV; ++v) av[h][v] = _mm512_fmadd_ps(w, vv[v], av[h][v]);
       }
     }
-    for (int h = 0; h < hp; ++h)
+    for (int h = 0; h < HPN; ++h)
       for (int v = 0; v < NV; ++v) storef<T>(out + (g0 + h) * D + v * 16, Vec(av[h][v]));
+  };
+  for (int64_t g0 = 0; g0 < group; g0 += HP) {
+    switch (std::min<int64_t>(HP, group - g0)) {
+      case 1: pass(std::integral_constant<int, 1>(), g0); break;
+      case 2: if constexpr (HP >= 2) pass(std::integral_constant<int, 2>(), g0); break;
+      case 3: if constexpr (HP >= 3) pass(std::integral_constant<int, 3>(), g0); break;
+      default: if constexpr (HP >= 4) pass(std::integral_constant<int, 4>(), g0); break;
+    }
   }
 }
 #endif
