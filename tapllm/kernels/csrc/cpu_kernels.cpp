@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -44,19 +45,6 @@ inline __m512 bf16_round(__m512 v) {
   const __m512i t = _mm512_and_si512(bf16_round_bits(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
   const __m512i nan = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(t, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan));
-}
-// AVX512-BF16's vcvtneps2bf16 rounds to nearest even in one instruction, but flushes denormals
-// and keeps NaN payloads: vectors holding either take the integer path, so the bits never
-// differ. Inline asm because this build's flags lack avx512bf16 (bf16_hw() checks the CPU).
-inline __m256i bf16_narrow_hw(__m512 v) {
-  if (_mm512_fpclass_ps_mask(v, 0xA1) != 0) [[unlikely]]  // QNaN | SNaN | denormal
-    return bf16_narrow(v);
-  __m256i r;
-  asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(v));
-  return r;
-}
-inline __m512 bf16_round_hw(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_narrow_hw(v)), 16));
 }
 inline bool bf16_hw() {
   static const bool has = __builtin_cpu_supports("avx512bf16") && !std::getenv("TAPLLM_NO_AVX512BF16");
@@ -91,22 +79,22 @@ inline bool bf16_hw() { return false; }
 // Runs f(std::true_type) when T is bfloat16 and the CPU converts it in hardware, else f(std::false_type):
 // the HW template argument of the element-wise kernels.
 template <typename T, typename F>
-inline void with_bf16_hw(F&& f) {
+inline void with_bf16_hw(bool allowed, F&& f) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (bf16_hw()) return f(std::true_type());
+    if (allowed && bf16_hw()) return f(std::true_type());
   }
 #endif
   f(std::false_type());
 }
 
-template <typename T, bool HW = false>
+template <typename T>
 inline void storef(T* p, const Vec& v) {
   if constexpr (std::is_same_v<T, float>) {
     v.store(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16> && kFastBF16) {
 #if defined(CPU_CAPABILITY_AVX512)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), HW ? bf16_narrow_hw(v) : bf16_narrow(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_narrow(v));
 #elif defined(CPU_CAPABILITY_AVX2)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_narrow(v));
 #endif
@@ -116,13 +104,13 @@ inline void storef(T* p, const Vec& v) {
 }
 
 // The value a float takes once stored in T and read back (identity for float).
-template <typename T, bool HW = false>
+template <typename T>
 inline Vec round_to(const Vec& v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else if constexpr (std::is_same_v<T, c10::BFloat16> && kFastBF16) {
 #if defined(CPU_CAPABILITY_AVX512)
-    return HW ? bf16_round_hw(v) : bf16_round(v);
+    return bf16_round(v);
 #elif defined(CPU_CAPABILITY_AVX2)
     return bf16_round(v);
 #endif
@@ -132,19 +120,46 @@ inline Vec round_to(const Vec& v) {
 }
 
 // Stores v in T at p and returns the stored value widened (round_to<T>(v)).
-template <typename T, bool HW = false>
+template <typename T>
 inline Vec store_rounded(T* p, const Vec& v) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m256i b = HW ? bf16_narrow_hw(v) : bf16_narrow(v);
+    const __m256i b = bf16_narrow(v);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
   }
 #endif
-  const Vec r = round_to<T, HW>(v);
-  storef<T, HW>(p, r);
+  const Vec r = round_to<T>(v);
+  storef<T>(p, r);
   return r;
 }
+
+// float32 -> T for the element-wise kernels. With HW (bfloat16 on a CPU with AVX512-BF16): one
+// vcvtneps2bf16 per vector, which rounds to nearest even as the integer path does but flushes
+// denormals and keeps NaN payloads where the integer path (and at::vec, hence the eager step)
+// gives denormals and 0xffff. Such lanes are only noted (a branch per vector cost a quarter of
+// the kernel's time) and the caller redoes the row without HW, so the bits never differ.
+template <typename T, bool HW>
+struct Narrow {
+  Vec round(const Vec& v) { return round_to<T>(v); }
+  void store(T* p, const Vec& v) { storef<T>(p, v); }
+  bool ok() const { return true; }
+};
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+struct Narrow<c10::BFloat16, true> {
+  __mmask16 bad = 0;
+  __m256i bits(__m512 v) {
+    bad = _kor_mask16(bad, _mm512_fpclass_ps_mask(v, 0xA1));  // QNaN | SNaN | denormal
+    __m256i r;
+    asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(v));  // inline asm: this build's flags lack avx512bf16
+    return r;
+  }
+  Vec round(const Vec& v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits(v)), 16)); }
+  void store(c10::BFloat16* p, const Vec& v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits(v)); }
+  bool ok() const { return bad == 0; }
+};
+#endif
 
 template <typename T>
 inline float round_to(float v) {
@@ -152,52 +167,84 @@ inline float round_to(float v) {
 }
 
 // ---- RMSNorm: w * round(x * rsqrt(mean(x^2) + eps)), optionally after x += r -------------
+// Row i's output from its (updated) x and 1 / rms; false when Narrow asks for the row again.
 template <typename T, int MODE, bool HW>
-void rms_row(T* xi, const T* ri, const T* w, T* oi, int64_t n, float eps) {
-  Vec acc(0.f);
-  float tail = 0.f;
-  int64_t j = 0;
-  if (ri != nullptr) {  // residual add, rounded to T as the eager add is, and the squares in the same pass
-    for (; j + W <= n; j += W) {
-      const Vec v = store_rounded<T, HW>(xi + j, loadf<T>(xi + j) + loadf<T>(ri + j));
-      acc = at::vec::fmadd(v, v, acc);
-    }
-    for (; j < n; ++j) {
-      xi[j] = static_cast<T>(static_cast<float>(xi[j]) + static_cast<float>(ri[j]));
-      tail += static_cast<float>(xi[j]) * static_cast<float>(xi[j]);
-    }
-  } else {
-    for (; j + W <= n; j += W) {
-      const Vec v = loadf<T>(xi + j);
-      acc = at::vec::fmadd(v, v, acc);
-    }
-    for (; j < n; ++j) tail += static_cast<float>(xi[j]) * static_cast<float>(xi[j]);
-  }
-  const float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc) + tail;
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+bool rms_scale(const T* xi, const T* w, T* oi, int64_t n, float inv) {
+  Narrow<T, HW> cv;
   const Vec vinv(inv), one(1.f);
-  for (j = 0; j + W <= n; j += W) {
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
     const Vec h = loadf<T>(xi + j) * vinv;
-    if constexpr (MODE == 0) storef<T, HW>(oi + j, loadf<T>(w + j) * round_to<T, HW>(h));  // Llama: round, then scale in T
-    if constexpr (MODE == 1) storef<T, HW>(oi + j, loadf<T>(w + j) * h);  // scale in float32, round once (OLMo-2)
-    if constexpr (MODE == 2) storef<T, HW>(oi + j, (loadf<T>(w + j) + one) * h);  // Gemma: (1 + w) in float32
+    if constexpr (MODE == 0) cv.store(oi + j, loadf<T>(w + j) * cv.round(h));  // Llama: round, then scale in T
+    if constexpr (MODE == 1) cv.store(oi + j, loadf<T>(w + j) * h);  // scale in float32, round once (OLMo-2)
+    if constexpr (MODE == 2) cv.store(oi + j, (loadf<T>(w + j) + one) * h);  // Gemma: (1 + w) in float32
   }
   for (; j < n; ++j) {
     const float h = static_cast<float>(xi[j]) * inv, wj = static_cast<float>(w[j]);
     oi[j] = static_cast<T>(MODE == 0 ? wj * round_to<T>(h) : MODE == 1 ? wj * h : (1.f + wj) * h);
+  }
+  return cv.ok();
+}
+
+// R rows at a time, each summing its squares in the order of one row alone: R independent
+// chains of FMAs where one row's chain (its latency, not the loads) bounds the first pass.
+template <typename T, int MODE, bool HW, int R>
+void rms_rows(T* x, const T* r, const T* w, T* out, int64_t n, int64_t x_stride, int64_t r_stride,
+              int64_t out_stride, float eps) {
+  Vec acc[R];
+  float tail[R];
+  for (int k = 0; k < R; ++k) acc[k] = Vec(0.f), tail[k] = 0.f;
+  int64_t j = 0;
+  if (r != nullptr) {  // residual add, rounded to T as the eager add is, and the squares in the same pass
+    for (; j + W <= n; j += W)
+      for (int k = 0; k < R; ++k) {
+        T* xk = x + k * x_stride + j;
+        const Vec v = store_rounded<T>(xk, loadf<T>(xk) + loadf<T>(r + k * r_stride + j));
+        acc[k] = at::vec::fmadd(v, v, acc[k]);
+      }
+    for (; j < n; ++j)
+      for (int k = 0; k < R; ++k) {
+        T& xk = x[k * x_stride + j];
+        xk = static_cast<T>(static_cast<float>(xk) + static_cast<float>(r[k * r_stride + j]));
+        tail[k] += static_cast<float>(xk) * static_cast<float>(xk);
+      }
+  } else {
+    for (; j + W <= n; j += W)
+      for (int k = 0; k < R; ++k) {
+        const Vec v = loadf<T>(x + k * x_stride + j);
+        acc[k] = at::vec::fmadd(v, v, acc[k]);
+      }
+    for (; j < n; ++j)
+      for (int k = 0; k < R; ++k) tail[k] += static_cast<float>(x[k * x_stride + j]) * static_cast<float>(x[k * x_stride + j]);
+  }
+  for (int k = 0; k < R; ++k) {
+    const float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[k]) + tail[k];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    const T* xk = x + k * x_stride;
+    T* ok = out + k * out_stride;
+    if (!rms_scale<T, MODE, HW>(xk, w, ok, n, inv)) rms_scale<T, MODE, false>(xk, w, ok, n, inv);
   }
 }
 
 template <typename T>
 void rms_norm_rows(T* x, const T* r, const T* w, T* out, int64_t rows, int64_t n, int64_t x_stride,
                    int64_t r_stride, int64_t out_stride, float eps, int64_t mode) {
+  constexpr int R = 4;
   auto run = [&](auto mode_tag) {
     constexpr int MODE = decltype(mode_tag)::value;
-    with_bf16_hw<T>([&](auto hw) {
-      at::parallel_for(0, rows, 16, [=](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i)
-          rms_row<T, MODE, decltype(hw)::value>(x + i * x_stride, r == nullptr ? nullptr : r + i * r_stride, w, out + i * out_stride, n,
-                                                eps);
+    with_bf16_hw<T>(true, [&](auto hw) {
+      constexpr bool HW = decltype(hw)::value;
+      at::parallel_for(0, (rows + R - 1) / R, 4, [=](int64_t begin, int64_t end) {
+        for (int64_t i = begin * R; i < std::min(rows, end * R);) {
+          const T* ri = r == nullptr ? nullptr : r + i * r_stride;
+          if (i + R <= rows) {
+            rms_rows<T, MODE, HW, R>(x + i * x_stride, ri, w, out + i * out_stride, n, x_stride, r_stride, out_stride, eps);
+            i += R;
+          } else {
+            rms_rows<T, MODE, HW, 1>(x + i * x_stride, ri, w, out + i * out_stride, n, x_stride, r_stride, out_stride, eps);
+            i += 1;
+          }
+        }
       });
     });
   };
@@ -261,15 +308,27 @@ inline Vec exp_inline(const Vec& v) {
 }
 
 template <typename T, int MODE, bool HW>
-void gated_row(const T* g, const T* u, T* o, int64_t inter) {
+bool gated_row(const T* g, const T* u, T* o, int64_t inter) {
+  Narrow<T, HW> cv;
   const Vec one(1.f), half(0.5f), c0(0.7978845608028654f), c1(0.044715f);
   int64_t j = 0;
+  if constexpr (MODE == 0) {  // SiLU, four vectors in step: one at a time leaves the core waiting on exp/div latency
+    constexpr int U = 4;
+    for (; j + U * W <= inter; j += U * W) {
+      Vec x[U], e[U], a[U];
+      for (int k = 0; k < U; ++k) x[k] = loadf<T>(g + j + k * W);
+      for (int k = 0; k < U; ++k) e[k] = exp_inline(x[k].neg());
+      for (int k = 0; k < U; ++k) a[k] = x[k] / (one + e[k]);
+      for (int k = 0; k < U; ++k) a[k] = cv.round(a[k]) * loadf<T>(u + j + k * W);
+      for (int k = 0; k < U; ++k) cv.store(o + j + k * W, a[k]);
+    }
+  }
   for (; j + W <= inter; j += W) {
     const Vec x = loadf<T>(g + j);
     Vec a;
     if constexpr (MODE == 0) a = x / (one + exp_inline(x.neg()));  // SiLU
     else a = half * x * (one + (c0 * (x + c1 * x * x * x)).tanh());  // GELU, tanh approximation
-    storef<T, HW>(o + j, round_to<T, HW>(a) * loadf<T>(u + j));
+    cv.store(o + j, cv.round(a) * loadf<T>(u + j));
   }
   for (; j < inter; ++j) {
     const float x = static_cast<float>(g[j]);
@@ -277,16 +336,20 @@ void gated_row(const T* g, const T* u, T* o, int64_t inter) {
                               : 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
     o[j] = static_cast<T>(round_to<T>(a) * static_cast<float>(u[j]));
   }
+  return cv.ok();
 }
 
 template <typename T>
 void gated_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t in_stride, int64_t mode) {
   auto run = [&](auto mode_tag) {
     constexpr int MODE = decltype(mode_tag)::value;
-    with_bf16_hw<T>([&](auto hw) {
+    with_bf16_hw<T>(true, [&](auto hw) {
       at::parallel_for(0, rows, 1, [=](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i)
-          gated_row<T, MODE, decltype(hw)::value>(gu + i * in_stride, gu + i * in_stride + inter, out + i * inter, inter);
+        for (int64_t i = begin; i < end; ++i) {
+          const T* g = gu + i * in_stride;
+          if (!gated_row<T, MODE, decltype(hw)::value>(g, g + inter, out + i * inter, inter))
+            gated_row<T, MODE, false>(g, g + inter, out + i * inter, inter);
+        }
       });
     });
   };
@@ -309,25 +372,32 @@ at::Tensor gated_act(const at::Tensor& gu, int64_t mode) {
 // cos/sin are rows [T, R] (one per token). In T (what the eager code casts them to) each
 // product and the sum are rounded to T, as there; in float32 (OLMo-2) the rotation is
 // computed in float32 and rounded once.
+// One head: x's first rdim = 2 * half dims rotated into out (x itself, or a buffer for Narrow's sake).
 template <typename T, typename C, bool HW>
-inline void rotary_head(T* v, const C* c, const C* s, int64_t half) {
+inline bool rotary_head(const T* x, T* out, const C* c, const C* s, int64_t half) {
   constexpr bool steps = std::is_same_v<T, C>;
-  auto r = [](const Vec& x) { return steps ? round_to<T, HW>(x) : x; };
-  auto rs = [](float x) { return steps ? round_to<T>(x) : x; };
+  Narrow<T, HW> cv;
+  auto r = [&](const Vec& v) { return steps ? cv.round(v) : v; };
+  auto rs = [](float v) { return steps ? round_to<T>(v) : v; };
   int64_t j = 0;
   for (; j + W <= half; j += W) {
-    const Vec a = loadf<T>(v + j), b = loadf<T>(v + j + half);
-    storef<T, HW>(v + j, r(a * loadf<C>(c + j)) + r(b.neg() * loadf<C>(s + j)));
-    storef<T, HW>(v + j + half, r(b * loadf<C>(c + j + half)) + r(a * loadf<C>(s + j + half)));
+    const Vec a = loadf<T>(x + j), b = loadf<T>(x + j + half);
+    const Vec lo = r(a * loadf<C>(c + j)) + r(b.neg() * loadf<C>(s + j));
+    const Vec hi = r(b * loadf<C>(c + j + half)) + r(a * loadf<C>(s + j + half));
+    cv.store(out + j, lo);
+    cv.store(out + j + half, hi);
   }
   for (; j < half; ++j) {
-    const float a = static_cast<float>(v[j]), b = static_cast<float>(v[j + half]);
+    const float a = static_cast<float>(x[j]), b = static_cast<float>(x[j + half]);
     const float lo = rs(a * static_cast<float>(c[j])) + rs(-b * static_cast<float>(s[j]));
     const float hi = rs(b * static_cast<float>(c[j + half])) + rs(a * static_cast<float>(s[j + half]));
-    v[j] = static_cast<T>(lo);
-    v[j + half] = static_cast<T>(hi);
+    out[j] = static_cast<T>(lo);
+    out[j + half] = static_cast<T>(hi);
   }
+  return cv.ok();
 }
+
+constexpr int64_t kRotaryBuffer = 512;  // the widest rotation that takes the HW path
 
 // Row by row, the query heads then the key heads of the row (its cos/sin stay in L1).
 template <typename T, typename C, bool HW>
@@ -335,11 +405,20 @@ void rotary_rows(T* q, T* k, int64_t rows, int64_t q_heads, int64_t k_heads, int
                  int64_t k_row, int64_t k_head, const C* cos, const C* sin, int64_t cs_stride, int64_t rdim) {
   const int64_t half = rdim / 2;
   at::parallel_for(0, rows, 8, [=](int64_t begin, int64_t end) {
+    T buf[HW ? kRotaryBuffer : 1];
+    auto head = [&](T* v, const C* c, const C* s) {
+      if constexpr (HW) {  // in place only once the head is known to need no second pass
+        if (rotary_head<T, C, true>(v, buf, c, s, half)) std::memcpy(v, buf, rdim * sizeof(T));
+        else rotary_head<T, C, false>(v, v, c, s, half);
+      } else {
+        rotary_head<T, C, false>(v, v, c, s, half);
+      }
+    };
     for (int64_t i = begin; i < end; ++i) {
       const C* c = cos + i * cs_stride;
       const C* s = sin + i * cs_stride;
-      for (int64_t h = 0; h < q_heads; ++h) rotary_head<T, C, HW>(q + i * q_row + h * q_head, c, s, half);
-      for (int64_t h = 0; h < k_heads; ++h) rotary_head<T, C, HW>(k + i * k_row + h * k_head, c, s, half);
+      for (int64_t h = 0; h < q_heads; ++h) head(q + i * q_row + h * q_head, c, s);
+      for (int64_t h = 0; h < k_heads; ++h) head(k + i * k_row + h * k_head, c, s);
     }
   });
 }
@@ -350,7 +429,7 @@ void check_heads(const at::Tensor& t, const char* name) {
 
 template <typename T, typename C>
 void rotary_both(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, int64_t rdim) {
-  with_bf16_hw<T>([&](auto hw) {
+  with_bf16_hw<T>(rdim <= kRotaryBuffer, [&](auto hw) {
     rotary_rows<T, C, decltype(hw)::value>(q.data_ptr<T>(), k.data_ptr<T>(), q.size(0), q.size(1), k.size(1),
                                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.data_ptr<C>(),
                                            sin.data_ptr<C>(), cos.stride(0), rdim);
