@@ -109,6 +109,34 @@ def test_kv_write_scatters_rows_and_zeroes_non_finite_values(dtype):
     assert not k_cache.view(2, 40, 8)[:, untouched].any()
 
 
+def test_bfloat16_denormals_and_nan_round_as_the_eager_step():
+    """AVX512-BF16's conversion flushes denormals and keeps NaN payloads; rows holding either must
+    come out bit for bit as the eager step's (the integer rounding), HW conversion or not."""
+    bf = torch.bfloat16
+    tiny = torch.tensor([1e-39, -3e-39, 5e-40, 1e-40] * 16).to(bf)  # bfloat16 denormals
+    gate_up = torch.cat((tiny.repeat(3, 1), torch.ones(3, 64, dtype=bf)), 1)
+    gate_up[1, 5] = float("nan")
+    got, want = ops.gated_act(gate_up, reference.ACT_SILU), reference.gated_act(gate_up, reference.ACT_SILU)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert (got.float().abs() < 1.2e-38).logical_and(got != 0).any()  # denormals kept, not flushed
+    q, k = tiny.view(1, 1, 64).repeat(2, 3, 1), tiny.view(1, 1, 64).repeat(2, 1, 1)
+    cos, sin = torch.ones(2, 64, dtype=bf), torch.zeros(2, 64, dtype=bf)
+    want_q, want_k = reference.rotary(q, k, cos, sin)
+    ops.rotary_(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and bool(q.ne(0).any())
+    x, w = torch.full((2, 64), 1e-3, dtype=bf), tiny
+    assert torch.equal(ops.rms_norm(x, w, 1e-6, reference.RMS_FLOAT_SCALE), reference.rms_norm(x, w, 1e-6, 1))
+
+
+def test_avx512_without_bf16_conversion_instructions_passes_the_same_checks():
+    code = ("from tapllm.kernels import fused_kernels, kernels_status\n"
+            "from tapllm.kernels.reference import check_all\n"
+            "ops = fused_kernels(); assert ops is not None, kernels_status()\n"
+            "assert check_all(ops) is None\n")
+    proc = _python(code, TAPLLM_NO_AVX512BF16="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
     k_cache = torch.zeros(2, 4, 4, 8)
     with pytest.raises(RuntimeError, match="heads"):

@@ -13,6 +13,8 @@
 #include "kernels.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -25,10 +27,77 @@ namespace tapllm {
 
 constexpr int64_t W = Vec::size();
 
+// bfloat16 <-> float32 in registers. at::vec narrows two vectors at once (32 lanes packed and
+// permuted) and stores them masked; one vector at a time, with the same integer round to nearest
+// even and the same NaN (0xffff), costs a third of that.
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m512i bf16_round_bits(__m512 v) {  // float32 bits + rounding bias (the bf16 is the high half)
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+}
+inline __m256i bf16_narrow(__m512 v) {
+  const __m512i t = _mm512_srli_epi32(bf16_round_bits(v), 16);
+  const __m512i nan = _mm512_set1_epi32(0xffff);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(t, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan));
+}
+inline __m512 bf16_round(__m512 v) {
+  const __m512i t = _mm512_and_si512(bf16_round_bits(v), _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m512i nan = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(t, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan));
+}
+inline bool bf16_hw() {
+  static const bool has = __builtin_cpu_supports("avx512bf16") && !std::getenv("TAPLLM_NO_AVX512BF16");
+  return has;
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+inline __m256i bf16_round_bits(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb);
+}
+inline __m128i bf16_narrow(__m256 v) {
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));  // all ones: 0xffff after the shift
+  const __m256i t = _mm256_srli_epi32(_mm256_or_si256(bf16_round_bits(v), nan), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+inline __m256 bf16_round(__m256 v) {
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i t = _mm256_and_si256(bf16_round_bits(v), _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  return _mm256_castsi256_ps(_mm256_or_si256(t, nan));  // NaN: 0xffff0000 (all ones, then masked)
+}
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kFastBF16 = true;
+#else
+constexpr bool kFastBF16 = false;
+#endif
+#if !defined(CPU_CAPABILITY_AVX512)
+inline bool bf16_hw() { return false; }
+#endif
+
+// Runs f(std::true_type) when T is bfloat16 and the CPU converts it in hardware, else f(std::false_type):
+// the HW template argument of the element-wise kernels.
+template <typename T, typename F>
+inline void with_bf16_hw(bool allowed, F&& f) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (allowed && bf16_hw()) return f(std::true_type());
+  }
+#endif
+  f(std::false_type());
+}
+
 template <typename T>
 inline void storef(T* p, const Vec& v) {
   if constexpr (std::is_same_v<T, float>) {
     v.store(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16> && kFastBF16) {
+#if defined(CPU_CAPABILITY_AVX512)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_narrow(v));
+#elif defined(CPU_CAPABILITY_AVX2)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_narrow(v));
+#endif
   } else {
     at::vec::convert_from_float<T>(v, v).store(p, W);
   }
@@ -39,10 +108,58 @@ template <typename T>
 inline Vec round_to(const Vec& v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16> && kFastBF16) {
+#if defined(CPU_CAPABILITY_AVX512)
+    return bf16_round(v);
+#elif defined(CPU_CAPABILITY_AVX2)
+    return bf16_round(v);
+#endif
   } else {  // in registers: narrow (round to nearest even, as a store to T does) and widen back
     return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
   }
 }
+
+// Stores v in T at p and returns the stored value widened (round_to<T>(v)).
+template <typename T>
+inline Vec store_rounded(T* p, const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i b = bf16_narrow(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
+#endif
+  const Vec r = round_to<T>(v);
+  storef<T>(p, r);
+  return r;
+}
+
+// float32 -> T for the element-wise kernels. With HW (bfloat16 on a CPU with AVX512-BF16): one
+// vcvtneps2bf16 per vector, which rounds to nearest even as the integer path does but flushes
+// denormals and keeps NaN payloads where the integer path (and at::vec, hence the eager step)
+// gives denormals and 0xffff. Such lanes are only noted (a branch per vector cost a quarter of
+// the kernel's time) and the caller redoes the row without HW, so the bits never differ.
+template <typename T, bool HW>
+struct Narrow {
+  Vec round(const Vec& v) { return round_to<T>(v); }
+  void store(T* p, const Vec& v) { storef<T>(p, v); }
+  bool ok() const { return true; }
+};
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+struct Narrow<c10::BFloat16, true> {
+  __mmask16 bad = 0;
+  __m256i bits(__m512 v) {
+    bad = _kor_mask16(bad, _mm512_fpclass_ps_mask(v, 0xA1));  // QNaN | SNaN | denormal
+    __m256i r;
+    asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(v));  // inline asm: this build's flags lack avx512bf16
+    return r;
+  }
+  Vec round(const Vec& v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits(v)), 16)); }
+  void store(c10::BFloat16* p, const Vec& v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits(v)); }
+  bool ok() const { return bad == 0; }
+};
+#endif
 
 template <typename T>
 inline float round_to(float v) {
@@ -50,44 +167,90 @@ inline float round_to(float v) {
 }
 
 // ---- RMSNorm: w * round(x * rsqrt(mean(x^2) + eps)), optionally after x += r -------------
+// Row i's output from its (updated) x and 1 / rms; false when Narrow asks for the row again.
+template <typename T, int MODE, bool HW>
+bool rms_scale(const T* xi, const T* w, T* oi, int64_t n, float inv) {
+  Narrow<T, HW> cv;
+  const Vec vinv(inv), one(1.f);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const Vec h = loadf<T>(xi + j) * vinv;
+    if constexpr (MODE == 0) cv.store(oi + j, loadf<T>(w + j) * cv.round(h));  // Llama: round, then scale in T
+    if constexpr (MODE == 1) cv.store(oi + j, loadf<T>(w + j) * h);  // scale in float32, round once (OLMo-2)
+    if constexpr (MODE == 2) cv.store(oi + j, (loadf<T>(w + j) + one) * h);  // Gemma: (1 + w) in float32
+  }
+  for (; j < n; ++j) {
+    const float h = static_cast<float>(xi[j]) * inv, wj = static_cast<float>(w[j]);
+    oi[j] = static_cast<T>(MODE == 0 ? wj * round_to<T>(h) : MODE == 1 ? wj * h : (1.f + wj) * h);
+  }
+  return cv.ok();
+}
+
+// R rows at a time, each summing its squares in the order of one row alone: R independent
+// chains of FMAs where one row's chain (its latency, not the loads) bounds the first pass.
+template <typename T, int MODE, bool HW, int R>
+void rms_rows(T* x, const T* r, const T* w, T* out, int64_t n, int64_t x_stride, int64_t r_stride,
+              int64_t out_stride, float eps) {
+  Vec acc[R];
+  float tail[R];
+  for (int k = 0; k < R; ++k) acc[k] = Vec(0.f), tail[k] = 0.f;
+  int64_t j = 0;
+  if (r != nullptr) {  // residual add, rounded to T as the eager add is, and the squares in the same pass
+    for (; j + W <= n; j += W)
+      for (int k = 0; k < R; ++k) {
+        T* xk = x + k * x_stride + j;
+        const Vec v = store_rounded<T>(xk, loadf<T>(xk) + loadf<T>(r + k * r_stride + j));
+        acc[k] = at::vec::fmadd(v, v, acc[k]);
+      }
+    for (; j < n; ++j)
+      for (int k = 0; k < R; ++k) {
+        T& xk = x[k * x_stride + j];
+        xk = static_cast<T>(static_cast<float>(xk) + static_cast<float>(r[k * r_stride + j]));
+        tail[k] += static_cast<float>(xk) * static_cast<float>(xk);
+      }
+  } else {
+    for (; j + W <= n; j += W)
+      for (int k = 0; k < R; ++k) {
+        const Vec v = loadf<T>(x + k * x_stride + j);
+        acc[k] = at::vec::fmadd(v, v, acc[k]);
+      }
+    for (; j < n; ++j)
+      for (int k = 0; k < R; ++k) tail[k] += static_cast<float>(x[k * x_stride + j]) * static_cast<float>(x[k * x_stride + j]);
+  }
+  for (int k = 0; k < R; ++k) {
+    const float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[k]) + tail[k];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    const T* xk = x + k * x_stride;
+    T* ok = out + k * out_stride;
+    if (!rms_scale<T, MODE, HW>(xk, w, ok, n, inv)) rms_scale<T, MODE, false>(xk, w, ok, n, inv);
+  }
+}
+
 template <typename T>
 void rms_norm_rows(T* x, const T* r, const T* w, T* out, int64_t rows, int64_t n, int64_t x_stride,
                    int64_t r_stride, int64_t out_stride, float eps, int64_t mode) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      T* xi = x + i * x_stride;
-      if (r != nullptr) {  // residual add, rounded to T as the eager add is
-        const T* ri = r + i * r_stride;
-        int64_t j = 0;
-        for (; j + W <= n; j += W) storef<T>(xi + j, loadf<T>(xi + j) + loadf<T>(ri + j));
-        for (; j < n; ++j) xi[j] = static_cast<T>(static_cast<float>(xi[j]) + static_cast<float>(ri[j]));
-      }
-      Vec acc(0.f);
-      float tail = 0.f;
-      int64_t j = 0;
-      for (; j + W <= n; j += W) {
-        Vec v = loadf<T>(xi + j);
-        acc = at::vec::fmadd(v, v, acc);
-      }
-      for (; j < n; ++j) tail += static_cast<float>(xi[j]) * static_cast<float>(xi[j]);
-      float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc) + tail;
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      const Vec vinv(inv);
-      T* oi = out + i * out_stride;
-      j = 0;
-      if (mode == 0) {  // Llama: normalise, round, then scale in T
-        for (; j + W <= n; j += W) storef<T>(oi + j, loadf<T>(w + j) * round_to<T>(loadf<T>(xi + j) * vinv));
-        for (; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(w[j]) * round_to<T>(static_cast<float>(xi[j]) * inv));
-      } else if (mode == 1) {  // scale in float32, round once (OLMo-2)
-        for (; j + W <= n; j += W) storef<T>(oi + j, loadf<T>(w + j) * (loadf<T>(xi + j) * vinv));
-        for (; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(w[j]) * (static_cast<float>(xi[j]) * inv));
-      } else {  // Gemma: (1 + w) in float32, round once
-        const Vec one(1.f);
-        for (; j + W <= n; j += W) storef<T>(oi + j, (loadf<T>(w + j) + one) * (loadf<T>(xi + j) * vinv));
-        for (; j < n; ++j) oi[j] = static_cast<T>((1.f + static_cast<float>(w[j])) * (static_cast<float>(xi[j]) * inv));
-      }
-    }
-  });
+  constexpr int R = 4;
+  auto run = [&](auto mode_tag) {
+    constexpr int MODE = decltype(mode_tag)::value;
+    with_bf16_hw<T>(true, [&](auto hw) {
+      constexpr bool HW = decltype(hw)::value;
+      at::parallel_for(0, (rows + R - 1) / R, 4, [=](int64_t begin, int64_t end) {
+        for (int64_t i = begin * R; i < std::min(rows, end * R);) {
+          const T* ri = r == nullptr ? nullptr : r + i * r_stride;
+          if (i + R <= rows) {
+            rms_rows<T, MODE, HW, R>(x + i * x_stride, ri, w, out + i * out_stride, n, x_stride, r_stride, out_stride, eps);
+            i += R;
+          } else {
+            rms_rows<T, MODE, HW, 1>(x + i * x_stride, ri, w, out + i * out_stride, n, x_stride, r_stride, out_stride, eps);
+            i += 1;
+          }
+        }
+      });
+    });
+  };
+  if (mode == 0) run(std::integral_constant<int, 0>());
+  else if (mode == 1) run(std::integral_constant<int, 1>());
+  else run(std::integral_constant<int, 2>());
 }
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -120,28 +283,78 @@ at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& r, const at::Tensor& w,
 }
 
 // ---- gated activation: round(round(act(gate)) * up) over [T, 2I] -> [T, I] -----------------
+// exp(x), inline: at::vec's exp is a call into Sleef (u10), whose spills and range checks cost
+// more than the whole SiLU. Cody-Waite reduction by ln2 (Cephes' split and polynomial, within
+// about 1 ulp), then scalef, which gives inf/0 past the float range; x is clamped so that
+// +-inf give inf/0 and NaN stays NaN.
+inline Vec exp_inline(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 x = _mm512_min_ps(_mm512_set1_ps(150.f), _mm512_max_ps(_mm512_set1_ps(-150.f), v));  // NaN: x
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+#else
+  return v.exp();
+#endif
+}
+
+template <typename T, int MODE, bool HW>
+bool gated_row(const T* g, const T* u, T* o, int64_t inter) {
+  Narrow<T, HW> cv;
+  const Vec one(1.f), half(0.5f), c0(0.7978845608028654f), c1(0.044715f);
+  int64_t j = 0;
+  if constexpr (MODE == 0) {  // SiLU, four vectors in step: one at a time leaves the core waiting on exp/div latency
+    constexpr int U = 4;
+    for (; j + U * W <= inter; j += U * W) {
+      Vec x[U], e[U], a[U];
+      for (int k = 0; k < U; ++k) x[k] = loadf<T>(g + j + k * W);
+      for (int k = 0; k < U; ++k) e[k] = exp_inline(x[k].neg());
+      for (int k = 0; k < U; ++k) a[k] = x[k] / (one + e[k]);
+      for (int k = 0; k < U; ++k) a[k] = cv.round(a[k]) * loadf<T>(u + j + k * W);
+      for (int k = 0; k < U; ++k) cv.store(o + j + k * W, a[k]);
+    }
+  }
+  for (; j + W <= inter; j += W) {
+    const Vec x = loadf<T>(g + j);
+    Vec a;
+    if constexpr (MODE == 0) a = x / (one + exp_inline(x.neg()));  // SiLU
+    else a = half * x * (one + (c0 * (x + c1 * x * x * x)).tanh());  // GELU, tanh approximation
+    cv.store(o + j, cv.round(a) * loadf<T>(u + j));
+  }
+  for (; j < inter; ++j) {
+    const float x = static_cast<float>(g[j]);
+    const float a = MODE == 0 ? x / (1.f + std::exp(-x))
+                              : 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    o[j] = static_cast<T>(round_to<T>(a) * static_cast<float>(u[j]));
+  }
+  return cv.ok();
+}
+
 template <typename T>
 void gated_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t in_stride, int64_t mode) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    const Vec one(1.f), half(0.5f), c0(0.7978845608028654f), c1(0.044715f);
-    for (int64_t i = begin; i < end; ++i) {
-      const T* g = gu + i * in_stride;
-      const T* u = g + inter;
-      T* o = out + i * inter;
-      int64_t j = 0;
-      auto act = [&](Vec x) {
-        if (mode == 0) return x / (one + x.neg().exp());  // SiLU
-        return half * x * (one + (c0 * (x + c1 * x * x * x)).tanh());  // GELU, tanh approximation
-      };
-      for (; j + W <= inter; j += W) storef<T>(o + j, round_to<T>(act(loadf<T>(g + j))) * loadf<T>(u + j));
-      for (; j < inter; ++j) {
-        float x = static_cast<float>(g[j]);
-        float a = mode == 0 ? x / (1.f + std::exp(-x))
-                            : 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-        o[j] = static_cast<T>(round_to<T>(a) * static_cast<float>(u[j]));
-      }
-    }
-  });
+  auto run = [&](auto mode_tag) {
+    constexpr int MODE = decltype(mode_tag)::value;
+    with_bf16_hw<T>(true, [&](auto hw) {
+      at::parallel_for(0, rows, 1, [=](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const T* g = gu + i * in_stride;
+          if (!gated_row<T, MODE, decltype(hw)::value>(g, g + inter, out + i * inter, inter))
+            gated_row<T, MODE, false>(g, g + inter, out + i * inter, inter);
+        }
+      });
+    });
+  };
+  if (mode == 0) run(std::integral_constant<int, 0>());
+  else run(std::integral_constant<int, 1>());
 }
 
 at::Tensor gated_act(const at::Tensor& gu, int64_t mode) {
@@ -159,34 +372,53 @@ at::Tensor gated_act(const at::Tensor& gu, int64_t mode) {
 // cos/sin are rows [T, R] (one per token). In T (what the eager code casts them to) each
 // product and the sum are rounded to T, as there; in float32 (OLMo-2) the rotation is
 // computed in float32 and rounded once.
-template <typename T, typename C>
-void rotary_heads(T* x, int64_t rows, int64_t heads, int64_t row_stride, int64_t head_stride, const C* cos,
-                  const C* sin, int64_t cs_stride, int64_t rdim) {
-  const int64_t half = rdim / 2;
+// One head: x's first rdim = 2 * half dims rotated into out (x itself, or a buffer for Narrow's sake).
+template <typename T, typename C, bool HW>
+inline bool rotary_head(const T* x, T* out, const C* c, const C* s, int64_t half) {
   constexpr bool steps = std::is_same_v<T, C>;
-  auto r = [](const Vec& v) { return steps ? round_to<T>(v) : v; };
+  Narrow<T, HW> cv;
+  auto r = [&](const Vec& v) { return steps ? cv.round(v) : v; };
   auto rs = [](float v) { return steps ? round_to<T>(v) : v; };
-  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / heads, h = t % heads;
-      T* v = x + i * row_stride + h * head_stride;
+  int64_t j = 0;
+  for (; j + W <= half; j += W) {
+    const Vec a = loadf<T>(x + j), b = loadf<T>(x + j + half);
+    const Vec lo = r(a * loadf<C>(c + j)) + r(b.neg() * loadf<C>(s + j));
+    const Vec hi = r(b * loadf<C>(c + j + half)) + r(a * loadf<C>(s + j + half));
+    cv.store(out + j, lo);
+    cv.store(out + j + half, hi);
+  }
+  for (; j < half; ++j) {
+    const float a = static_cast<float>(x[j]), b = static_cast<float>(x[j + half]);
+    const float lo = rs(a * static_cast<float>(c[j])) + rs(-b * static_cast<float>(s[j]));
+    const float hi = rs(b * static_cast<float>(c[j + half])) + rs(a * static_cast<float>(s[j + half]));
+    out[j] = static_cast<T>(lo);
+    out[j + half] = static_cast<T>(hi);
+  }
+  return cv.ok();
+}
+
+constexpr int64_t kRotaryBuffer = 512;  // the widest rotation that takes the HW path
+
+// Row by row, the query heads then the key heads of the row (its cos/sin stay in L1).
+template <typename T, typename C, bool HW>
+void rotary_rows(T* q, T* k, int64_t rows, int64_t q_heads, int64_t k_heads, int64_t q_row, int64_t q_head,
+                 int64_t k_row, int64_t k_head, const C* cos, const C* sin, int64_t cs_stride, int64_t rdim) {
+  const int64_t half = rdim / 2;
+  at::parallel_for(0, rows, 8, [=](int64_t begin, int64_t end) {
+    T buf[HW ? kRotaryBuffer : 1];
+    auto head = [&](T* v, const C* c, const C* s) {
+      if constexpr (HW) {  // in place only once the head is known to need no second pass
+        if (rotary_head<T, C, true>(v, buf, c, s, half)) std::memcpy(v, buf, rdim * sizeof(T));
+        else rotary_head<T, C, false>(v, v, c, s, half);
+      } else {
+        rotary_head<T, C, false>(v, v, c, s, half);
+      }
+    };
+    for (int64_t i = begin; i < end; ++i) {
       const C* c = cos + i * cs_stride;
       const C* s = sin + i * cs_stride;
-      int64_t j = 0;
-      for (; j + W <= half; j += W) {
-        Vec a = loadf<T>(v + j), b = loadf<T>(v + j + half);
-        Vec lo = r(a * loadf<C>(c + j)) + r(b.neg() * loadf<C>(s + j));
-        Vec hi = r(b * loadf<C>(c + j + half)) + r(a * loadf<C>(s + j + half));
-        storef<T>(v + j, lo);
-        storef<T>(v + j + half, hi);
-      }
-      for (; j < half; ++j) {
-        float a = static_cast<float>(v[j]), b = static_cast<float>(v[j + half]);
-        float lo = rs(a * static_cast<float>(c[j])) + rs(-b * static_cast<float>(s[j]));
-        float hi = rs(b * static_cast<float>(c[j + half])) + rs(a * static_cast<float>(s[j + half]));
-        v[j] = static_cast<T>(lo);
-        v[j + half] = static_cast<T>(hi);
-      }
+      for (int64_t h = 0; h < q_heads; ++h) head(q + i * q_row + h * q_head, c, s);
+      for (int64_t h = 0; h < k_heads; ++h) head(k + i * k_row + h * k_head, c, s);
     }
   });
 }
@@ -197,10 +429,11 @@ void check_heads(const at::Tensor& t, const char* name) {
 
 template <typename T, typename C>
 void rotary_both(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, int64_t rdim) {
-  rotary_heads<T, C>(q.data_ptr<T>(), q.size(0), q.size(1), q.stride(0), q.stride(1), cos.data_ptr<C>(),
-                     sin.data_ptr<C>(), cos.stride(0), rdim);
-  rotary_heads<T, C>(k.data_ptr<T>(), k.size(0), k.size(1), k.stride(0), k.stride(1), cos.data_ptr<C>(),
-                     sin.data_ptr<C>(), cos.stride(0), rdim);
+  with_bf16_hw<T>(rdim <= kRotaryBuffer, [&](auto hw) {
+    rotary_rows<T, C, decltype(hw)::value>(q.data_ptr<T>(), k.data_ptr<T>(), q.size(0), q.size(1), k.size(1),
+                                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.data_ptr<C>(),
+                                           sin.data_ptr<C>(), cos.stride(0), rdim);
+  });
 }
 
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
@@ -220,21 +453,24 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor
 }
 
 // ---- KV cache write: cache [Hkv, blocks, block_size, D] at flat slots; V made finite ------
+// Copied as integers (the compiler vectorises both loops); a value is non-finite when its exponent
+// bits are all ones.
 template <typename T>
 void write_rows(const T* k, const T* v, T* kc, T* vc, const int64_t* slots, int64_t rows, int64_t heads,
                 int64_t d, int64_t k_row, int64_t k_head, int64_t v_row, int64_t v_head, int64_t head_slots) {
-  at::parallel_for(0, rows * heads, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / heads, h = t % heads;
+  using U = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
+  constexpr U expo = std::is_same_v<T, float> ? 0x7f800000u : std::is_same_v<T, c10::Half> ? 0x7c00 : 0x7f80;
+  static_assert(sizeof(T) == sizeof(U));
+  at::parallel_for(0, rows, 16, [=](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i];
-      const T* ks = k + i * k_row + h * k_head;
-      const T* vs = v + i * v_row + h * v_head;
-      T* kd = kc + (h * head_slots + slot) * d;
-      T* vd = vc + (h * head_slots + slot) * d;
-      for (int64_t j = 0; j < d; ++j) {
-        kd[j] = ks[j];
-        const float x = static_cast<float>(vs[j]);
-        vd[j] = std::isfinite(x) ? vs[j] : static_cast<T>(0.f);  // a non-finite value must never reach the cache
+      for (int64_t h = 0; h < heads; ++h) {
+        const U* ks = reinterpret_cast<const U*>(k + i * k_row + h * k_head);
+        const U* vs = reinterpret_cast<const U*>(v + i * v_row + h * v_head);
+        U* kd = reinterpret_cast<U*>(kc + (h * head_slots + slot) * d);
+        U* vd = reinterpret_cast<U*>(vc + (h * head_slots + slot) * d);
+        for (int64_t j = 0; j < d; ++j) kd[j] = ks[j];
+        for (int64_t j = 0; j < d; ++j) vd[j] = (vs[j] & expo) == expo ? U(0) : vs[j];  // never inf/NaN in the cache
       }
     }
   });
