@@ -1,0 +1,68 @@
+"""1-thread CPU time of the fused prefill_attention op on the shapes chunked prefill gives it.
+
+Each call is laid out as the model's prefill batch: q [T, H, D] a view of the fused projection,
+head-major paged caches [Hkv, blocks, 16, D] with shuffled block tables. GFLOP/s counts only the
+causal half (2 * 2 * D per visible query-key pair and head).
+
+    python benchmarks/prefill_attention_kernel.py [--reps 5] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tapllm.kernels import fused_kernels, reference
+
+SHAPES = [  # name, chunks x new tokens, cached context, heads, kv heads, head dim
+    ("4x512 new", 4, 512, 0, 9, 3, 64),
+    ("1x512 after 1536", 1, 512, 1536, 9, 3, 64),
+    ("4x512 new d128", 4, 512, 0, 8, 2, 128),
+    ("1x512 after 1536 d128", 1, 512, 1536, 8, 2, 128),
+]
+
+
+def make(chunks: int, n: int, ctx: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype, bs: int = 16):
+    g = torch.Generator().manual_seed(0)
+    per = (ctx + n + bs - 1) // bs
+    blocks = chunks * per + 1
+    k_cache = torch.randn(kv_heads, blocks, bs, d, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, blocks, bs, d, generator=g).to(dtype)
+    tables = torch.randperm(blocks, generator=g)[: chunks * per].view(chunks, per)
+    t = chunks * n
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    q = qkv[:, : heads * d].view(t, heads, d)
+    starts = torch.arange(chunks) * n
+    lens = torch.full((chunks,), n)
+    contexts = torch.full((chunks,), ctx)
+    flops = chunks * heads * 4 * d * sum(ctx + i + 1 for i in range(n))
+    return (q, k_cache, v_cache, starts, lens, contexts, tables, d**-0.5, 0, 0.0), flops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--check", action="store_true", help="also compare with the float32 reference")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    ops = fused_kernels()
+    for dtype in (torch.bfloat16, torch.float32):
+        for name, chunks, n, ctx, heads, kv_heads, d in SHAPES:
+            call, flops = make(chunks, n, ctx, heads, kv_heads, d, dtype)
+            ops.prefill_attention(*call)
+            best = float("inf")
+            for _ in range(args.reps):
+                t0 = time.process_time()
+                out = ops.prefill_attention(*call)
+                best = min(best, time.process_time() - t0)
+            line = f"{str(dtype)[6:]:9s} {name:24s} {best * 1e3:8.2f} ms {flops / best / 1e9:7.1f} GFLOP/s"
+            if args.check:
+                want = reference.prefill_attention(*call)
+                line += f"  max err {(out.float() - want.float()).abs().max().item():.2e}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
