@@ -44,6 +44,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "gguf (a .gguf file's Q8_0/Q4_0/Q4_1 tensors as stored)")
     p.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128],
                    help="int4 group size (default 128)")
+    p.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --quantization, keep the embedding table quantized too (default; "
+                        "--no-quantize-embedding keeps it in --dtype)")
     p.add_argument("--quiet", action="store_true", help="only print results")
 
 

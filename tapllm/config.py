@@ -214,12 +214,16 @@ class EngineConfig:
             tokenizer's (vLLM's ``--chat-template``).
         enforce_eager: run the plain PyTorch step (vLLM's name): no fused C++ kernels. The
             eager step is the reference the fused one is tested against.
-        quantization: keep the linear weights (and a tied LM head) quantized, vLLM's spelling:
-            ``"int8"`` (weight-only, a scale per output channel) or ``"int4"`` (weight-only, a
-            scale and a min per group of inputs); quantized at load from any checkpoint, one
-            tensor at a time. ``None``: weights in ``dtype``. See ``tapllm.quant``.
+        quantization: keep the linear weights, the LM head and the embedding table quantized,
+            vLLM's spelling: ``"int8"`` (weight-only, a scale per output channel) or ``"int4"``
+            (weight-only, a scale and a min per group of inputs); quantized at load from any
+            checkpoint, one tensor at a time; ``"gguf"``: a GGUF file's Q8_0/Q4_0/Q4_1 tensors as
+            stored. ``None``: weights in ``dtype``. See ``tapllm.quant``.
         quantization_group_size: the int4 group (32, 64 or 128; default 128). A layer whose
             input size it does not divide takes the largest half of it that does.
+        quantize_embedding: with a ``quantization``, keep the embedding table quantized too (the
+            default; a tied LM head shares its blocks), so the ``embed`` point carries the
+            quantization error like every other point. False keeps it in ``dtype``.
     """
 
     model: str | Path | None = None
@@ -249,6 +253,7 @@ class EngineConfig:
     enforce_eager: bool = False
     quantization: str | None = None
     quantization_group_size: int | None = None
+    quantize_embedding: bool = True
 
     @classmethod
     def from_cli_args(cls, args: Any, **overrides: Any) -> EngineConfig:
@@ -279,6 +284,8 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         self.quant()
+        if not isinstance(self.quantize_embedding, bool):
+            raise ValueError(f"quantize_embedding must be True or False, got {self.quantize_embedding!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if not isinstance(self.max_steers_per_request, int) or self.max_steers_per_request < 0:

@@ -1,7 +1,8 @@
 """Weights kept quantized (int8 per channel, int4 per group): the kernel against its reference,
 and whole models against a float checkpoint holding the dequantized weights of the same
-quantization — greedy tokens equal, states at every block within float32 summation error, with
-capture, steering and the lens on; results and the server name the quantization.
+quantization (linears, LM head and embedding table) — greedy tokens equal, states at every
+block and at the embedding within float32 summation error, with capture, steering and the lens
+on; results and the server name the quantization; the embedding keeps no float copy.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ def test_kernel_matches_reference(kind):
             assert ((got.float() - want).abs().max() / want.abs().max()) < tol, (m, dtype)
 
 
-def _dequantized_checkpoint(src, dst, method: str, group: int | None):
-    """A float32 copy of checkpoint ``src`` whose linear weights (and LM head, tied or not) are
-    the dequantized weights that ``quantization=method`` computes with."""
+def _dequantized_checkpoint(src, dst, method: str, group: int | None, embedding: bool = True):
+    """A float32 copy of checkpoint ``src`` whose linear weights, LM head (tied or not) and, with
+    ``embedding``, embedding table are the dequantized weights that ``quantization=method`` computes with."""
     shutil.copytree(src, dst)
     (dst / "model.safetensors").unlink()
     tensors = {}
@@ -117,7 +118,8 @@ def _dequantized_checkpoint(src, dst, method: str, group: int | None):
         cfg["tie_word_embeddings"] = False
         (dst / "config.json").write_text(json.dumps(cfg))
     for name, t in tensors.items():
-        if name == "lm_head.weight" or any(f"{p}.weight" in name for p in PROJ):
+        if (name == "lm_head.weight" or any(f"{p}.weight" in name for p in PROJ)
+                or (embedding and name == "model.embed_tokens.weight")):
             k = t.shape[1]
             blocks = quantize_int4(t, fit_group(group, k)) if method == "int4" else quantize_int8(t)
             tensors[name] = dequantize(blocks, k).contiguous()
@@ -125,11 +127,27 @@ def _dequantized_checkpoint(src, dst, method: str, group: int | None):
     return dst
 
 
-SPEC = HiddenStatesSpec(points=["resid_post", "final"], layers="all", positions="all", lens=3)
+SPEC = HiddenStatesSpec(points=["embed", "resid_post", "final"], layers="all", positions="all", lens=3)
+
+
+def _assert_embedding_packed(model) -> None:
+    """The embedding is packed blocks only (no float table), and a tied head shares them."""
+    from tapllm.quant.embedding import QuantEmbedding
+
+    emb = model.embed_tokens
+    assert isinstance(emb, QuantEmbedding) and not hasattr(emb, "weight")
+    assert list(emb.parameters()) == []
+    assert [(n, b.dtype) for n, b in emb.named_buffers()] == [("blocks", torch.uint8)]
+    assert emb.blocks.shape[0] == model.cfg.vocab_size
+    if model.tied:
+        assert model.lm_head.blocks.data_ptr() == emb.blocks.data_ptr()
+    floats = [n for n, p in model.named_parameters() if p.shape[0] == model.cfg.vocab_size]
+    assert floats == [], floats  # no vocab-sized float tensor anywhere (embedding or head)
 
 
 @pytest.mark.parametrize("name,method,group", [("llama", "int4", 32), ("llama3-rope-tied", "int8", None),
-                                               ("qwen2", "int4", 64)])
+                                               ("qwen2", "int4", 64), ("llama", "int8", None),
+                                               ("qwen3", "int4", 32)])
 def test_quantized_model_equals_its_dequantized_reference(tiny_models, tmp_path, name, method, group):
     src = tiny_models[name]
     ref_folder = _dequantized_checkpoint(src, tmp_path / "ref", method, group or 128)
@@ -144,6 +162,7 @@ def test_quantized_model_equals_its_dequantized_reference(tiny_models, tmp_path,
     for eager in (False, True):
         llm = LLM(src, dtype="float32", block_size=4, quantization=method, quantization_group_size=group,
                   enforce_eager=eager)
+        _assert_embedding_packed(llm.engine.runner.model)
         got = llm.generate(prompts, params, use_tqdm=False)
         got_plain = llm.generate(prompts, plain, use_tqdm=False)  # no taps: the decode steps' fastest path
         for a, b in zip(got + got_plain, want + want_plain, strict=True):
@@ -152,7 +171,7 @@ def test_quantized_model_equals_its_dequantized_reference(tiny_models, tmp_path,
             hs, rs = a.hidden_states, b.hidden_states
             assert hs.metadata["quantization"] == llm.engine.quantization == (f"int4-g{group}" if method == "int4"
                                                                                else "int8")
-            for point in ("resid_post", "final"):
+            for point in ("embed", "resid_post", "final"):
                 torch.testing.assert_close(hs[point], rs[point], rtol=1e-4, atol=1e-4)
             assert torch.equal(hs.lens["final"].token_ids, rs.lens["final"].token_ids)
         del llm
@@ -173,11 +192,38 @@ def test_quantized_states_save_and_wire_name_the_quantization(tiny_models, tmp_p
     model = llm.engine.runner.model
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * len(model.layers) + 1
     assert (model.stack is not None) == (fused_kernels() is not None)  # decode steps run in C++ too
+    _assert_embedding_packed(model)
 
 
-def test_gguf_blocks_run_as_stored(tiny_models, tmp_path):
+def test_embedding_opt_out_keeps_the_float_table(tiny_models, tmp_path):
+    """``quantize_embedding=False``: the table stays in ``dtype`` (the ``embed`` point is exact), the
+    tied head is still quantized from it; the states equal a reference with only the head dequantized."""
+    src = tiny_models["llama3-rope-tied"]
+    ref_folder = _dequantized_checkpoint(src, tmp_path / "ref", "int8", None, embedding=False)
+    prompts = random_prompts([9, 14], seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, hidden_states=SPEC)
+    want = LLM(ref_folder, dtype="float32", block_size=4).generate(prompts, params, use_tqdm=False)
+    llm = LLM(src, dtype="float32", block_size=4, quantization="int8", quantize_embedding=False)
+    model = llm.engine.runner.model
+    assert isinstance(model.embed_tokens, torch.nn.Embedding) and model.embed_tokens.weight.dtype == torch.float32
+    assert model.lm_head.blocks.data_ptr() != model.embed_tokens.weight.data_ptr()
+    for a, b in zip(llm.generate(prompts, params, use_tqdm=False), want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for point in ("embed", "resid_post", "final"):
+            torch.testing.assert_close(a.hidden_states[point], b.hidden_states[point], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="quantize_embedding must be True or False"):
+        EngineConfig(quantize_embedding="no").validate()
+    from tapllm.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "-q", "int8", "--no-quantize-embedding"])
+    assert EngineConfig.from_cli_args(args).quantize_embedding is False
+
+
+@pytest.mark.parametrize("embed_type,tied", [(None, False), ("Q4_0", False), ("Q4_1", True)])
+def test_gguf_blocks_run_as_stored(tiny_models, tmp_path, embed_type, tied):
     """A Llama GGUF with Q4_0, Q4_1 and Q8_0 tensors: ``quantization="gguf"`` keeps their blocks
-    (a fused q/k/v of mixed types stays dequantized), and equals the dequantized GGUF."""
+    (a fused q/k/v of mixed types stays dequantized) and a kept-type ``token_embd`` as the
+    embedding's blocks (shared with a tied head), and equals the dequantized GGUF."""
     from gguf_writer import permute_for_llama_cpp, write_gguf
     from tapllm.quant.linear import QuantLinear
 
@@ -192,6 +238,10 @@ def test_gguf_blocks_run_as_stored(tiny_models, tmp_path):
     tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
                "output.weight": sd["lm_head.weight"]}
     types = {"output.weight": "Q8_0"}
+    if tied:
+        del tensors["output.weight"], types["output.weight"]
+    if embed_type is not None:
+        types["token_embd.weight"] = embed_type
     for i in range(cfg["num_hidden_layers"]):
         for hf_name, cpp in names.items():
             w = sd[f"model.layers.{i}.{hf_name}.weight"]
@@ -218,11 +268,28 @@ def test_gguf_blocks_run_as_stored(tiny_models, tmp_path):
     assert not isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     assert tuple(model.layers[1].self_attn.qkv_proj.blocks.shape[1:]) == (2, 18)  # Q4_0
     assert tuple(model.layers[1].mlp.gate_up_proj.blocks.shape[1:]) == (2, 20)  # Q4_1
-    assert tuple(model.lm_head.blocks.shape[1:]) == (2, 34)  # Q8_0
+    embed_shape = {None: None, "Q4_0": (2, 18), "Q4_1": (2, 20)}[embed_type]
+    assert tuple(model.lm_head.blocks.shape[1:]) == (embed_shape if tied else (2, 34))  # Q8_0 output
+    if embed_type is None:
+        assert isinstance(model.embed_tokens, torch.nn.Embedding)  # F32 in the file: float as before
+    else:
+        _assert_embedding_packed(model)
+        assert tuple(model.embed_tokens.blocks.shape[1:]) == embed_shape
     got = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(got, want, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.hidden_states.metadata["quantization"] == "gguf"
-        torch.testing.assert_close(a.hidden_states["resid_post"], b.hidden_states["resid_post"], rtol=1e-4, atol=1e-4)
+    del llm
+    runs = [got]
+    if tied:  # opting out keeps the table in float; the tied head still reads the file's blocks
+        llm = LLM(path, dtype="float32", block_size=4, quantization="gguf", quantize_embedding=False)
+        model = llm.engine.runner.model
+        assert isinstance(model.embed_tokens, torch.nn.Embedding)
+        assert tuple(model.lm_head.blocks.shape[1:]) == embed_shape
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    for run in runs:
+        for a, b in zip(run, want, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.hidden_states.metadata["quantization"] == "gguf"
+            for point in ("embed", "resid_post", "final"):
+                torch.testing.assert_close(a.hidden_states[point], b.hidden_states[point], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="needs a .gguf model file"):
         LLM(tiny_models["llama"], dtype="float32", quantization="gguf")

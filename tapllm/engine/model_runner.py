@@ -24,6 +24,7 @@ from tapllm.loader.gguf_blocks import gguf_source, keep_gguf_blocks
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 from tapllm.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
+from tapllm.quant.embedding import quantize_embedding
 from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
 from tapllm.tap import RowSpan
@@ -107,10 +108,15 @@ class ModelRunner:
         self.quant = engine_config.quant()
         weights = iter_weights(model_config.path, group=1 if self.quant is not None else None)
         if self.quant is not None and self.quant.method == "gguf":  # the file's blocks as stored
-            weights = keep_gguf_blocks(self.model, gguf_source(engine_config.model), model_config.path, Linear)
+            weights = keep_gguf_blocks(self.model, gguf_source(engine_config.model), model_config.path, Linear,
+                                       embedding=engine_config.quantize_embedding)
         elif self.quant is not None:  # before loading: each checkpoint tensor is quantized as it is read
             self.model.quant = self.quant
             quantize_linears(self.model, self.quant, Linear)
+            if engine_config.quantize_embedding:
+                quantize_embedding(self.model, self.quant)
+        if self.quant is not None and device.type == "cpu":
+            trim_heap()  # the replaced float tables (an initialized embedding) leave before the load's peak
         self.model.load_weights(weights)
         self.model.prepare_for_inference(device)
         if device.type == "cpu":

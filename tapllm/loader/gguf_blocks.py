@@ -3,10 +3,12 @@
 The GGUF blocks Q8_0, Q4_0 and Q4_1 are exactly the packed layouts of tapllm's quantized
 linears (``tapllm.quant.pack``), so a linear whose checkpoint tensors are all of one such type
 receives the file's bytes unchanged (copied once from the file's memory map, never
-dequantized). Everything else (norms, the embedding table, linears of other GGUF types such
-as Q4_K / Q6_K, which have no kernel yet) comes from the cached dequantized folder as before.
-A tied LM head reads the embedding's blocks when those are of a kept type (the default
-model's Q8_0 ``token_embd``), as llama.cpp does.
+dequantized), and so does the embedding table when its tensor is of a kept type (a
+:class:`~tapllm.quant.embedding.QuantEmbedding`; a tied LM head shares its blocks, as
+llama.cpp reads ``token_embd`` for both). Everything else (norms, linears of other GGUF types
+such as Q4_K / Q6_K, which have no kernel yet, an embedding of such a type) comes from the
+cached dequantized folder as before. With the embedding kept in float (``embedding=False``) a
+tied LM head still reads the embedding's blocks when those are of a kept type.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from tapllm.loader.gguf_convert import GGUF_ARCHS, _llama_fix
 from tapllm.loader.weights import weight_files
+from tapllm.quant.embedding import quantize_embedding
 from tapllm.quant.linear import QuantLinear
 from tapllm.quant.pack import block_kind
 from tapllm.quant.schemes import Quantization
@@ -66,10 +69,13 @@ def _raw_tensors(path: Path, config: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_type: type) -> Iterator[tuple[str, torch.Tensor]]:
+def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_type: type,
+                     embedding: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Turn ``model``'s linears whose GGUF tensors are all of one kept type into
-    :class:`QuantLinear` layers of that layout, and return the weights to load: those
-    layers' blocks as stored, every other tensor from the dequantized ``folder``."""
+    :class:`QuantLinear` layers of that layout (and, with ``embedding``, its embedding table
+    into a :class:`~tapllm.quant.embedding.QuantEmbedding` when ``token_embd`` is of a kept
+    type), and return the weights to load: those layers' blocks as stored, every other
+    tensor from the dequantized ``folder``."""
     raw = _raw_tensors(gguf_path, model.cfg.hf_config)
     quant = Quantization("gguf")
     sources: dict[str, list[str]] = {}  # linear parameter -> the checkpoint names filling it
@@ -98,9 +104,15 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_typ
         layer = QuantLinear(k, n, module.bias is not None, module.weight.dtype, quant, shape=(groups, nbytes))
         setattr(modules[parent] if parent else model, attr, layer)
         kept.update(srcs)
+    embed_kept = (embedding and EMBED in raw and EMBED in names
+                  and block_kind(model.cfg.hidden_size, *raw[EMBED].shape[1:]) is not None
+                  and quantize_embedding(model, quant, shape=tuple(raw[EMBED].shape[1:])))
+    if embed_kept:
+        kept.add(EMBED)
     tied = getattr(model, "lm_head", 0) is None and EMBED in raw
     model.quant = quant
-    model.head_blocks = raw[EMBED] if tied else None  # CausalLM.prepare_for_inference builds the head
+    # CausalLM.prepare_for_inference builds a tied head: over the kept embedding's blocks, else from these
+    model.head_blocks = raw[EMBED] if tied and not embed_kept else None
     logger.info("GGUF as stored: %d of %d checkpoint tensors kept in their blocks%s", len(kept), len(names),
                 " (and the tied LM head)" if tied else "")
     return _weights(names, kept, raw)

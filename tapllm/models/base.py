@@ -22,6 +22,7 @@ from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_a
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.models.stack import DecoderStack
+from tapllm.quant.embedding import QuantEmbedding
 from tapllm.quant.linear import QuantLinear, block_shape
 from tapllm.quant.schemes import Quantization
 from tapllm.layers.rotary import apply_rotary
@@ -160,7 +161,8 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class CausalLM(nn.Module):
     """A decoder-only LM over a paged KV cache; subclasses build the modules (see the module docstring).
 
-    Set in a subclass's ``__init__``: ``embed_tokens`` (``nn.Embedding``), ``layers``
+    Set in a subclass's ``__init__``: ``embed_tokens`` (``nn.Embedding``; a quantized model's is
+    a :class:`QuantEmbedding`, which has packed ``blocks`` and no ``weight``), ``layers``
     (blocks), ``norm`` (the final norm), ``lm_head`` (a :class:`Linear`, or ``None`` when
     tied to the embedding); optionally ``final_logit_softcap``. Override :meth:`embed`,
     :meth:`block_context` and :meth:`checkpoint_names` where the family differs.
@@ -247,7 +249,7 @@ class CausalLM(nn.Module):
         """Run the norms, rotary and gated activations of every block with tapllm's fused
         kernels ``ops`` (``tapllm.kernels.fused_kernels()``); ``None`` restores the eager code."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | Attention | GatedMLP | QuantLinear):
+            if isinstance(module, RMSNorm | Attention | GatedMLP | QuantLinear | QuantEmbedding):
                 module.kernels = ops
         self.kernels = ops
         self.stack = DecoderStack.maybe(ops, self.layers, self.stack_block, Attention, GatedMLP)
@@ -255,9 +257,12 @@ class CausalLM(nn.Module):
     # ---- weights -----------------------------------------------------------------------
     def prepare_for_inference(self, device: torch.device) -> None:
         """After loading: prepack linear weights where the platform benefits (see layers/linear.py);
-        a quantized model's tied LM head is quantized from the embedding."""
+        a quantized model's tied LM head shares the quantized embedding's blocks (or, with the
+        embedding kept in float, is quantized from it)."""
         quant: Quantization | None = getattr(self, "quant", None)
         head_blocks = getattr(self, "head_blocks", None)  # a GGUF embedding's blocks, kept as stored
+        if self.lm_head is None and isinstance(self.embed_tokens, QuantEmbedding):
+            self.lm_head = self.embed_tokens.head()
         if self.lm_head is None and head_blocks is not None:
             self.lm_head = QuantLinear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.cfg.dtype, quant,
                                        shape=tuple(head_blocks.shape[1:]))
@@ -290,7 +295,7 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors into the parameters; ``ValueError`` names a bad shape or a missing tensor."""
         params = dict(self.named_parameters())
         # quantized layers take their weight rows through load_rows (no float copy is kept)
-        sinks = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantLinear)}
+        sinks = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantLinear | QuantEmbedding)}
         filled: dict[str, int] = {}
         for name, tensor in weights:
             for target, offset, value in self.checkpoint_names(name, tensor):
@@ -308,7 +313,7 @@ class CausalLM(nn.Module):
                 dst.copy_(value)
                 filled[target] = filled.get(target, 0) + value.shape[0]
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
-        missing += [n for n, m in sinks.items() if filled.get(n, 0) != m.out_features]
+        missing += [n for n, m in sinks.items() if filled.get(n, 0) != m.blocks.shape[0]]
         if missing:
             more = " ..." if len(missing) > 6 else ""
             raise ValueError(f"checkpoint is missing tensors for: {missing[:6]}{more}")

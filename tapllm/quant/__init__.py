@@ -1,4 +1,5 @@
-"""Weights kept quantized: int8 / int4 weight-only schemes, their packing, and :class:`QuantLinear`."""
+"""Weights kept quantized: int8 / int4 weight-only schemes, their packing, :class:`QuantLinear`
+and :class:`QuantEmbedding` (``tapllm.quant.linear``, ``tapllm.quant.embedding``)."""
 
 from tapllm.quant.schemes import QUANTIZATIONS, Quantization, parse_quantization
 

@@ -19,6 +19,8 @@ from torch import nn
 from tapllm.quant.pack import block_kind, dequantize, fit_group, quantize_int4, quantize_int8
 from tapllm.quant.schemes import Quantization
 
+_FILL_ROWS = 256  # rows quantized per step while loading
+
 
 def block_shape(quant: Quantization, in_features: int) -> tuple[int, int] | None:
     """``(blocks per row, bytes per block)`` of a weight with ``in_features`` inputs under ``quant``,
@@ -27,6 +29,32 @@ def block_shape(quant: Quantization, in_features: int) -> tuple[int, int] | None
         return 1, 2 + in_features
     group = fit_group(quant.group or 128, in_features) if quant.method == "int4" else None
     return None if group is None else (in_features // group, 4 + group // 2)
+
+
+def fill_rows(blocks: torch.Tensor, k: int, quant: Quantization, offset: int | None, value: torch.Tensor) -> None:
+    """Write rows ``offset..`` (``None``: from 0) of packed ``blocks`` ``uint8 [N, G, B]`` of a
+    ``k``-input weight: float rows ``[n, K]`` are quantized into its layout, packed rows
+    ``uint8 [n, G, B]`` of that layout are copied as they are."""
+    start = 0 if offset is None else offset
+    rows, groups, nbytes = blocks.shape
+    if value.dtype == torch.uint8:
+        if value.dim() != 3 or tuple(value.shape[1:]) != (groups, nbytes):
+            raise ValueError(f"packed rows of shape {tuple(value.shape)} do not match the blocks "
+                             f"[{groups}, {nbytes}] ({quant.describe()})")
+    elif value.dim() != 2 or value.shape[1] != k:
+        raise ValueError(f"weight rows of shape {tuple(value.shape)} do not fit {k} inputs")
+    if start + value.shape[0] > rows:
+        raise ValueError(f"rows {start}..{start + value.shape[0]} exceed the {rows} rows")
+    if value.dtype == torch.uint8:
+        blocks[start : start + value.shape[0]] = value
+        return
+    group = k // groups
+    quantize = quantize_int8 if block_kind(k, groups, nbytes) == "int8" else quantize_int4
+    # small chunks straight into place: no packed copy of the whole tensor is held, and the float
+    # temporaries stay a few MB (the heap keeps its high-water mark, see tapllm.platform)
+    for i in range(0, value.shape[0], _FILL_ROWS):
+        chunk = value[i : i + _FILL_ROWS]
+        blocks[start + i : start + i + chunk.shape[0]] = quantize(chunk, group)
 
 
 class QuantLinear(nn.Module):
@@ -41,7 +69,9 @@ class QuantLinear(nn.Module):
         shape = shape or block_shape(quant, in_features)
         if shape is None:
             raise ValueError(f"{quant.describe()} cannot pack a weight with {in_features} inputs")
-        self.register_buffer("blocks", torch.zeros(out_features, *shape, dtype=torch.uint8))
+        # left untouched until rows are loaded (load_weights checks every row is): its pages become
+        # resident as the load fills them, not all before the load's largest checkpoint read
+        self.register_buffer("blocks", torch.empty(out_features, *shape, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     @classmethod
@@ -56,22 +86,7 @@ class QuantLinear(nn.Module):
     def load_rows(self, offset: int | None, value: torch.Tensor) -> None:
         """Fill rows ``offset..`` (``None``: all) from float rows ``[n, K]`` (quantized here) or from
         packed blocks ``uint8 [n, G, B]`` of this layer's layout (copied as they are)."""
-        start = 0 if offset is None else offset
-        _, groups, nbytes = self.blocks.shape
-        if value.dtype == torch.uint8:
-            if value.dim() != 3 or tuple(value.shape[1:]) != (groups, nbytes):
-                raise ValueError(f"packed rows of shape {tuple(value.shape)} do not match this layer's blocks "
-                                 f"[{groups}, {nbytes}] ({self.quant.describe()})")
-            packed = value
-        else:
-            if value.dim() != 2 or value.shape[1] != self.in_features:
-                raise ValueError(f"weight rows of shape {tuple(value.shape)} do not fit {self.in_features} inputs")
-            group = self.in_features // groups
-            kind = block_kind(self.in_features, groups, nbytes)
-            packed = quantize_int8(value, group) if kind == "int8" else quantize_int4(value, group)
-        if start + packed.shape[0] > self.out_features:
-            raise ValueError(f"rows {start}..{start + packed.shape[0]} exceed the {self.out_features} outputs")
-        self.blocks[start : start + packed.shape[0]] = packed
+        fill_rows(self.blocks, self.in_features, self.quant, offset, value)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer computes with."""
