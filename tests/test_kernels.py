@@ -129,11 +129,7 @@ def test_bfloat16_denormals_and_nan_round_as_the_eager_step():
 
 
 def test_avx512_without_bf16_conversion_instructions_passes_the_same_checks():
-    code = ("from tapllm.kernels import fused_kernels, kernels_status\n"
-            "from tapllm.kernels.reference import check_all\n"
-            "ops = fused_kernels(); assert ops is not None, kernels_status()\n"
-            "assert check_all(ops) is None\n")
-    proc = _python(code, TAPLLM_NO_AVX512BF16="1")
+    proc = _check_all_in_a_fresh_process(TAPLLM_NO_AVX512BF16="1")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -154,12 +150,17 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
-def test_emulated_avx2_cpu_builds_and_passes_the_same_checks():
+def _check_all_in_a_fresh_process(**env: str) -> subprocess.CompletedProcess:
+    """Build/load the kernels under ``env`` and run every probe check; prints the variant and status."""
     code = ("from tapllm.kernels import fused_kernels, kernels_status, variant\n"
             "from tapllm.kernels.reference import check_all\n"
-            "ops = fused_kernels(); print(variant(), kernels_status()); assert ops is not None\n"
+            "ops = fused_kernels(); print(variant(), kernels_status()); assert ops is not None, kernels_status()\n"
             "assert check_all(ops) is None\n")
-    proc = _python(code, ATEN_CPU_CAPABILITY="avx2")
+    return _python(code, **env)
+
+
+def test_emulated_avx2_cpu_builds_and_passes_the_same_checks():
+    proc = _check_all_in_a_fresh_process(ATEN_CPU_CAPABILITY="avx2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("avx2 avx2"), proc.stdout
 
