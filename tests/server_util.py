@@ -135,3 +135,24 @@ def same_states(got, ref) -> None:
     assert got.points == ref.points
     for p in ref.points:
         close(got[p], ref[p])
+
+
+def chat_equals_llm(client, reference, spec: dict, stream_states: bool) -> None:
+    """A chat request through the chat template answers as ``reference.chat`` does (text and ``spec``'s
+    states), and so does the same request streamed (its states too when ``stream_states``)."""
+    from tapllm import HiddenStatesSpec, SamplingParams
+    from tapllm.client import decode_hidden_states
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_ref = reference.chat(messages, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                       hidden_states=HiddenStatesSpec(**spec)), use_tqdm=False)[0]
+    r = client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True, "hidden_states": spec})
+    assert r.choices[0].message.content == chat_ref.outputs[0].text
+    same_states(decode_hidden_states(r.choices[0]), chat_ref.hidden_states)
+    extra = {"ignore_eos": True, **({"hidden_states": spec} if stream_states else {})}
+    stream = list(client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6,
+                                                 temperature=0, stream=True, extra_body=extra))
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat_ref.outputs[0].text
+    if stream_states:
+        same_states(decode_hidden_states(stream[-1].choices[0]), chat_ref.hidden_states)

@@ -15,7 +15,7 @@ from conftest import random_prompts
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 from tapllm.client import decode_hidden_states
 
-from server_util import KEY, Server, close, same_states
+from server_util import KEY, Server, chat_equals_llm, close, same_states
 
 openai = pytest.importorskip("openai")
 
@@ -69,19 +69,7 @@ def test_completions_and_chat_equal_llm(server, reference):
     same_states(decode_hidden_states(final.choices[0]), ref.hidden_states)
     assert chunks[-1].usage.completion_tokens == 8
 
-    # chat, through the chat template
-    messages = [{"role": "user", "content": "Name a colour."}]
-    chat_ref = reference.chat(messages, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                       hidden_states=HiddenStatesSpec(**SPEC)), use_tqdm=False)[0]
-    r = client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6, temperature=0,
-                                       extra_body={"ignore_eos": True, "hidden_states": SPEC})
-    assert r.choices[0].message.content == chat_ref.outputs[0].text
-    same_states(decode_hidden_states(r.choices[0]), chat_ref.hidden_states)
-    stream = list(client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6,
-                                                 temperature=0, stream=True,
-                                                 extra_body={"ignore_eos": True, "hidden_states": SPEC}))
-    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat_ref.outputs[0].text
-    same_states(decode_hidden_states(stream[-1].choices[0]), chat_ref.hidden_states)
+    chat_equals_llm(client, reference, SPEC, stream_states=True)  # chat, through the chat template
 
     # logprobs come back OpenAI-style
     r = client.completions.create(**common, logprobs=2, extra_body={"ignore_eos": True})

@@ -26,7 +26,7 @@ from tapllm import LLM, HiddenStatesSpec, SamplingParams
 from tapllm.client import decode_hidden_states
 from tapllm.serving.options import RayServeOptions
 
-from server_util import free_port, same_states
+from server_util import chat_equals_llm, free_port, same_states
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -120,16 +120,7 @@ def test_answers_equal_a_local_llm(deployed, reference):
     final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
     same_states(decode_hidden_states(final.choices[0]), ref.hidden_states)
 
-    messages = [{"role": "user", "content": "Name a colour."}]
-    chat_ref = reference.chat(messages, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                       hidden_states=HiddenStatesSpec(**SPEC)), use_tqdm=False)[0]
-    r = client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6, temperature=0,
-                                       extra_body={"ignore_eos": True, "hidden_states": SPEC})
-    assert r.choices[0].message.content == chat_ref.outputs[0].text
-    same_states(decode_hidden_states(r.choices[0]), chat_ref.hidden_states)
-    stream = list(client.chat.completions.create(model="tiny_llama", messages=messages, max_tokens=6,
-                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat_ref.outputs[0].text
+    chat_equals_llm(client, reference, SPEC, stream_states=False)
 
 
 def test_errors_are_the_servers(deployed):
