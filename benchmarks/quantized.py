@@ -9,8 +9,9 @@ with random weights, from ``benchmarks/_families.py``)
       relative error ``|a - b| / |b|``; the greedy-token agreement over 64 new tokens (the share
       of positions with the same token, and the length of the common prefix); and the
       perplexity of a small text set (prompt logprobs), float and quantized.
-    * speed: batch 1 and 16, prompt 128 random tokens, 64 new tokens, greedy, bf16 activations;
-      tapllm bf16 and each quantization interleaved, best of ``--repeats`` whole calls; with
+    * speed: batch 1 and 16, prompt 128 random tokens, 64 new tokens, greedy;
+      tapllm in the float dtype (``--speed-dtype``: the machine's fastest by default) and each
+      quantization interleaved, best of ``--repeats`` whole calls, fresh prompts every call; with
       ``--llamacpp-python``, llama.cpp on a GGUF of the same weights (the default model's own
       Q4_1 file; for llama1b a Q4_0 file written here with the ``gguf`` package), batch 1.
       ``--threads 1 --cpu-time`` times by process CPU time on one thread, which other
@@ -60,7 +61,9 @@ TEXTS = [  # the perplexity set and the error prompts: plain English prose, writ
     "When the train finally arrived, the platform was crowded with travellers who had been waiting since early "
     "afternoon. Nobody complained; everyone was simply glad to be going home.",
 ]
-QUANTS = {"default": ["int8", "int4", "gguf"], "llama1b": ["int8", "int4"]}
+# "+a8": the same weights with quantize_activations (inputs of the quantized linears rounded to int8)
+QUANTS = {"default": ["int8", "int4", "gguf", "int8+a8", "int4+a8", "gguf+a8"],
+          "llama1b": ["int8", "int4", "int8+a8", "int4+a8"]}
 
 
 def model_path(name: str) -> str | None:
@@ -74,7 +77,9 @@ def model_path(name: str) -> str | None:
 def build(name: str, dtype: str, quant: str | None):
     from tapllm import LLM
 
-    return LLM(model_path(name), dtype=dtype, quantization=quant, kv_cache_memory_gb=1.0)
+    a8 = quant is not None and quant.endswith("+a8")
+    return LLM(model_path(name), dtype=dtype, quantization=quant.removesuffix("+a8") if quant else None,
+               quantize_activations=a8, kv_cache_memory_gb=1.0)
 
 
 # ---- errors -------------------------------------------------------------------------------
@@ -119,38 +124,40 @@ def errors(name: str, dtype: str, out: dict) -> None:
 
 
 # ---- speed --------------------------------------------------------------------------------
-def _prompts(batch: int, length: int = 128) -> list[list[int]]:
-    g = torch.Generator().manual_seed(batch)
+def _prompts(batch: int, length: int = 128, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch * 1000 + seed)
     return [torch.randint(100, 49152, (length,), generator=g).tolist() for _ in range(batch)]
 
 
 CLOCK = time.perf_counter  # process CPU time with --cpu-time
 
 
-def speed(name: str, batches: list[int], repeats: int, out: dict, llamacpp: str | None) -> None:
+def speed(name: str, batches: list[int], repeats: int, out: dict, llamacpp: str | None, dtype: str) -> None:
     from tapllm import SamplingParams
 
-    engines = {"bf16": build(name, "bfloat16", None)}
+    engines = {"float": build(name, dtype, None)}
     for quant in QUANTS[name]:
-        engines[quant] = build(name, "bfloat16", quant)
+        engines[quant] = build(name, dtype, quant)
+    out["speed_dtype"] = str(engines["float"].engine.model_config.dtype)
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     table = {}
     for batch in batches:
-        prompts = _prompts(batch)
         best = {k: [1e9, 1e9] for k in engines}
-        for _ in range(repeats):
-            for key, llm in engines.items():  # interleaved: each repeat runs every engine once
+        for rep in range(repeats):
+            for i, (key, llm) in enumerate(engines.items()):  # interleaved: each repeat runs every engine once
+                # fresh prompts for every timed call (a prefix-cache hit would flatter a repeat)
+                prompts, other = _prompts(batch, seed=2 * (rep * 100 + i)), _prompts(batch, seed=2 * (rep * 100 + i) + 1)
                 t0 = CLOCK()
                 llm.generate(prompts, params, use_tqdm=False)
                 t1 = CLOCK()
-                llm.generate(prompts, one, use_tqdm=False)  # prefill + first token alone
+                llm.generate(other, one, use_tqdm=False)  # prefill + first token alone
                 t2 = CLOCK()
                 best[key] = [min(best[key][0], t1 - t0), min(best[key][1], t2 - t1)]
         table[batch] = {k: {"tok_s": batch * 64 / v[0], "decode_tok_s": batch * 63 / max(v[0] - v[1], 1e-9)}
                         for k, v in best.items()}
     if llamacpp:
-        table["llamacpp_b1"] = run_llamacpp(name, llamacpp, _prompts(1), repeats)
+        table["llamacpp_b1"] = run_llamacpp(name, llamacpp, [_prompts(1, seed=10_000 + r) for r in range(repeats)])
     out["speed"] = table
     for batch, row in table.items():
         print(f"[{name}] batch {batch}: " + ", ".join(f"{k} {v['tok_s']:.1f} tok/s (decode {v['decode_tok_s']:.1f})"
@@ -203,23 +210,25 @@ def gguf_for(name: str) -> Path:
     return target
 
 
-def run_llamacpp(name: str, python: str, prompts: list[list[int]], repeats: int) -> dict:
+def run_llamacpp(name: str, python: str, runs: list[list[list[int]]]) -> dict:
+    """llama.cpp on ``name``'s GGUF, one timed run per prompt list of ``runs`` (fresh prompts each)."""
     job = {"gguf": str(gguf_for(name)), "n_ctx": 512, "threads": torch.get_num_threads(),
            "cpu_time": CLOCK is time.process_time,
-           "runs": [{"name": f"r{i}", "prompts": prompts, "new_tokens": 64} for i in range(repeats)]}
+           "runs": [{"name": f"r{i}", "prompts": prompts, "new_tokens": 64} for i, prompts in enumerate(runs)]}
     with tempfile.TemporaryDirectory() as tmp:
         jp, rp = Path(tmp) / "job.json", Path(tmp) / "result.json"
         jp.write_text(json.dumps(job))
         subprocess.run([python, str(HERE / "_llamacpp_worker.py"), str(jp), str(rp)], check=True, cwd=HERE)
-        runs = json.loads(rp.read_text())["runs"].values()
-    best, dec = min(r["seconds"] for r in runs), min(r["decode_seconds"] for r in runs)
-    return {"llamacpp": {"tok_s": len(prompts) * 64 / best, "decode_tok_s": len(prompts) * 63 / dec}}
+        done = json.loads(rp.read_text())["runs"].values()
+    best, dec = min(r["seconds"] for r in done), min(r["decode_seconds"] for r in done)
+    n = len(runs[0])
+    return {"llamacpp": {"tok_s": n * 64 / best, "decode_tok_s": n * 63 / dec}}
 
 
 # ---- memory -------------------------------------------------------------------------------
 def rss(name: str, out: dict) -> None:
     table = {}
-    for quant in ["none", *QUANTS[name]]:
+    for quant in ["none", *(q for q in QUANTS[name] if not q.endswith("+a8"))]:  # +a8 holds the same weights
         proc = subprocess.run([sys.executable, __file__, "--rss-child", name, quant], capture_output=True, text=True)
         if proc.returncode != 0:
             table[quant] = f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
@@ -238,7 +247,7 @@ def rss_child(name: str, quant: str) -> None:
 
     from tapllm import SamplingParams
 
-    llm = build(name, "bfloat16", None if quant == "none" else quant)
+    llm = build(name, "bfloat16", None if quant == "none" else quant)  # bf16: what the RSS target compares
     llm.generate([_prompts(1, 32)[0]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     with open("/proc/self/status") as f:
         now = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
@@ -250,8 +259,12 @@ def main() -> None:
     p.add_argument("--models", default="default", help="default,llama1b")
     p.add_argument("--parts", default="errors,speed", help="errors,speed,rss")
     p.add_argument("--dtype", default="float32", help="dtype of the error comparison")
+    p.add_argument("--speed-dtype", default="auto",
+                   help="activation dtype of the speed runs and of the float engine they compare with "
+                        "(auto: the machine's fastest, bf16 where the CPU has AVX512-BF16/AMX, else float32)")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quants", default=None, help="only these quantizations (e.g. gguf,gguf+a8)")
     p.add_argument("--llamacpp-python", default=None)
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--threads", type=int, default=None, help="torch threads (and llama.cpp's)")
@@ -269,6 +282,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.cpu_time:
         CLOCK = time.process_time
+    if args.quants:
+        for name in QUANTS:
+            QUANTS[name] = [q for q in QUANTS[name] if q in args.quants.split(",")]
     report = {"threads": torch.get_num_threads(), "cpus": os.cpu_count()}
     for name in args.models.split(","):
         out = report.setdefault(name, {})
@@ -276,7 +292,8 @@ def main() -> None:
         if "errors" in parts:
             errors(name, args.dtype, out)
         if "speed" in parts:
-            speed(name, [int(b) for b in args.batch_sizes.split(",")], args.repeats, out, args.llamacpp_python)
+            speed(name, [int(b) for b in args.batch_sizes.split(",")], args.repeats, out, args.llamacpp_python,
+                  args.speed_dtype)
         if "rss" in parts:
             rss(name, out)
     if args.json:

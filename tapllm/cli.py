@@ -47,6 +47,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction, default=True,
                    help="with --quantization, keep the embedding table quantized too (default; "
                         "--no-quantize-embedding keeps it in --dtype)")
+    p.add_argument("--quantize-activations", action="store_true",
+                   help="with --quantization, also round the quantized linears' inputs to int8 per 32 values "
+                        "(llama.cpp's scheme: faster decoding, the rounding shows in every state; "
+                        "results name it '+a8')")
     p.add_argument("--quiet", action="store_true", help="only print results")
 
 

@@ -75,16 +75,26 @@ def _q4_0(w: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw.copy()).view(w.shape[0], -1, 18)
 
 
-@pytest.mark.parametrize("kind", ["int4-32", "int4-64", "int8", "int8-32", "q4_0"])
-def test_kernel_matches_reference(kind):
+KINDS = ["int4-32", "int4-64", "int8", "int8-32", "q4_0"]
+
+
+def kernel_case(kind: str, seed: int) -> tuple:
+    """``(ops, generator, n, k, w, blocks)`` for a kernel test of block layout ``kind``: 45 columns
+    leave a remainder after every tile width. Skips where the fused kernels do not run."""
     ops = fused_kernels()
     if ops is None:
         pytest.skip("no fused kernels on this machine")
-    g = torch.Generator().manual_seed(0)
-    n, k = 45, 192  # columns that leave a remainder after every tile width
+    g = torch.Generator().manual_seed(seed)
+    n, k = 45, 192
     w = torch.randn(n, k, generator=g)
     blocks = {"int4-32": lambda: quantize_int4(w, 32), "int4-64": lambda: quantize_int4(w, 64),
               "int8": lambda: quantize_int8(w), "int8-32": lambda: quantize_int8(w, 32), "q4_0": lambda: _q4_0(w)}[kind]()
+    return ops, g, n, k, w, blocks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_matches_reference(kind):
+    ops, g, n, k, w, blocks = kernel_case(kind, 0)
     deq = dequantize(blocks, k)
     assert ((deq - w).norm() / w.norm()) < (0.02 if kind.startswith("int8") else 0.15)
     if kind == "q4_0":  # the gguf package's own dequantization agrees with ours

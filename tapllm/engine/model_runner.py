@@ -109,7 +109,7 @@ class ModelRunner:
         weights = iter_weights(model_config.path, group=1 if self.quant is not None else None)
         if self.quant is not None and self.quant.method == "gguf":  # the file's blocks as stored
             weights = keep_gguf_blocks(self.model, gguf_source(engine_config.model), model_config.path, Linear,
-                                       embedding=engine_config.quantize_embedding)
+                                       embedding=engine_config.quantize_embedding, quant=self.quant)
         elif self.quant is not None:  # before loading: each checkpoint tensor is quantized as it is read
             self.model.quant = self.quant
             quantize_linears(self.model, self.quant, Linear)

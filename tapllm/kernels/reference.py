@@ -100,12 +100,14 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
 
 
-def quant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A weight-only quantized linear: ``x`` times the float32 weight that blocks ``w`` stand for."""
-    from tapllm.quant.pack import dequantize
+def quant_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, act_bits: int = 0) -> torch.Tensor:
+    """A quantized linear: ``x`` (rounded to int8 per 32 values when ``act_bits`` is 8) times the
+    float32 weight that blocks ``w`` stand for."""
+    from tapllm.quant.pack import dequantize, round_activations
 
     deq = dequantize(w, x.shape[-1])
-    return F.linear(x.float(), deq, None if bias is None else bias.float()).to(x.dtype)
+    xf = round_activations(x) if act_bits else x.float()
+    return F.linear(xf, deq, None if bias is None else bias.float()).to(x.dtype)
 
 
 def _check_quant(ops: Any, rand: Any, dtype: torch.dtype, tol: float) -> str | None:
@@ -115,8 +117,9 @@ def _check_quant(ops: Any, rand: Any, dtype: torch.dtype, tol: float) -> str | N
     for packed in (quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32)):
         for m in (1, 5, 18):  # the fused rows and the dequantize-then-GEMM path
             x, b = rand(m, 64), rand(21)
-            if not _close(ops.quant_linear(x, packed, b), quant_linear(x, packed, b), tol * 4):
-                return f"quant_linear blocks {tuple(packed.shape[1:])} rows={m} ({dtype})"
+            for bits in (0, 8):
+                if not _close(ops.quant_linear(x, packed, b, bits), quant_linear(x, packed, b, bits), tol * 4):
+                    return f"quant_linear blocks {tuple(packed.shape[1:])} rows={m} act_bits={bits} ({dtype})"
     return None
 
 

@@ -70,14 +70,15 @@ def _raw_tensors(path: Path, config: Any) -> dict[str, torch.Tensor]:
 
 
 def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_type: type,
-                     embedding: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                     embedding: bool = True, quant: Quantization | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Turn ``model``'s linears whose GGUF tensors are all of one kept type into
     :class:`QuantLinear` layers of that layout (and, with ``embedding``, its embedding table
     into a :class:`~tapllm.quant.embedding.QuantEmbedding` when ``token_embd`` is of a kept
     type), and return the weights to load: those layers' blocks as stored, every other
-    tensor from the dequantized ``folder``."""
+    tensor from the dequantized ``folder``. ``quant``: the ``"gguf"`` choice (with its activation
+    rounding), ``Quantization("gguf")`` when omitted."""
     raw = _raw_tensors(gguf_path, model.cfg.hf_config)
-    quant = Quantization("gguf")
+    quant = quant or Quantization("gguf")
     sources: dict[str, list[str]] = {}  # linear parameter -> the checkpoint names filling it
     names = {}
     for f in weight_files(folder):

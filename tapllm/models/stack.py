@@ -37,6 +37,7 @@ class DecoderStack:
         first = layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv, first.head_dim
         self.windows = [layer.self_attn.opts.window or 0 for layer in layers]
+        self.act_bits = 0  # the quantized linears' activation rounding (QuantLinear.act_bits)
         self._kv: list | None = None
         self._params: list[list[torch.Tensor | None]] = []
 
@@ -65,9 +66,12 @@ class DecoderStack:
                     or mlp.kernel_act is None or mlp.kernel_act != mlp0.kernel_act
                     or layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps):
                 return None
-        if len(packed) > 1:
+        act_bits = {m.act_bits for m in linears if type(m) is QuantLinear}
+        if len(packed) > 1 or len(act_bits) > 1:
             return None
-        return cls(ops, layers, attn0.opts.scale, eps, mlp0.kernel_act, packed.pop() if packed else False)
+        stack = cls(ops, layers, attn0.opts.scale, eps, mlp0.kernel_act, packed.pop() if packed else False)
+        stack.act_bits = act_bits.pop() if act_bits else 0
+        return stack
 
     def applies(self, meta: AttentionMetadata, rows: int) -> bool:
         """True for a step of decodes only (prefill chunks keep the Python blocks and SDPA)."""
@@ -95,4 +99,4 @@ class DecoderStack:
         return self.ops.decoder_layers(x, params, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping,
                                        meta.decode_block_tables, meta.decode_lens, self.heads, self.kv_heads,
                                        self.head_dim, self.eps, self.scale, self.windows[start:stop], self.act,
-                                       self.packed)
+                                       self.packed, self.act_bits)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapllm.quant.pack import block_kind, dequantize, fit_group, quantize_int4, quantize_int8
+from tapllm.quant.pack import block_kind, dequantize, fit_group, quantize_int4, quantize_int8, round_activations
 from tapllm.quant.schemes import Quantization
 
 _FILL_ROWS = 256  # rows quantized per step while loading
@@ -92,11 +92,17 @@ class QuantLinear(nn.Module):
         """The float32 weight this layer computes with."""
         return dequantize(self.blocks, self.in_features)
 
+    @property
+    def act_bits(self) -> int:
+        """8 when the inputs are rounded to int8 per 32 values first (``quantize_activations``), else 0."""
+        return self.quant.act_bits
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.quant_linear(x, self.blocks, self.bias)
+            return self.kernels.quant_linear(x, self.blocks, self.bias, self.act_bits)
         bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.dequantized(), bias).to(x.dtype)
+        xf = round_activations(x) if self.act_bits else x.float()
+        return F.linear(xf, self.dequantized(), bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         _, groups, nbytes = self.blocks.shape

@@ -120,3 +120,19 @@ def dequantize(blocks: torch.Tensor, k: int) -> torch.Tensor:
         return (d * q + m).reshape(n, k)
     q = unpack_nibbles(blocks[..., 2:]).float()
     return (d * (q - 8)).reshape(n, k)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (last dimension a multiple of 32) rounded to int8 per run of 32 values, as float32:
+    ``rint(x * 127 / amax) * amax / 127`` (ties to even), what ``quantize_activations`` feeds the
+    quantized linears (tapllm's ``quant_linear`` with ``act_bits=8`` rounds the same way, bit for
+    bit). A run of zeros stays zero; a run holding a NaN or an infinity becomes NaN."""
+    k = x.shape[-1]
+    if k % 32:
+        raise ValueError(f"activation rounding needs a multiple of 32 inputs, got {k}")
+    runs = x.float().reshape(*x.shape[:-1], k // 32, 32)
+    amax = runs.abs().amax(-1, keepdim=True)
+    ok = (amax > 0) & amax.isfinite()
+    inv = torch.where(ok, 127.0 / torch.where(ok, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    q = torch.round(runs * inv).clamp_(-127, 127)
+    return (q * (amax / 127)).reshape(x.shape)

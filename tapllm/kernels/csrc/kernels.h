@@ -37,6 +37,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& block_tables, double scale, int64_t window, double softcap);
 
 // y = x W^T + b with W in quantized blocks (quant.cpp): uint8 [N, blocks, bytes per block].
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+// act_bits 8: the activations are rounded to int8 per run of 32 inputs first (quant_a8.cpp).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                        int64_t act_bits = 0);
+at::Tensor quant_linear_a8(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
 }  // namespace tapllm

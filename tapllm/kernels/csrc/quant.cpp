@@ -28,8 +28,10 @@
 #include <vector>
 
 #include "kernels.h"
+#include "quant_layout.h"
 
 namespace tapllm {
+using namespace quant;
 namespace {
 
 #define TAPLLM_QUANT_DISPATCH(TYPE, ...) \
@@ -39,23 +41,6 @@ namespace {
 // on the default model's shapes: the in-register kernel stops paying beyond these row counts).
 constexpr int64_t kMaxFusedRows = 4;
 constexpr int64_t kChunkBytes = 16 << 20;  // dequantized weight held at once on the GEMM path
-
-enum Kind : int { kInt8 = 0, kInt4 = 1, kQ40 = 2 };
-
-struct Layout {
-  Kind kind;
-  int64_t n, groups, group, bytes, k;  // rows, blocks per row, inputs per block, bytes per block, inputs
-};
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
 
 // d and m of a block (m = -8 d for Q4_0, 0 for int8)
 inline void block_scale(const Layout& l, const uint8_t* blk, float& d, float& m) {
@@ -127,16 +112,9 @@ inline void tile(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w
     for (int c = 0; c < NC; ++c) acc[r][c] = vzero();
   const uint8_t* col[NC];
   for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * groups * bytes;
-  // The columns after this tile's follow it in memory: they are requested ~4 KB ahead at this
-  // tile's pace (its rows are a few hundred bytes each, too short for the hardware prefetcher;
-  // measured 1.3-1.6x on a batch-1 step of 4-bit and Q8_0 weights).
-  const int64_t tile_bytes = NC * groups * bytes;
-  const char* next = reinterpret_cast<const char*>(w + n * groups * bytes) +
-                     tile_bytes * std::max<int64_t>(1, (4096 + tile_bytes - 1) / tile_bytes);
-  const char* end = reinterpret_cast<const char*>(w + l.n * groups * bytes);
+  const Ahead ahead(l, w, n, NC);
   for (int64_t b = 0; b < groups; ++b) {
-    for (const char* a = next + b * NC * bytes; a < next + (b + 1) * NC * bytes && a < end; a += 64)
-      _mm_prefetch(a, _MM_HINT_T0);
+    ahead.touch(b);
     V t0[MR][NC], t1[MR][NC];
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NC; ++c) t0[r][c] = t1[r][c] = vzero();
@@ -214,34 +192,16 @@ inline float dot_scalar(const Layout& l, const Rows& rows, int64_t r, const uint
   return total;
 }
 
-template <int MR>
-void rows_pass(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n0, int64_t n1, float* out) {
-  constexpr int NC = MR == 1 ? 4 : (MR <= 4 ? 2 : 1);
-  int64_t n = n0;
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  for (; n + NC <= n1; n += NC) {
-    if (l.kind == kInt8) tile_of<MR, NC, kInt8>(l, rows, r0, w, n, out);
-    else if (l.kind == kInt4) tile_of<MR, NC, kInt4>(l, rows, r0, w, n, out);
-    else tile_of<MR, NC, kQ40>(l, rows, r0, w, n, out);
-  }
-#endif
-  for (; n < n1; ++n)
-    for (int r = 0; r < MR; ++r) out[(r0 + r) * l.n + n] = dot_scalar(l, rows, r0 + r, w, n);
-}
-
 // out [m, N] (float32) for m <= kMaxFusedRows; one parallel region per call.
 void fused_rows(const Layout& l, const Rows& rows, int64_t m, const uint8_t* w, float* out) {
-  at::parallel_for(0, (l.n + 15) / 16, 4, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * 16, n1 = std::min(l.n, b1 * 16);
-    for (int64_t nb = n0; nb < n1; nb += 16) {  // a column block stays in L1 across the row passes
-      const int64_t ne = std::min(n1, nb + 16);
-      int64_t r = 0;
-      for (; r + 8 <= m; r += 8) rows_pass<8>(l, rows, r, w, nb, ne, out);
-      for (; r + 4 <= m; r += 4) rows_pass<4>(l, rows, r, w, nb, ne, out);
-      for (; r + 2 <= m; r += 2) rows_pass<2>(l, rows, r, w, nb, ne, out);
-      for (; r < m; ++r) rows_pass<1>(l, rows, r, w, nb, ne, out);
-    }
-  });
+  for_tiles(
+      l, m,
+      [&](auto mr, auto nc, auto kind, int64_t r0, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+        tile_of<decltype(mr)::value, decltype(nc)::value, decltype(kind)::value>(l, rows, r0, w, n, out);
+#endif
+      },
+      [&](int64_t r, int64_t n) { out[r * l.n + n] = dot_scalar(l, rows, r, w, n); });
 }
 
 // Dequantize one block into float32 ob[0, g).
@@ -291,20 +251,6 @@ void dequant_rows(const Layout& l, const uint8_t* w, int64_t n0, int64_t n1, T* 
   });
 }
 
-Layout layout_of(const at::Tensor& w, int64_t k) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous(),
-              "quant: the weight must be a contiguous uint8 [N, blocks, bytes] tensor");
-  const int64_t groups = w.size(1), bytes = w.size(2);
-  TORCH_CHECK(groups > 0 && k % groups == 0, "quant: ", groups, " blocks per row do not divide K=", k);
-  const int64_t g = k / groups;
-  Kind kind;
-  if (bytes == 2 + g && g % 32 == 0) kind = kInt8;
-  else if (bytes == 4 + g / 2 && g % 32 == 0) kind = kInt4;
-  else if (bytes == 18 && g == 32) kind = kQ40;
-  else TORCH_CHECK(false, "quant: blocks of ", bytes, " bytes for ", g, " inputs match no known layout");
-  return Layout{kind, w.size(0), groups, g, bytes, k};
-}
-
 }  // namespace
 
 at::Tensor quant_dequantize(const at::Tensor& w, int64_t k, at::ScalarType dtype) {
@@ -314,7 +260,10 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t k, at::ScalarType dtype
   return out;
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                        int64_t act_bits) {
+  TORCH_CHECK(act_bits == 0 || act_bits == 8, "quant_linear: act_bits must be 0 (float) or 8, got ", act_bits);
+  if (act_bits == 8) return quant_linear_a8(x, w, bias);
   TORCH_CHECK(x.dim() >= 1, "quant_linear: x must have a feature dimension");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "quant_linear: x must be float32, bfloat16 or float16");
@@ -356,7 +305,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 #define TAPLLM_QUANT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 TAPLLM_QUANT_FRAGMENT(TAPLLM_NS, m) {
-  m.def("quant_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor w, Tensor? bias, int act_bits=0) -> Tensor");
   m.def("quant_dequantize(Tensor w, int k, ScalarType dtype) -> Tensor");
 }
 
