@@ -10,7 +10,8 @@ The job holds ``gguf`` (the checkpoint file, read directly: its weights stay qua
 stored), ``n_ctx``, ``threads`` and ``runs``: a list of ``{"name", "prompts", "new_tokens"}``
 where each prompt is a list of token ids. The high-level ``Llama`` object serves one sequence
 at a time, so a run's prompts are generated one after another (greedy, EOS ignored: exactly
-``new_tokens`` each, the KV cache reset per prompt). The result holds, per run name, the
+``new_tokens`` each; llama-cpp-python keeps the KV of the longest prefix a prompt shares with
+the one before, so every timed prompt must be fresh). The result holds, per run name, the
 output tokens, the seconds, and the decode-only seconds (after each prompt's first token),
 plus the peak RSS of this process. Nothing from tapllm is imported here.
 """
@@ -77,7 +78,10 @@ def main(job_path: str, result_path: str) -> None:
     if job.get("cpu_time"):  # process CPU time (all of llama.cpp's threads) instead of wall time
         CLOCK = time.process_time
     llm = build_llama(job)
-    timed_run(llm, [job["runs"][0]["prompts"][0][:16]], 4)
+    # warm-up on other tokens than any timed prompt starts with: llama-cpp-python reuses the KV of
+    # the longest common prefix with the previous prompt, which would flatter the first timed run
+    first = job["runs"][0]["prompts"][0]
+    timed_run(llm, [[t for t in first[-16:] if t != first[0]] or [first[0] + 1]], 4)
     results = {run["name"]: timed_run(llm, run["prompts"], run["new_tokens"]) for run in job["runs"]}
     with open(result_path, "w") as f:
         json.dump({"runs": results, "peak_rss_mib": peak_rss_mib()}, f)
