@@ -263,10 +263,10 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t k, at::ScalarType dtype
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                         int64_t act_bits) {
   TORCH_CHECK(act_bits == 0 || act_bits == 8, "quant_linear: act_bits must be 0 (float) or 8, got ", act_bits);
-  if (act_bits == 8) return quant_linear_a8(x, w, bias);
   TORCH_CHECK(x.dim() >= 1, "quant_linear: x must have a feature dimension");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "quant_linear: x must be float32, bfloat16 or float16");
+  if (act_bits == 8) return quant_linear_a8(x, w, bias);
   const int64_t k = x.size(-1);
   const Layout l = layout_of(w, k);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
