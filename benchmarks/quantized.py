@@ -1,8 +1,10 @@
 """Weights kept quantized: what int8 / int4 / GGUF-as-stored cost in hidden-state error, and what
 they buy in decode speed and memory, side by side in one run.
 
-What it measures (per model: the default SmolLM2-135M, and ``llama1b``, Llama-3.2-1B's shape
-with random weights, from ``benchmarks/_families.py``)
+What it measures (per model: the default SmolLM2-135M, ``llama1b``, Llama-3.2-1B's shape
+with random weights, from ``benchmarks/_families.py``, and ``llama1b-q4km``: that model as a
+Q4_K_M file made by llama.cpp's own quantizer, Q4_K and Q6_K tensors as Ollama users run them;
+its float reference is ``llama1b``'s float checkpoint, and it needs ``--llamacpp-python``)
     * errors: each quantization against the same model with float weights (``--dtype``, float32
       by default so the figure is the quantization's alone): per block at ``resid_post``, over
       every position of fresh text prompts, the mean and minimum cosine similarity and the mean
@@ -63,12 +65,17 @@ TEXTS = [  # the perplexity set and the error prompts: plain English prose, writ
 ]
 # "+a8": the same weights with quantize_activations (inputs of the quantized linears rounded to int8)
 QUANTS = {"default": ["int8", "int4", "gguf", "int8+a8", "int4+a8", "gguf+a8"],
-          "llama1b": ["int8", "int4", "int8+a8", "int4+a8"]}
+          "llama1b": ["int8", "int4", "q4_k", "int8+a8", "int4+a8", "q4_k+a8"],
+          "llama1b-q4km": ["gguf", "gguf+a8"]}
+LLAMACPP: str | None = None  # --llamacpp-python: also makes llama1b-q4km's file
 
 
-def model_path(name: str) -> str | None:
+def model_path(name: str, quant: str | None = None) -> str | None:
+    """The checkpoint of ``name`` (llama1b-q4km: its GGUF for a quantization, else llama1b's floats)."""
     if name == "default":
         return None
+    if name == "llama1b-q4km":
+        return str(gguf_for(name)) if quant else model_path("llama1b")
     from _families import family_model
 
     return str(family_model(name))
@@ -78,7 +85,7 @@ def build(name: str, dtype: str, quant: str | None):
     from tapllm import LLM
 
     a8 = quant is not None and quant.endswith("+a8")
-    return LLM(model_path(name), dtype=dtype, quantization=quant.removesuffix("+a8") if quant else None,
+    return LLM(model_path(name, quant), dtype=dtype, quantization=quant.removesuffix("+a8") if quant else None,
                quantize_activations=a8, kv_cache_memory_gb=1.0)
 
 
@@ -164,16 +171,38 @@ def speed(name: str, batches: list[int], repeats: int, out: dict, llamacpp: str 
                                                      for k, v in row.items()), flush=True)
 
 
+# llama.cpp's quantizer (ftype 15 = LLAMA_FTYPE_MOSTLY_Q4_K_M), run in its own venv
+_QUANTIZE = ("import ctypes, sys, llama_cpp\n"
+             "p = llama_cpp.llama_model_quantize_default_params()\n"
+             "p.ftype, p.nthread = 15, 2\n"
+             "sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))\n")
+
+
 def gguf_for(name: str) -> Path:
-    """The GGUF llama.cpp reads: the default model's own file, else a Q4_0 conversion of ``name``."""
+    """The GGUF llama.cpp reads: the default model's own file, llama1b-q4km's Q4_K_M (llama.cpp's
+    quantizer on an F16 conversion of llama1b), else a Q4_0 conversion of ``name``."""
     from tapllm.loader import default_model_path
     from tapllm.loader.gguf_convert import cache_root
 
     if name == "default":
         return default_model_path()
-    target = cache_root() / "bench-models" / f"{name}.Q4_0.gguf"
-    if target.is_file():
+    if name == "llama1b-q4km":
+        target = cache_root() / "bench-models" / "llama1b.Q4_K_M.gguf"
+        if not target.is_file():
+            if LLAMACPP is None:
+                raise SystemExit("llama1b-q4km: llama.cpp's quantizer makes its file: pass --llamacpp-python")
+            f16 = _write_gguf("llama1b", cache_root() / "bench-models" / "llama1b.F16.gguf", "F16")
+            tmp = target.with_name(f".{target.name}.{os.getpid()}")
+            subprocess.run([LLAMACPP, "-c", _QUANTIZE, str(f16), str(tmp)], check=True)
+            os.replace(tmp, target)
+            f16.unlink()
         return target
+    target = cache_root() / "bench-models" / f"{name}.Q4_0.gguf"
+    return target if target.is_file() else _write_gguf(name, target, "Q4_0")
+
+
+def _write_gguf(name: str, target: Path, kind: str) -> Path:
+    """``name``'s float checkpoint as a GGUF whose linears are ``kind`` (token_embd Q8_0, or F16 with F16)."""
     from safetensors import safe_open
 
     sys.path.insert(0, str(HERE.parent / "tests"))
@@ -188,7 +217,7 @@ def gguf_for(name: str) -> Path:
     with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as f:
         tensors["token_embd.weight"] = f.get_tensor("model.embed_tokens.weight")
         tensors["output_norm.weight"] = f.get_tensor("model.norm.weight")
-        types["token_embd.weight"] = "Q8_0"
+        types["token_embd.weight"] = "F16" if kind == "F16" else "Q8_0"
         for i in range(cfg["num_hidden_layers"]):
             for hf, cpp in names.items():
                 w = f.get_tensor(f"model.layers.{i}.{hf}.weight")
@@ -198,7 +227,7 @@ def gguf_for(name: str) -> Path:
                     w = permute_for_llama_cpp(w, cfg["num_key_value_heads"])
                 tensors[f"blk.{i}.{cpp}.weight"] = w
                 if "norm" not in cpp:
-                    types[f"blk.{i}.{cpp}.weight"] = "Q4_0"
+                    types[f"blk.{i}.{cpp}.weight"] = kind
     kv = {"block_count": cfg["num_hidden_layers"], "context_length": 4096, "embedding_length": cfg["hidden_size"],
           "feed_forward_length": cfg["intermediate_size"], "attention.head_count": cfg["num_attention_heads"],
           "attention.head_count_kv": cfg["num_key_value_heads"], "rope.freq_base": 500000.0,
@@ -272,12 +301,13 @@ def main() -> None:
                    help="time speed runs by process CPU time (robust on a shared machine; use with --threads 1)")
     p.add_argument("--rss-child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
+    global CLOCK, LLAMACPP
+    LLAMACPP = args.llamacpp_python
     if args.rss_child:
         return rss_child(*args.rss_child)
     import logging
 
     logging.disable(logging.WARNING)
-    global CLOCK
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.cpu_time:

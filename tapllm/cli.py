@@ -39,9 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template file (or the template text) used instead of the tokenizer's")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the plain PyTorch step instead of the fused C++ kernels (the reference path)")
-    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "gguf"],
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "q4_k", "gguf"],
                    help="keep weights quantized (weight-only): int8 (per channel), int4 (per group), "
-                        "gguf (a .gguf file's Q8_0/Q4_0/Q4_1 tensors as stored)")
+                        "q4_k (int4 in GGUF's Q4_K super-blocks), gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored)")
     p.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128],
                    help="int4 group size (default 128)")
     p.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction, default=True,

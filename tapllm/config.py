@@ -216,9 +216,11 @@ class EngineConfig:
             eager step is the reference the fused one is tested against.
         quantization: keep the linear weights, the LM head and the embedding table quantized,
             vLLM's spelling: ``"int8"`` (weight-only, a scale per output channel) or ``"int4"``
-            (weight-only, a scale and a min per group of inputs); quantized at load from any
-            checkpoint, one tensor at a time; ``"gguf"``: a GGUF file's Q8_0/Q4_0/Q4_1 tensors as
-            stored. ``None``: weights in ``dtype``. See ``tapllm.quant``.
+            (weight-only, a scale and a min per group of inputs), or llama.cpp's ``"q4_k"`` (int4
+            in GGUF's Q4_K super-blocks: 6-bit scales and mins per 32 inputs, the fastest with
+            ``quantize_activations``); quantized at load from any checkpoint, one tensor at a
+            time; ``"gguf"``: a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K
+            tensors as stored. ``None``: weights in ``dtype``. See ``tapllm.quant``.
         quantization_group_size: the int4 group (32, 64 or 128; default 128). A layer whose
             input size it does not divide takes the largest half of it that does.
         quantize_embedding: with a ``quantization``, keep the embedding table quantized too (the

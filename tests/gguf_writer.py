@@ -40,7 +40,9 @@ def write_gguf(path: Path, arch: str, kv: dict[str, Any], tensors: dict[str, tor
                types: dict[str, str] | None = None) -> Path:
     """Write ``tensors`` (float32, Hugging Face shapes ``[out, in]``) and ``{arch}.*`` metadata ``kv``.
 
-    ``types`` stores the named tensors quantized by the ``gguf`` package (e.g. ``"Q4_0"``).
+    ``types`` stores the named tensors quantized by the ``gguf`` package (e.g. ``"Q4_0"``); a
+    ``uint8`` tensor of that type's blocks (``[out, bytes per row]``) is written as it is (the
+    package cannot quantize to K-quants).
 
     ``kv`` keys are given without the ``{arch}.`` prefix; ints become uint32, floats
     float32, strings strings, bools bools, lists arrays.
@@ -64,6 +66,9 @@ def write_gguf(path: Path, arch: str, kv: dict[str, Any], tensors: dict[str, tor
             writer.add_array(full, list(value))
     _copy_tokenizer(writer)
     for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
+            writer.add_tensor(name, t.numpy(), raw_dtype=gguf.GGMLQuantizationType[types[name]])
+            continue
         array = t.detach().float().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=np.float32)
         array = np.ascontiguousarray(array, dtype=np.float32)
         kind = (types or {}).get(name)

@@ -20,7 +20,8 @@ from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
 from tapllm.config import EngineConfig
 from tapllm.kernels import fused_kernels
 from tapllm.quant import parse_quantization
-from tapllm.quant.pack import dequantize, fit_group, pack_nibbles, quantize_int4, quantize_int8, unpack_nibbles
+from tapllm.quant.pack import (dequantize, fit_group, pack_nibbles, quantize_int4, quantize_int8, quantize_q4_k,
+                               unpack_nibbles)
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -30,6 +31,9 @@ def test_quantization_options_are_validated():
     assert parse_quantization("int4").describe() == "int4-g128"
     assert parse_quantization("int4", 32).describe() == "int4-g32"
     assert parse_quantization("int8").describe() == "int8"
+    assert parse_quantization("q4_k", None, True).describe() == "q4_k+a8"
+    with pytest.raises(ValueError, match="quantization_group_size applies to quantization='int4' only"):
+        parse_quantization("q4_k", 32)
     with pytest.raises(ValueError, match="quantization must be one of"):
         parse_quantization("fp4")
     with pytest.raises(ValueError, match="quantization_group_size must be one of"):
@@ -75,17 +79,40 @@ def _q4_0(w: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw.copy()).view(w.shape[0], -1, 18)
 
 
-KINDS = ["int4-32", "int4-64", "int8", "int8-32", "q4_0"]
+def k_quant_blocks(n: int, k: int, kind: str, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """Random GGUF ``Q4_K`` / ``Q6_K`` super-blocks ``uint8 [n, k/256, B]`` (every bit pattern of
+    their integers and 6-/8-bit scales is valid; the float16 ``d`` / ``dmin`` are drawn finite,
+    ``scale`` times a size giving weights of order 0.1-1). The gguf package cannot quantize to them."""
+    nbytes = 144 if kind == "q4_k" else 210
+    blocks = torch.randint(0, 256, (n, k // 256, nbytes), generator=g, dtype=torch.uint8)
+
+    def halves(size: float) -> torch.Tensor:
+        d = (torch.rand(n, k // 256, generator=g) * 0.75 + 0.25) * size * scale
+        return d.half().view(torch.uint8).view(n, k // 256, 2)
+
+    if kind == "q4_k":
+        blocks[..., 0:2], blocks[..., 2:4] = halves(2e-3), halves(4e-3)
+    else:
+        blocks[..., 208:210] = halves(4e-4)
+    return blocks
+
+
+KINDS = ["int4-32", "int4-64", "int8", "int8-32", "q4_0", "q4_k", "q6_k"]
+GGUF_TYPES = {"q4_0": "Q4_0", "q4_k": "Q4_K", "q6_k": "Q6_K"}
 
 
 def kernel_case(kind: str, seed: int) -> tuple:
     """``(ops, generator, n, k, w, blocks)`` for a kernel test of block layout ``kind``: 45 columns
-    leave a remainder after every tile width. Skips where the fused kernels do not run."""
+    leave a remainder after every tile width (K-quants: random blocks, ``w`` what they stand for).
+    Skips where the fused kernels do not run."""
     ops = fused_kernels()
     if ops is None:
         pytest.skip("no fused kernels on this machine")
     g = torch.Generator().manual_seed(seed)
-    n, k = 45, 192
+    n, k = 45, 512 if kind in ("q4_k", "q6_k") else 192
+    if kind in ("q4_k", "q6_k"):
+        blocks = k_quant_blocks(n, k, kind, g)
+        return ops, g, n, k, dequantize(blocks, k), blocks
     w = torch.randn(n, k, generator=g)
     blocks = {"int4-32": lambda: quantize_int4(w, 32), "int4-64": lambda: quantize_int4(w, 64),
               "int8": lambda: quantize_int8(w), "int8-32": lambda: quantize_int8(w, 32), "q4_0": lambda: _q4_0(w)}[kind]()
@@ -97,11 +124,11 @@ def test_kernel_matches_reference(kind):
     ops, g, n, k, w, blocks = kernel_case(kind, 0)
     deq = dequantize(blocks, k)
     assert ((deq - w).norm() / w.norm()) < (0.02 if kind.startswith("int8") else 0.15)
-    if kind == "q4_0":  # the gguf package's own dequantization agrees with ours
+    if kind in GGUF_TYPES:  # the gguf package's own dequantization agrees with ours
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize as gguf_dequantize
 
-        ref = gguf_dequantize(blocks.view(n, -1).numpy(), GGMLQuantizationType.Q4_0)
+        ref = gguf_dequantize(blocks.view(n, -1).numpy(), GGMLQuantizationType[GGUF_TYPES[kind]])
         torch.testing.assert_close(deq, torch.from_numpy(ref.reshape(n, k)), rtol=1e-6, atol=1e-6)
     # equal but for the rounding of d * q + m (one fused multiply-add in C++)
     torch.testing.assert_close(ops.quant_dequantize(blocks, k, torch.float32), deq, rtol=1e-6, atol=1e-6)
@@ -131,7 +158,10 @@ def _dequantized_checkpoint(src, dst, method: str, group: int | None, embedding:
         if (name == "lm_head.weight" or any(f"{p}.weight" in name for p in PROJ)
                 or (embedding and name == "model.embed_tokens.weight")):
             k = t.shape[1]
-            blocks = quantize_int4(t, fit_group(group, k)) if method == "int4" else quantize_int8(t)
+            if method == "q4_k":  # Q4_K super-blocks where the inputs allow, else int4 groups of 32
+                blocks = quantize_q4_k(t) if k % 256 == 0 else quantize_int4(t, 32)
+            else:
+                blocks = quantize_int4(t, fit_group(group, k)) if method == "int4" else quantize_int8(t)
             tensors[name] = dequantize(blocks, k).contiguous()
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
@@ -303,3 +333,138 @@ def test_gguf_blocks_run_as_stored(tiny_models, tmp_path, embed_type, tied):
                 torch.testing.assert_close(a.hidden_states[point], b.hidden_states[point], rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="needs a .gguf model file"):
         LLM(tiny_models["llama"], dtype="float32", quantization="gguf")
+
+
+def test_gguf_k_quants_run_as_stored(tmp_path):
+    """A Llama GGUF laid out like llama.cpp's Q4_K_M (Q4_K for most tensors and the embedding,
+    Q6_K for ffn_down, the output and one block's attn_v): ``quantization="gguf"`` keeps every
+    K-quant tensor in its super-blocks (the fused q/k/v of mixed types as one part per type, that
+    block outside the C++ runner) and equals the model the gguf package dequantizes, tokens and
+    states."""
+    from gguf_writer import write_gguf
+    from tapllm.quant.embedding import QuantEmbedding
+    from tapllm.quant.linear import SplitQuantLinear
+
+    g = torch.Generator().manual_seed(5)
+    hidden, inter, heads, kv_heads, vocab, layers = 256, 512, 4, 2, 49152, 2
+    head_dim = hidden // heads
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+    tensors: dict[str, torch.Tensor] = {"output_norm.weight": torch.ones(hidden)}
+    types: dict[str, str] = {}
+
+    def put(name: str, n: int, k: int, kind: str) -> None:
+        tensors[name] = k_quant_blocks(n, k, kind, g, scale=0.1).view(n, -1)
+        types[name] = GGUF_TYPES[kind]
+
+    put("token_embd.weight", vocab, hidden, "q4_k")
+    put("output.weight", vocab, hidden, "q6_k")
+    for i in range(layers):
+        tensors[f"blk.{i}.attn_norm.weight"] = torch.ones(hidden)
+        tensors[f"blk.{i}.ffn_norm.weight"] = torch.ones(hidden)
+        for part, (n, k) in shapes.items():
+            kind = "q6_k" if part == "ffn_down" or (i == 0 and part == "attn_v") else "q4_k"
+            put(f"blk.{i}.{part}.weight", n, k, kind)
+    kv = {"block_count": layers, "context_length": 512, "embedding_length": hidden, "feed_forward_length": inter,
+          "attention.head_count": heads, "attention.head_count_kv": kv_heads, "rope.freq_base": 10000.0,
+          "attention.layer_norm_rms_epsilon": 1e-6, "vocab_size": vocab, "rope.dimension_count": head_dim}
+    path = write_gguf(tmp_path / "tiny-q4_k_m.gguf", "llama", kv, tensors, types)
+    prompts = random_prompts([9, 21], seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, hidden_states=SPEC)
+    want = LLM(path, dtype="float32", block_size=4).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, dtype="float32", block_size=4, quantization="gguf")
+    model = llm.engine.runner.model
+    split = model.layers[0].self_attn.qkv_proj  # Q4_K q and k, a Q6_K v
+    assert isinstance(split, SplitQuantLinear) and split.starts == [0, hidden, hidden + kv_heads * head_dim]
+    assert [tuple(p.blocks.shape[1:]) for p in split.parts] == [(1, 144), (1, 144), (1, 210)]
+    assert tuple(model.layers[1].self_attn.qkv_proj.blocks.shape[1:]) == (1, 144)
+    if model.stack is not None:  # the fused kernels run: block 0 in Python, block 1 in the C++ runner
+        assert model.stack.runs == [False, True]
+    assert tuple(model.layers[0].mlp.down_proj.blocks.shape[1:]) == (2, 210)
+    assert tuple(model.lm_head.blocks.shape[1:]) == (1, 210)
+    assert isinstance(model.embed_tokens, QuantEmbedding) and tuple(model.embed_tokens.blocks.shape[1:]) == (1, 144)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for point in ("embed", "resid_post", "final"):
+            torch.testing.assert_close(a.hidden_states[point], b.hidden_states[point], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="come from a GGUF file"):
+        model.lm_head.load_rows(None, torch.zeros(vocab, hidden))
+
+
+def test_split_quant_linear_parts_and_bias():
+    """A fused weight of parts in different layouts: each part in its own blocks, the output the
+    concatenation plus the fused bias; rows that would span two parts are refused."""
+    from tapllm.quant.linear import SplitQuantLinear
+    from tapllm.quant.schemes import Quantization
+
+    g = torch.Generator().manual_seed(2)
+    k = 256
+    parts = [k_quant_blocks(8, k, "q4_k", g), k_quant_blocks(4, k, "q6_k", g),
+             quantize_int8(torch.randn(4, k, generator=g), 32)]
+    layer = SplitQuantLinear(k, [(p.shape[0], tuple(p.shape[1:])) for p in parts], True, torch.float32,
+                             Quantization("gguf"))
+    offset = 0
+    for p in parts:
+        layer.load_rows(offset, p)
+        offset += p.shape[0]
+    layer.bias.data.copy_(torch.randn(16, generator=g))
+    deq = torch.cat([dequantize(p, k) for p in parts])
+    torch.testing.assert_close(layer.dequantized(), deq)
+    x = torch.randn(3, k, generator=g)
+    for ops in (None, fused_kernels()):
+        for part in layer.parts:
+            part.kernels = ops
+        torch.testing.assert_close(layer(x), F.linear(x, deq, layer.bias), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="span parts"):
+        layer.load_rows(6, parts[1])
+
+
+@pytest.mark.parametrize("a8", [False, True])
+def test_q4_k_quantized_at_load(default_model_folder, tmp_path, a8):
+    """``quantization="q4_k"`` packs a float checkpoint into GGUF's Q4_K super-blocks at load (the
+    embedding and a tied head too; any input size not a multiple of 256 falls back to int4 groups
+    of 32): tokens and states equal the dequantized checkpoint's, fused and eager; with
+    ``quantize_activations`` the fused and eager steps agree."""
+    from conftest import save_tiny_model
+    from transformers import LlamaConfig
+
+    from tapllm.quant.linear import QuantLinear
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.05, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    src = save_tiny_model(tmp_path / "src", cfg, default_model_folder)
+    prompts = random_prompts([9, 21], seed=6)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, hidden_states=SPEC)
+    if not a8:
+        ref = LLM(_dequantized_checkpoint(src, tmp_path / "ref", "q4_k", None), dtype="float32", block_size=4)
+        want = ref.generate(prompts, params, use_tqdm=False)
+        del ref
+    runs = []
+    for eager in (False, True):
+        llm = LLM(src, dtype="float32", block_size=4, quantization="q4_k", quantize_activations=a8,
+                  enforce_eager=eager)
+        model = llm.engine.runner.model
+        assert llm.engine.quantization == ("q4_k+a8" if a8 else "q4_k")
+        assert tuple(model.layers[0].mlp.gate_up_proj.blocks.shape[1:]) == (1, 144)
+        assert tuple(model.layers[0].mlp.down_proj.blocks.shape[1:]) == (20, 20)  # 640 inputs: int4 g32
+        assert tuple(model.embed_tokens.blocks.shape[1:]) == (1, 144)
+        assert isinstance(model.lm_head, QuantLinear)
+        assert model.lm_head.blocks.data_ptr() == model.embed_tokens.blocks.data_ptr()
+        # with the rounding, a value at a rounding boundary may round apart on the two paths (float
+        # sums in another order): compare the prompts' states, which no diverging token can move
+        runs.append(llm.encode(prompts, SPEC, use_tqdm=False) if a8 else llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    for a, b in zip(runs[1], runs[0] if a8 else want, strict=True):
+        if not a8:
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for point in ("embed", "resid_post", "final"):
+            tol = 5e-2 if a8 else 1e-4
+            torch.testing.assert_close(a.hidden_states[point], b.hidden_states[point], rtol=tol, atol=tol)
+    if not a8:
+        for a, b in zip(runs[0], want, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for point in ("embed", "resid_post", "final"):
+                torch.testing.assert_close(a.hidden_states[point], b.hidden_states[point], rtol=1e-4, atol=1e-4)

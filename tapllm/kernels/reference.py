@@ -114,9 +114,16 @@ def _check_quant(ops: Any, rand: Any, dtype: torch.dtype, tol: float) -> str | N
     from tapllm.quant.pack import quantize_int4, quantize_int8
 
     w = rand(21, 64).float()
-    for packed in (quantize_int4(w, 32), quantize_int8(w), quantize_int8(w, 32)):
+    cases = [(quantize_int4(w, 32), 64), (quantize_int8(w), 64), (quantize_int8(w, 32), 64)]
+    # GGUF Q4_K, Q6_K: any bytes are valid blocks once d (and dmin) are finite; weights ~0.1-1
+    for nbytes, scales, d in ((144, slice(0, 4), 1e-3), (210, slice(208, 210), 1e-4)):
+        k_blocks = (rand(21, 1, nbytes).float().abs() * 60).to(torch.uint8)
+        k_blocks[..., scales] = torch.full((21, 1, (scales.stop - scales.start) // 2), d,
+                                           dtype=torch.float16).view(torch.uint8).view(21, 1, -1)
+        cases.append((k_blocks, 256))
+    for packed, k in cases:
         for m in (1, 5, 18):  # the fused rows and the dequantize-then-GEMM path
-            x, b = rand(m, 64), rand(21)
+            x, b = rand(m, k), rand(21)
             for bits in (0, 8):
                 if not _close(ops.quant_linear(x, packed, b, bits), quant_linear(x, packed, b, bits), tol * 4):
                     return f"quant_linear blocks {tuple(packed.shape[1:])} rows={m} act_bits={bits} ({dtype})"

@@ -1,12 +1,14 @@
 """A GGUF file's quantized tensors kept as stored (``quantization="gguf"``).
 
-The GGUF blocks Q8_0, Q4_0 and Q4_1 are exactly the packed layouts of tapllm's quantized
-linears (``tapllm.quant.pack``), so a linear whose checkpoint tensors are all of one such type
+The GGUF blocks Q8_0, Q4_0, Q4_1, Q4_K and Q6_K are exactly the packed layouts of tapllm's
+quantized linears (``tapllm.quant.pack``), so a linear whose checkpoint tensors are all of one such type
 receives the file's bytes unchanged (copied once from the file's memory map, never
 dequantized), and so does the embedding table when its tensor is of a kept type (a
 :class:`~tapllm.quant.embedding.QuantEmbedding`; a tied LM head shares its blocks, as
-llama.cpp reads ``token_embd`` for both). Everything else (norms, linears of other GGUF types
-such as Q4_K / Q6_K, which have no kernel yet, an embedding of such a type) comes from the
+llama.cpp reads ``token_embd`` for both). A fused weight whose parts are kept types that differ
+(llama.cpp's Q4_K_M: a Q6_K ``attn_v`` beside Q4_K q and k) becomes a
+:class:`~tapllm.quant.linear.SplitQuantLinear`, each part in its own blocks. Everything else
+(norms, linears of other GGUF types such as Q5_0 / Q5_K, which have no kernel) comes from the
 cached dequantized folder as before. With the embedding kept in float (``embedding=False``) a
 tied LM head still reads the embedding's blocks when those are of a kept type.
 """
@@ -26,13 +28,14 @@ from torch import nn
 from tapllm.loader.gguf_convert import GGUF_ARCHS, _llama_fix
 from tapllm.loader.weights import weight_files
 from tapllm.quant.embedding import quantize_embedding
-from tapllm.quant.linear import QuantLinear
+from tapllm.quant.linear import QuantLinear, SplitQuantLinear
 from tapllm.quant.pack import block_kind
 from tapllm.quant.schemes import Quantization
 
 logger = logging.getLogger("tapllm")
 
-KEPT = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # GGUF type -> bytes per block of 32
+# GGUF type -> (inputs, bytes) per block
+KEPT = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q6_K": (256, 210)}
 EMBED = "model.embed_tokens.weight"
 
 
@@ -47,7 +50,7 @@ def gguf_source(model: str | Path | None) -> Path:
 
 
 def _raw_tensors(path: Path, config: Any) -> dict[str, torch.Tensor]:
-    """``{Hugging Face name: uint8 [N, K/32, B]}`` for every tensor of a kept type, with the
+    """``{Hugging Face name: uint8 [N, K/g, B]}`` for every tensor of a kept type, with the
     architecture's row fix-ups (Llama's q/k permutation acts on rows, so it applies to blocks)."""
     import gguf
 
@@ -62,7 +65,8 @@ def _raw_tensors(path: Path, config: Any) -> dict[str, torch.Tensor]:
         if name is None or kind not in KEPT or len(t.shape) != 2:
             continue
         n, k = int(t.shape[1]), int(t.shape[0])
-        blocks = np.asarray(t.data).reshape(n, k // 32, KEPT[kind])
+        inputs, nbytes = KEPT[kind]
+        blocks = np.asarray(t.data).reshape(n, k // inputs, nbytes)
         if mapping.fix is not None:
             blocks = mapping.fix(name, blocks, config)
         out[name] = torch.from_numpy(np.array(blocks, dtype=np.uint8, order="C", copy=True))
@@ -79,30 +83,36 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_typ
     rounding), ``Quantization("gguf")`` when omitted."""
     raw = _raw_tensors(gguf_path, model.cfg.hf_config)
     quant = quant or Quantization("gguf")
-    sources: dict[str, list[str]] = {}  # linear parameter -> the checkpoint names filling it
+    sources: dict[str, list[tuple[int, str]]] = {}  # linear parameter -> (first row, checkpoint name) filling it
     names = {}
     for f in weight_files(folder):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 names[name] = f
                 shape = st.get_slice(name).get_shape()
-                for target, _, _ in model.checkpoint_names(name, torch.empty(shape, device="meta")):
-                    sources.setdefault(target, []).append(name)
+                for target, offset, _ in model.checkpoint_names(name, torch.empty(shape, device="meta")):
+                    sources.setdefault(target, []).append((offset or 0, name))
     modules = dict(model.named_modules())
     kept: set[str] = set()
-    for target, srcs in sources.items():
+    for target, placed in sources.items():
         module = modules.get(target.removesuffix(".weight"))
         if type(module) is not linear_type or not target.endswith(".weight"):
             continue
-        shapes = {tuple(raw[s].shape[1:]) if s in raw else None for s in srcs}
-        if len(shapes) != 1 or None in shapes:
-            continue  # some source is not kept as stored, or the types differ within a fused weight
-        groups, nbytes = shapes.pop()
+        placed.sort()
+        srcs = [name for _, name in placed]
         n, k = module.weight.shape
-        if block_kind(k, groups, nbytes) is None:
-            continue
+        if any(s not in raw or block_kind(k, *raw[s].shape[1:]) is None for s in srcs):
+            continue  # some source is not kept as stored
+        shapes = [tuple(raw[s].shape[1:]) for s in srcs]
+        rows = [raw[s].shape[0] for s in srcs]
+        if [off for off, _ in placed] != [sum(rows[:i]) for i in range(len(rows))] or sum(rows) != n:
+            continue  # the parts do not tile the fused rows
         parent, _, attr = target.removesuffix(".weight").rpartition(".")
-        layer = QuantLinear(k, n, module.bias is not None, module.weight.dtype, quant, shape=(groups, nbytes))
+        bias, dtype = module.bias is not None, module.weight.dtype
+        if len(set(shapes)) == 1:
+            layer = QuantLinear(k, n, bias, dtype, quant, shape=shapes[0])
+        else:  # a fused weight whose parts differ in type (Q4_K_M's Q6_K attn_v beside Q4_K q and k)
+            layer = SplitQuantLinear(k, list(zip(rows, shapes, strict=True)), bias, dtype, quant)
         setattr(modules[parent] if parent else model, attr, layer)
         kept.update(srcs)
     embed_kept = (embedding and EMBED in raw and EMBED in names

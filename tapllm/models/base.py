@@ -23,7 +23,7 @@ from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.models.stack import DecoderStack
 from tapllm.quant.embedding import QuantEmbedding
-from tapllm.quant.linear import QuantLinear, block_shape
+from tapllm.quant.linear import QuantLinear, SplitQuantLinear, block_shape
 from tapllm.quant.schemes import Quantization
 from tapllm.layers.rotary import apply_rotary
 from tapllm.tap import PSEUDO_LAYER, Tap, no_tap
@@ -219,9 +219,9 @@ class CausalLM(nn.Module):
         stack = self.stack if self.stack is not None and self.stack.applies(meta, x.shape[0]) else None
         i = 0
         while i < len(layers):
-            if stack is not None and not tap.touches(i):  # a run of blocks nobody taps: one C++ call
+            if stack is not None and not tap.touches(i) and stack.runs[i]:  # blocks nobody taps: one C++ call
                 j = i + 1
-                while j < len(layers) and not tap.touches(j):
+                while j < len(layers) and not tap.touches(j) and stack.runs[j]:
                     j += 1
                 x = stack.run(x, i, j, ctx, kv_caches, meta)
                 i = j
@@ -295,7 +295,9 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors into the parameters; ``ValueError`` names a bad shape or a missing tensor."""
         params = dict(self.named_parameters())
         # quantized layers take their weight rows through load_rows (no float copy is kept)
-        sinks = {f"{n}.weight": m for n, m in self.named_modules() if isinstance(m, QuantLinear | QuantEmbedding)}
+        split = [f"{n}." for n, m in self.named_modules() if isinstance(m, SplitQuantLinear)]  # fills its parts
+        sinks = {f"{n}.weight": m for n, m in self.named_modules()
+                 if isinstance(m, QuantLinear | SplitQuantLinear | QuantEmbedding) and not n.startswith(tuple(split))}
         filled: dict[str, int] = {}
         for name, tensor in weights:
             for target, offset, value in self.checkpoint_names(name, tensor):
@@ -313,7 +315,8 @@ class CausalLM(nn.Module):
                 dst.copy_(value)
                 filled[target] = filled.get(target, 0) + value.shape[0]
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
-        missing += [n for n, m in sinks.items() if filled.get(n, 0) != m.blocks.shape[0]]
+        missing += [n for n, m in sinks.items()
+                    if filled.get(n, 0) != (m.num_embeddings if isinstance(m, QuantEmbedding) else m.out_features)]
         if missing:
             more = " ..." if len(missing) > 6 else ""
             raise ValueError(f"checkpoint is missing tensors for: {missing[:6]}{more}")

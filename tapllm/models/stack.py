@@ -18,13 +18,17 @@ from torch import nn
 from tapllm.layers.attention import AttentionMetadata
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNorm
-from tapllm.quant.linear import QuantLinear
+from tapllm.quant.linear import QuantLinear, SplitQuantLinear
 
 
 def _weight(linear: Linear | QuantLinear) -> torch.Tensor:
     if isinstance(linear, QuantLinear):
         return linear.blocks  # uint8 blocks: decoder.cpp hands them to quant_linear
     return linear.packed if linear.packed is not None else linear.weight
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
 class DecoderStack:
@@ -38,6 +42,8 @@ class DecoderStack:
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv, first.head_dim
         self.windows = [layer.self_attn.opts.window or 0 for layer in layers]
         self.act_bits = 0  # the quantized linears' activation rounding (QuantLinear.act_bits)
+        # per block: whether the runner takes it (a block with a SplitQuantLinear runs in Python)
+        self.runs = [all(type(m) is not SplitQuantLinear for m in _linears(layer)) for layer in layers]
         self._kv: list | None = None
         self._params: list[list[torch.Tensor | None]] = []
 
@@ -50,9 +56,8 @@ class DecoderStack:
             return None
         if any(type(layer) is not block for layer in layers):
             return None
-        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if any(type(m) not in (Linear, QuantLinear) for m in linears):
+        linears = [m for layer in layers for m in _linears(layer) if type(m) is not SplitQuantLinear]
+        if any(type(m) not in (Linear, QuantLinear) for m in linears) or not linears:
             return None
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         eps = getattr(layers[0].input_layernorm, "eps", None)
@@ -80,8 +85,11 @@ class DecoderStack:
     def _layer_params(self, kv_caches: list) -> list[list[torch.Tensor | None]]:
         if self._kv is not kv_caches:
             params = []
-            for layer, (k, v) in zip(self.layers, kv_caches):
+            for layer, runs, (k, v) in zip(self.layers, self.runs, kv_caches):
                 attn, mlp = layer.self_attn, layer.mlp
+                if not runs:
+                    params.append([None] * 12)  # never handed to the runner
+                    continue
                 params.append([layer.input_layernorm.weight, _weight(attn.qkv_proj), attn.qkv_proj.bias,
                                _weight(attn.o_proj), attn.o_proj.bias, layer.post_attention_layernorm.weight,
                                _weight(mlp.gate_up_proj), mlp.gate_up_proj.bias, _weight(mlp.down_proj),

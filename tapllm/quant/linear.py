@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapllm.quant.pack import block_kind, dequantize, fit_group, quantize_int4, quantize_int8, round_activations
+from tapllm.quant.pack import (SUPER, block_kind, dequantize, fit_group, quantize_int4, quantize_int8, quantize_q4_k,
+                               round_activations)
 from tapllm.quant.schemes import Quantization
 
 _FILL_ROWS = 256  # rows quantized per step while loading
@@ -24,9 +25,14 @@ _FILL_ROWS = 256  # rows quantized per step while loading
 
 def block_shape(quant: Quantization, in_features: int) -> tuple[int, int] | None:
     """``(blocks per row, bytes per block)`` of a weight with ``in_features`` inputs under ``quant``,
-    or None when it cannot take it (inputs not a multiple of 32; GGUF layouts come from the file)."""
+    or None when it cannot take it (inputs not a multiple of 32; GGUF layouts come from the file).
+    ``q4_k`` on inputs that are not a multiple of 256 takes int4 groups of 32 (Q4_1's blocks)."""
     if quant.method == "int8" and in_features % 32 == 0:
         return 1, 2 + in_features
+    if quant.method == "q4_k" and in_features % SUPER == 0:
+        return in_features // SUPER, 144
+    if quant.method == "q4_k":
+        return (in_features // 32, 20) if in_features % 32 == 0 else None
     group = fit_group(quant.group or 128, in_features) if quant.method == "int4" else None
     return None if group is None else (in_features // group, 4 + group // 2)
 
@@ -48,8 +54,13 @@ def fill_rows(blocks: torch.Tensor, k: int, quant: Quantization, offset: int | N
     if value.dtype == torch.uint8:
         blocks[start : start + value.shape[0]] = value
         return
-    group = k // groups
-    quantize = quantize_int8 if block_kind(k, groups, nbytes) == "int8" else quantize_int4
+    group, kind = k // groups, block_kind(k, groups, nbytes)
+    quantizers = {"int8": quantize_int8, "int4": quantize_int4}
+    if quant.method == "q4_k":
+        quantizers["q4_k"] = lambda w, _: quantize_q4_k(w)
+    if kind not in quantizers:
+        raise ValueError(f"{kind} blocks come from a GGUF file as stored; float rows cannot be packed into them")
+    quantize = quantizers[kind]
     # small chunks straight into place: no packed copy of the whole tensor is held, and the float
     # temporaries stay a few MB (the heap keeps its high-water mark, see tapllm.platform)
     for i in range(0, value.shape[0], _FILL_ROWS):
@@ -107,6 +118,49 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         _, groups, nbytes = self.blocks.shape
         return f"in={self.in_features}, out={self.out_features}, {self.quant.describe()}, blocks={groups}x{nbytes}B"
+
+
+class SplitQuantLinear(nn.Module):
+    """A fused linear (e.g. q/k/v stacked) whose parts' rows are packed in different layouts, as
+    a GGUF file's parts may be (llama.cpp's Q4_K_M keeps ``attn_v`` in Q6_K in some blocks, q and k
+    in Q4_K): one :class:`QuantLinear` per part, outputs concatenated, then the fused bias."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, tuple[int, int]]], bias: bool, dtype: torch.dtype,
+                 quant: Quantization) -> None:
+        """``parts``: ``(rows, (blocks per row, bytes per block))`` of each part, in row order."""
+        super().__init__()
+        self.in_features, self.quant = in_features, quant
+        self.out_features = sum(rows for rows, _ in parts)
+        self.parts = nn.ModuleList(QuantLinear(in_features, rows, False, dtype, quant, shape=shape)
+                                   for rows, shape in parts)
+        self.starts = [sum(rows for rows, _ in parts[:i]) for i in range(len(parts))]
+        self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load_rows(self, offset: int | None, value: torch.Tensor) -> None:
+        """Fill rows ``offset..`` of the fused weight: they must lie within one part."""
+        start = 0 if offset is None else offset
+        for first, part in zip(self.starts, self.parts, strict=True):
+            if first <= start and start + value.shape[0] <= first + part.out_features:
+                part.load_rows(start - first, value)
+                return
+        raise ValueError(f"rows {start}..{start + value.shape[0]} span parts of a split quantized linear "
+                         f"(parts start at rows {self.starts})")
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this layer computes with."""
+        return torch.cat([part.dequantized() for part in self.parts])
+
+    @property
+    def act_bits(self) -> int:
+        """As :attr:`QuantLinear.act_bits`."""
+        return self.quant.act_bits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.quant.describe()}, parts at rows {self.starts}"
 
 
 def quantize_linears(model: nn.Module, quant: Quantization, linear_type: type) -> int:

@@ -2,7 +2,8 @@
 
 Spellings follow vLLM where it has one: ``"int8"`` (weight-only, one scale per output
 channel), ``"int4"`` (weight-only, asymmetric, a scale and a min per group of input
-channels), ``"gguf"`` (a GGUF file's quantized tensors kept as stored). ``None`` keeps the
+channels), ``"q4_k"`` (llama.cpp's name: int4 in GGUF's Q4_K super-blocks, quantized at load;
+its integer scales let ``quantize_activations`` fold them into the integer products), ``"gguf"`` (a GGUF file's quantized tensors kept as stored). ``None`` keeps the
 model's dtype for every weight.
 
 ``quantize_activations`` adds llama.cpp's scheme for its Q4/Q8 files: the inputs of every
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QUANTIZATIONS = ("int8", "int4", "gguf")  # gguf: a .gguf file's Q8_0/Q4_0/Q4_1 tensors as stored
+QUANTIZATIONS = ("int8", "int4", "q4_k", "gguf")  # gguf: a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored
 INT4_GROUPS = (32, 64, 128)
 DEFAULT_INT4_GROUP = 128  # torchao's and GPTQ's usual choice: 4.5 bits per weight with float32 scale/min
 
@@ -49,7 +50,7 @@ def parse_quantization(method: str | None, group: int | None = None,
         if group is not None:
             raise ValueError("quantization_group_size applies to quantization='int4' only")
         if int8_activations:
-            raise ValueError("quantize_activations needs a quantization ('int8', 'int4' or 'gguf')")
+            raise ValueError("quantize_activations needs a quantization ('int8', 'int4', 'q4_k' or 'gguf')")
         return None
     if not isinstance(method, str) or method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {method!r}")

@@ -7,6 +7,7 @@
 //   B == 2 + g     int8:  float16 d, g int8 q;              w = d * q      (GGUF Q8_0 when g = 32)
 //   B == 4 + g/2   int4:  float16 d, float16 m, g/2 bytes;  w = d * q + m  (GGUF Q4_1 when g = 32)
 //   B == 18, g=32  Q4_0:  float16 d, 16 bytes;              w = d * (q - 8)
+//   B == 144, g=256 Q4_K, B == 210, g=256 Q6_K: GGUF's K-quant super-blocks (see quant_layout.h)
 // In 4-bit blocks each run of 32 weights takes 16 bytes: byte j holds weight j (low nibble) and
 // weight j + 16 (high nibble), GGUF's order.
 //
@@ -66,6 +67,7 @@ inline V u8_to_f(__m128i b, int) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi3
 inline V i8_to_f(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+inline V s8_to_f(__m128i b, int) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
 #elif defined(CPU_CAPABILITY_AVX2)
 constexpr int kW = 8;
 using V = __m256;
@@ -88,9 +90,12 @@ inline V u8_to_f(__m128i b, int part) {
 inline V i8_to_f(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline V s8_to_f(__m128i b, int part) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part ? _mm_srli_si128(b, 8) : b));
+}
 #endif
 
-// Rows of x widened to float32 [m, K], and each row's sum over every block [m, G].
+// Rows of x widened to float32 [m, K], and each row's sums over runs of sum_run(l) inputs.
 struct Rows {
   const float* x;
   const float* xs;
@@ -160,13 +165,76 @@ inline void tile(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w
     for (int c = 0; c < NC; ++c) out[(r0 + r) * ldo + n + c] = vsum(acc[r][c]) + mterm[r][c];
 }
 
+// The K-quant kinds: per run of 32 inputs, its two halves' products summed apart (Q6_K's scales
+// change every 16 inputs), then scaled into the column's sum.
+template <int MR, int KIND, int P>
+inline void k_pair(const uint8_t* blk, const KScales& ks, const Rows& rows, int64_t r0, const float* xb,
+                   int64_t k, int64_t run0, V (&acc)[MR], float (&mterm)[MR]) {
+  __m256i q[2];
+  k_pair_bytes<KIND, P>(blk, q[0], q[1]);
+  for (int h = 0; h < 2; ++h) {
+    const int t = 2 * P + h;
+    const __m128i lo = _mm256_castsi256_si128(q[h]), hi = _mm256_extracti128_si256(q[h], 1);
+    V t0[MR], t1[MR];
+    for (int r = 0; r < MR; ++r) t0[r] = t1[r] = vzero();
+    for (int part = 0; part < 16 / kW; ++part) {
+      const V wl = KIND == kQ4K ? u8_to_f(lo, part) : s8_to_f(lo, part);
+      const V wh = KIND == kQ4K ? u8_to_f(hi, part) : s8_to_f(hi, part);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = xb + r * k + t * 32 + part * kW;
+        t0[r] = vfma(wl, vload(xr), t0[r]);
+        t1[r] = vfma(wh, vload(xr + 16), t1[r]);
+      }
+    }
+    if constexpr (KIND == kQ4K) {
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = vfma(vset(ks.d[t]), vadd(t0[r], t1[r]), acc[r]);
+        mterm[r] += ks.m[t] * rows.xs[(r0 + r) * (k / 32) + run0 + t];
+      }
+    } else {
+      for (int r = 0; r < MR; ++r) acc[r] = vfma(vset(ks.d[2 * t + 1]), t1[r], vfma(vset(ks.d[2 * t]), t0[r], acc[r]));
+    }
+  }
+}
+
+template <int MR, int NC, int KIND>
+inline void tile_k(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n, float* out) {
+  const int64_t k = l.k, groups = l.groups, bytes = l.bytes;
+  V acc[NC][MR];
+  float mterm[NC][MR] = {};
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) acc[c][r] = vzero();
+  const uint8_t* col[NC];
+  for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * groups * bytes;
+  const Ahead ahead(l, w, n, NC);
+  for (int64_t b = 0; b < groups; ++b) {
+    ahead.touch(b);
+    const float* xb = rows.x + r0 * k + b * kSuper;
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* blk = col[c] + b * bytes;
+      KScales ks;
+      k_scales(static_cast<Kind>(KIND), blk, ks);
+      k_pair<MR, KIND, 0>(blk, ks, rows, r0, xb, k, b * 8, acc[c], mterm[c]);
+      k_pair<MR, KIND, 1>(blk, ks, rows, r0, xb, k, b * 8, acc[c], mterm[c]);
+      k_pair<MR, KIND, 2>(blk, ks, rows, r0, xb, k, b * 8, acc[c], mterm[c]);
+      k_pair<MR, KIND, 3>(blk, ks, rows, r0, xb, k, b * 8, acc[c], mterm[c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) out[(r0 + r) * l.n + n + c] = vsum(acc[c][r]) + mterm[c][r];
+}
+
 template <int MR, int NC, int KIND>
 inline void tile_of(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w, int64_t n, float* out) {
-  switch (l.group) {
-    case 32: return tile<MR, NC, KIND, 32>(l, rows, r0, w, n, out, l.n);
-    case 64: return tile<MR, NC, KIND, 64>(l, rows, r0, w, n, out, l.n);
-    case 128: return tile<MR, NC, KIND, 128>(l, rows, r0, w, n, out, l.n);
-    default: return tile<MR, NC, KIND, 0>(l, rows, r0, w, n, out, l.n);
+  if constexpr (KIND == kQ4K || KIND == kQ6K) {
+    tile_k<MR, NC, KIND>(l, rows, r0, w, n, out);
+  } else {
+    switch (l.group) {
+      case 32: return tile<MR, NC, KIND, 32>(l, rows, r0, w, n, out, l.n);
+      case 64: return tile<MR, NC, KIND, 64>(l, rows, r0, w, n, out, l.n);
+      case 128: return tile<MR, NC, KIND, 128>(l, rows, r0, w, n, out, l.n);
+      default: return tile<MR, NC, KIND, 0>(l, rows, r0, w, n, out, l.n);
+    }
   }
 }
 #endif
@@ -175,6 +243,26 @@ inline void tile_of(const Layout& l, const Rows& rows, int64_t r0, const uint8_t
 inline float dot_scalar(const Layout& l, const Rows& rows, int64_t r, const uint8_t* w, int64_t n) {
   const float* x = rows.x + r * l.k;
   float total = 0.f;
+  if (is_k(l.kind)) {
+    for (int64_t b = 0; b < l.groups; ++b) {
+      const uint8_t* blk = w + (n * l.groups + b) * l.bytes;
+      KScales ks;
+      k_scales(l.kind, blk, ks);
+      for (int t = 0; t < 8; ++t) {
+        int8_t q[32];
+        k_run(l.kind, blk, t, q);
+        const float* xb = x + b * kSuper + t * 32;
+        float t0 = 0.f, t1 = 0.f;
+        for (int i = 0; i < 16; ++i) {
+          t0 += static_cast<float>(q[i]) * xb[i];
+          t1 += static_cast<float>(q[16 + i]) * xb[16 + i];
+        }
+        total += k_scale(l.kind, ks, t, 0) * t0 + k_scale(l.kind, ks, t, 1) * t1 +
+                 ks.m[t] * rows.xs[r * (l.k / 32) + b * 8 + t];
+      }
+    }
+    return total;
+  }
   for (int64_t b = 0; b < l.groups; ++b) {
     const uint8_t* blk = w + (n * l.groups + b) * l.bytes;
     const uint8_t* q = blk + header(l.kind);
@@ -206,6 +294,16 @@ void fused_rows(const Layout& l, const Rows& rows, int64_t m, const uint8_t* w, 
 
 // Dequantize one block into float32 ob[0, g).
 inline void dequant_block(const Layout& l, const uint8_t* blk, float* ob) {
+  if (is_k(l.kind)) {
+    KScales ks;
+    k_scales(l.kind, blk, ks);
+    for (int t = 0; t < 8; ++t) {
+      int8_t q[32];
+      k_run(l.kind, blk, t, q);
+      for (int i = 0; i < 32; ++i) ob[t * 32 + i] = k_scale(l.kind, ks, t, i / 16) * static_cast<float>(q[i]) + ks.m[t];
+    }
+    return;
+  }
   const uint8_t* q = blk + header(l.kind);
   float d, m;
   block_scale(l, blk, d, m);
@@ -276,7 +374,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
   at::Tensor y;
   if (m <= kMaxFusedRows) {
     at::Tensor xf = x.reshape({m, k}).to(at::kFloat).contiguous();
-    at::Tensor xs = xf.view({m, l.groups, l.group}).sum(-1).contiguous();
+    const int64_t run = sum_run(l);
+    at::Tensor xs = xf.view({m, k / run, run}).sum(-1).contiguous();
     at::Tensor out = at::empty({m, l.n}, xf.options());
     fused_rows(l, Rows{xf.data_ptr<float>(), xs.data_ptr<float>()}, m, w.data_ptr<uint8_t>(), out.data_ptr<float>());
     if (has_bias) out.add_(bias->to(at::kFloat));

@@ -7,7 +7,8 @@
 // The result is x_hat @ dequant(W)^T + b with x_hat = xi * dx (what tapllm/quant/pack.py's
 // round_activations computes): it differs from that in float32 only by the order of the sums.
 // A run whose amax is 0 gets xi = 0; one whose amax is not finite gets xi = 0 and dx = inf or
-// NaN, so non-finite inputs still make non-finite outputs.
+// NaN, so non-finite inputs still make non-finite outputs. GGUF's K-quants (Q4_K, Q6_K) have
+// integer sub-block scales, which the integer products take in before the one conversion.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -130,13 +131,82 @@ inline void tile(const Layout& l, const QRows& x, int64_t r0, const uint8_t* w, 
     for (int c = 0; c < NC; ++c) out[(r0 + r) * l.n + n + c] = hsum(acc[r][c]) + mterm[r][c];
 }
 
+// The K-quant kinds, a run of 32 inputs at a time. The 16 pair sums of vpmaddubsw are multiplied
+// by the run's integer scale in vpmaddwd (Q4_K's 6-bit one; Q6_K's two int8 ones, one per half of
+// the lanes), so a run costs one conversion and one multiply-add by x's step; the super-block's
+// float d scales the sum once. Q4_K's nibbles are unsigned and multiply x directly (its mins times
+// the runs' sums of x come in once per super-block, 8 runs in one vector); Q6_K's signed integers
+// go by the sign trick.
+template <int MR, int KIND, int P>
+inline void k_pair(const uint8_t* blk, const uint8_t* sc, const QRows& x, int64_t r0, int64_t k, int64_t run0,
+                   __m256 (&sum)[MR]) {
+  __m256i q[2];
+  k_pair_bytes<KIND, P>(blk, q[0], q[1]);
+  const int64_t runs = k / kRun;
+  for (int h = 0; h < 2; ++h) {
+    const int t = 2 * P + h;
+    const int64_t run = run0 + t;
+    const __m256i scale = KIND == kQ4K ? _mm256_set1_epi16(sc[t])
+                                       : _mm256_set_m128i(_mm_set1_epi16(static_cast<int8_t>(sc[2 * t + 1])),
+                                                          _mm_set1_epi16(static_cast<int8_t>(sc[2 * t])));
+    const __m256i wu = KIND == kQ4K ? q[h] : _mm256_sign_epi8(q[h], q[h]);
+    for (int r = 0; r < MR; ++r) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + (r0 + r) * k + run * kRun));
+      if constexpr (KIND == kQ6K) xv = _mm256_sign_epi8(xv, q[h]);
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), scale));
+      sum[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(x.dx[(r0 + r) * runs + run]), sum[r]);
+    }
+  }
+}
+
+template <int MR, int NC, int KIND>
+inline void tile_k(const Layout& l, const QRows& x, int64_t r0, const uint8_t* w, int64_t n, float* out) {
+  const int64_t k = l.k, groups = l.groups, bytes = l.bytes, runs = k / kRun;
+  __m256 acc[NC][MR];
+  for (int c = 0; c < NC; ++c)
+    for (int r = 0; r < MR; ++r) acc[c][r] = _mm256_setzero_ps();
+  const uint8_t* col[NC];
+  for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * groups * bytes;
+  const Ahead ahead(l, w, n, NC);
+  for (int64_t b = 0; b < groups; ++b) {
+    ahead.touch(b);
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* blk = col[c] + b * bytes;
+      uint8_t sm[16];  // Q4_K: 8 scales, 8 mins; Q6_K: its 16 int8 scales as stored
+      if constexpr (KIND == kQ4K) q4k_unpack_scales(blk + 4, sm);
+      else std::memcpy(sm, blk + 192, 16);
+      __m256 sum[MR];
+      for (int r = 0; r < MR; ++r) sum[r] = _mm256_setzero_ps();
+      k_pair<MR, KIND, 0>(blk, sm, x, r0, k, b * 8, sum);
+      k_pair<MR, KIND, 1>(blk, sm, x, r0, k, b * 8, sum);
+      k_pair<MR, KIND, 2>(blk, sm, x, r0, k, b * 8, sum);
+      k_pair<MR, KIND, 3>(blk, sm, x, r0, k, b * 8, sum);
+      const __m256 d = _mm256_set1_ps(half_at(KIND == kQ4K ? blk : blk + 208));
+      for (int r = 0; r < MR; ++r) acc[c][r] = _mm256_fmadd_ps(d, sum[r], acc[c][r]);
+      if constexpr (KIND == kQ4K) {  // minus dmin * m[t] * (x's sum over run t), lane t
+        const __m256 mins = _mm256_mul_ps(
+            _mm256_set1_ps(half_at(blk + 2)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8)))));
+        for (int r = 0; r < MR; ++r)
+          acc[c][r] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(x.s + (r0 + r) * runs + b * 8), acc[c][r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) out[(r0 + r) * l.n + n + c] = hsum(acc[c][r]);
+}
+
 template <int MR, int NC, int KIND>
 inline void tile_of(const Layout& l, const QRows& x, int64_t r0, const uint8_t* w, int64_t n, float* out) {
-  switch (l.group) {
-    case 32: return tile<MR, NC, KIND, 32>(l, x, r0, w, n, out);
-    case 64: return tile<MR, NC, KIND, 64>(l, x, r0, w, n, out);
-    case 128: return tile<MR, NC, KIND, 128>(l, x, r0, w, n, out);
-    default: return tile<MR, NC, KIND, 0>(l, x, r0, w, n, out);
+  if constexpr (KIND == kQ4K || KIND == kQ6K) {
+    tile_k<MR, NC, KIND>(l, x, r0, w, n, out);
+  } else {
+    switch (l.group) {
+      case 32: return tile<MR, NC, KIND, 32>(l, x, r0, w, n, out);
+      case 64: return tile<MR, NC, KIND, 64>(l, x, r0, w, n, out);
+      case 128: return tile<MR, NC, KIND, 128>(l, x, r0, w, n, out);
+      default: return tile<MR, NC, KIND, 0>(l, x, r0, w, n, out);
+    }
   }
 }
 #endif
@@ -145,6 +215,28 @@ inline void tile_of(const Layout& l, const QRows& x, int64_t r0, const uint8_t* 
 float dot_scalar(const Layout& l, const QRows& x, int64_t r, const uint8_t* w, int64_t n) {
   const int64_t runs = l.k / kRun, hdr = l.kind == kInt4 ? 4 : 2;
   float total = 0.f;
+  if (is_k(l.kind)) {
+    for (int64_t b = 0; b < l.groups; ++b) {
+      const uint8_t* blk = w + (n * l.groups + b) * l.bytes;
+      KScales ks;
+      k_scales(l.kind, blk, ks);
+      for (int t = 0; t < 8; ++t) {
+        int8_t q[32];
+        k_run(l.kind, blk, t, q);
+        const int64_t j = b * 8 + t;
+        const int8_t* xq = x.q + r * l.k + j * kRun;
+        int32_t s0 = 0, s1 = 0;
+        for (int i = 0; i < 16; ++i) {
+          s0 += q[i] * xq[i];
+          s1 += q[16 + i] * xq[16 + i];
+        }
+        const float dot = k_scale(l.kind, ks, t, 0) * static_cast<float>(s0) +
+                          k_scale(l.kind, ks, t, 1) * static_cast<float>(s1);
+        total += dot * x.dx[r * runs + j] + ks.m[t] * x.s[r * runs + j];
+      }
+    }
+    return total;
+  }
   for (int64_t b = 0; b < l.groups; ++b) {
     const uint8_t* blk = w + (n * l.groups + b) * l.bytes;
     const float d = half_at(blk);
@@ -199,8 +291,9 @@ at::Tensor quant_linear_a8(const at::Tensor& x, const at::Tensor& w, const std::
   shape.back() = l.n;
   at::Tensor xf = x.reshape({m, k}).to(at::kFloat).contiguous();
   std::vector<int8_t> q(m * k);
-  std::vector<float> dx(m * (k / kRun)), s(m * l.groups);
-  round_rows(xf.data_ptr<float>(), m, k, l.group, q.data(), dx.data(), s.data());
+  const int64_t sums = sum_run(l);
+  std::vector<float> dx(m * (k / kRun)), s(m * (k / sums));
+  round_rows(xf.data_ptr<float>(), m, k, sums, q.data(), dx.data(), s.data());
   at::Tensor out = at::empty({m, l.n}, xf.options());
   int_rows(l, QRows{q.data(), dx.data(), s.data()}, m, w.data_ptr<uint8_t>(), out.data_ptr<float>());
   if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
