@@ -115,17 +115,15 @@ inline void tile(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w
   float mterm[MR][NC] = {};
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = vzero();
-  const uint8_t* col[NC];
-  for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * groups * bytes;
-  const Ahead ahead(l, w, n, NC);
+  const TileCols<NC> cols(l, w, n);
   for (int64_t b = 0; b < groups; ++b) {
-    ahead.touch(b);
+    cols.ahead.touch(b);
     V t0[MR][NC], t1[MR][NC];
     for (int r = 0; r < MR; ++r)
       for (int c = 0; c < NC; ++c) t0[r][c] = t1[r][c] = vzero();
     const int64_t kb = b * g;
     for (int c = 0; c < NC; ++c) {
-      const uint8_t* q = col[c] + b * bytes + kHdr;
+      const uint8_t* q = cols.col[c] + b * bytes + kHdr;
       for (int64_t s = 0; s < g; s += 32) {
         if constexpr (kFour) {
           const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + s / 2));
@@ -151,7 +149,7 @@ inline void tile(const Layout& l, const Rows& rows, int64_t r0, const uint8_t* w
       }
     }
     for (int c = 0; c < NC; ++c) {
-      const uint8_t* blk = col[c] + b * bytes;
+      const uint8_t* blk = cols.col[c] + b * bytes;
       const float d = half_at(blk);
       const V dv = vset(d);
       for (int r = 0; r < MR; ++r) acc[r][c] = vfma(dv, vadd(t0[r][c], t1[r][c]), acc[r][c]);
@@ -204,14 +202,12 @@ inline void tile_k(const Layout& l, const Rows& rows, int64_t r0, const uint8_t*
   float mterm[NC][MR] = {};
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = vzero();
-  const uint8_t* col[NC];
-  for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * groups * bytes;
-  const Ahead ahead(l, w, n, NC);
+  const TileCols<NC> cols(l, w, n);
   for (int64_t b = 0; b < groups; ++b) {
-    ahead.touch(b);
+    cols.ahead.touch(b);
     const float* xb = rows.x + r0 * k + b * kSuper;
     for (int c = 0; c < NC; ++c) {
-      const uint8_t* blk = col[c] + b * bytes;
+      const uint8_t* blk = cols.col[c] + b * bytes;
       KScales ks;
       k_scales(static_cast<Kind>(KIND), blk, ks);
       k_pair<MR, KIND, 0>(blk, ks, rows, r0, xb, k, b * 8, acc[c], mterm[c]);

@@ -96,13 +96,11 @@ inline void tile(const Layout& l, const QRows& x, int64_t r0, const uint8_t* w, 
   float mterm[MR][NC] = {};
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  const uint8_t* col[NC];
-  for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * groups * bytes;
-  const Ahead ahead(l, w, n, NC);
+  const TileCols<NC> cols(l, w, n);
   for (int64_t b = 0; b < groups; ++b) {
-    ahead.touch(b);
+    cols.ahead.touch(b);
     for (int c = 0; c < NC; ++c) {
-      const uint8_t* blk = col[c] + b * bytes;
+      const uint8_t* blk = cols.col[c] + b * bytes;
       const float d = half_at(blk);
       __m256 t[MR];
       for (int r = 0; r < MR; ++r) t[r] = _mm256_setzero_ps();
@@ -165,13 +163,11 @@ inline void tile_k(const Layout& l, const QRows& x, int64_t r0, const uint8_t* w
   __m256 acc[NC][MR];
   for (int c = 0; c < NC; ++c)
     for (int r = 0; r < MR; ++r) acc[c][r] = _mm256_setzero_ps();
-  const uint8_t* col[NC];
-  for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * groups * bytes;
-  const Ahead ahead(l, w, n, NC);
+  const TileCols<NC> cols(l, w, n);
   for (int64_t b = 0; b < groups; ++b) {
-    ahead.touch(b);
+    cols.ahead.touch(b);
     for (int c = 0; c < NC; ++c) {
-      const uint8_t* blk = col[c] + b * bytes;
+      const uint8_t* blk = cols.col[c] + b * bytes;
       uint8_t sm[16];  // Q4_K: 8 scales, 8 mins; Q6_K: its 16 int8 scales as stored
       if constexpr (KIND == kQ4K) q4k_unpack_scales(blk + 4, sm);
       else std::memcpy(sm, blk + 192, 16);

@@ -171,6 +171,17 @@ struct Ahead {
     for (const char* a = next + b * step; a < next + (b + 1) * step && a < end; a += 64) _mm_prefetch(a, _MM_HINT_T0);
   }
 };
+
+// A tile's NC columns: where each one's blocks start, and the prefetcher of the columns after them.
+template <int NC>
+struct TileCols {
+  const uint8_t* col[NC];
+  Ahead ahead;
+
+  TileCols(const Layout& l, const uint8_t* w, int64_t n) : ahead(l, w, n, NC) {
+    for (int c = 0; c < NC; ++c) col[c] = w + (n + c) * l.groups * l.bytes;
+  }
+};
 #endif
 
 // The order both kernels walk out[m, N] in: columns in blocks of 16, in parallel (a block stays
