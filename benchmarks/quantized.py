@@ -293,7 +293,8 @@ def main() -> None:
                         "(auto: the machine's fastest, bf16 where the CPU has AVX512-BF16/AMX, else float32)")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quants", default=None, help="only these quantizations (e.g. gguf,gguf+a8)")
+    p.add_argument("--quants", default=None,
+                   help="only these quantizations (e.g. gguf,gguf+a8; model:quant for one model, e.g. llama1b:int4+a8)")
     p.add_argument("--llamacpp-python", default=None)
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--threads", type=int, default=None, help="torch threads (and llama.cpp's)")
@@ -312,9 +313,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.cpu_time:
         CLOCK = time.process_time
-    if args.quants:
+    if args.quants:  # "int8" for every model, "llama1b:int4+a8" for one
+        wanted = args.quants.split(",")
         for name in QUANTS:
-            QUANTS[name] = [q for q in QUANTS[name] if q in args.quants.split(",")]
+            QUANTS[name] = [q for q in QUANTS[name] if q in wanted or f"{name}:{q}" in wanted]
     report = {"threads": torch.get_num_threads(), "cpus": os.cpu_count()}
     for name in args.models.split(","):
         out = report.setdefault(name, {})

@@ -61,7 +61,7 @@ def test_rounding_definition():
 def test_integer_kernel_matches_reference(kind):
     ops, g, n, k, _, blocks = kernel_case(kind, 1)
     deq = dequantize(blocks, k)
-    for m in (1, 2, 3, 4, 5, 7, 16, 17, 40):  # every row tile, and the GEMM path past 16 rows
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):  # every row tile, and the GEMM path (4-bit kinds: 8 rows up)
         for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 1.5e-2)):
             x, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
             got = ops.quant_linear(x, blocks, b, 8)
@@ -73,6 +73,23 @@ def test_integer_kernel_matches_reference(kind):
                 assert 1e-4 < ((got - plain).norm() / plain.norm()) < 3e-2
     with pytest.raises(RuntimeError, match="act_bits must be 0"):
         ops.quant_linear(torch.randn(1, k), blocks, None, 4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_integer_gemm_rows_equal_rows_alone(kind):
+    """The row counts that take the integer GEMM (4-bit kinds, 8 rows and more; 45 columns leave
+    a part-filled panel) give each row what it gets alone, up to float32 summation order; a row
+    with a NaN or an infinity makes only its own outputs non-finite."""
+    ops, g, n, k, _, blocks = kernel_case(kind, 2)
+    x = torch.randn(23, k, generator=g)
+    x[5, 3], x[11, k - 1] = float("nan"), float("inf")
+    together = ops.quant_linear(x, blocks, None, 8)
+    alone = torch.cat([ops.quant_linear(x[i:i + 1], blocks, None, 8) for i in range(x.shape[0])])
+    bad = torch.zeros(x.shape[0], dtype=torch.bool)
+    bad[[5, 11]] = True
+    assert not together[bad].isfinite().any() and together[~bad].isfinite().all()
+    rel = (together[~bad] - alone[~bad]).norm(dim=-1) / alone[~bad].norm(dim=-1)
+    assert rel.max() < 1e-5, rel.max()
 
 
 def _agree(runs: list, others: list) -> None:
