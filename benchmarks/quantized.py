@@ -257,7 +257,8 @@ def run_llamacpp(name: str, python: str, runs: list[list[list[int]]]) -> dict:
 # ---- memory -------------------------------------------------------------------------------
 def rss(name: str, out: dict) -> None:
     table = {}
-    for quant in ["none", *(q for q in QUANTS[name] if not q.endswith("+a8"))]:  # +a8 holds the same weights
+    weights = dict.fromkeys(q.removesuffix("+a8") for q in QUANTS[name])  # +a8 holds the same weights
+    for quant in ["none", *weights]:
         proc = subprocess.run([sys.executable, __file__, "--rss-child", name, quant], capture_output=True, text=True)
         if proc.returncode != 0:
             table[quant] = f"failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
