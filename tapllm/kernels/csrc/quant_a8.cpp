@@ -28,7 +28,7 @@ namespace {
 
 // From 8 rows the 4-bit kinds take the integer GEMM (quant_a8_gemm.cpp: per call it decodes the
 // weights once into a panel, which fewer rows do not repay; measured at 1B shapes, 1 thread: at 8
-// rows 0.8-1.0x the tiles' time, at 16 rows 0.45-0.75x). The other kinds take the tiles up to 16
+// rows 0.55-1.15x the tiles' time, at 16 rows 0.33-0.73x). The other kinds take the tiles up to 16
 // rows, then the rounded x through quant.cpp's dequantize-then-GEMM path.
 constexpr int64_t kGemmRows = 8;
 constexpr int64_t kMaxIntRows = 16;
