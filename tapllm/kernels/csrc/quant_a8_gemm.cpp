@@ -73,12 +73,11 @@ inline __m256i run_bytes(const uint8_t* blk, int64_t t) {
 template <int KIND>
 inline void block_scales(const uint8_t* blk, int64_t runs, float* a, float* b) {
   if constexpr (KIND == kQ4K) {
-    uint8_t sm[16];
-    q4k_unpack_scales(blk + 4, sm);
-    const float d = half_at(blk), dmin = half_at(blk + 2);
+    KScales ks;
+    k_scales(kQ4K, blk, ks);
     for (int t = 0; t < 8; ++t) {
-      a[t * kCols] = d * static_cast<float>(sm[t]);
-      b[t * kCols] = -dmin * static_cast<float>(sm[8 + t]);
+      a[t * kCols] = ks.d[t];
+      b[t * kCols] = ks.m[t];
     }
   } else {
     const float d = half_at(blk);
