@@ -29,7 +29,7 @@ logger = logging.getLogger("tapllm")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "decoder.cpp", CSRC / "prefill_attention.cpp", CSRC / "quant.cpp",
-           CSRC / "quant_a8.cpp", CSRC / "quant_a8_gemm.cpp")
+           CSRC / "quant_a8.cpp", CSRC / "quant_a8_gemm.cpp", CSRC / "packed_gemv.cpp")
 HEADERS = (CSRC / "kernels.h", CSRC / "quant_layout.h", CSRC / "quant_a8.h")
 
 # Compiler flags of each instruction-set variant (ATen's own names for its capability macros).

@@ -15,10 +15,13 @@ or AVX-NE-CONVERT); everywhere else the layer is a plain ``F.linear``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tapllm.kernels.gemv import MAX_ROWS
 from tapllm.platform import cpu_support
 
 
@@ -37,13 +40,26 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None
+        # With tapllm's kernels: the packed buffer as a plain tensor, for steps of a few rows
+        # (tapllm/kernels/gemv.py); None keeps oneDNN's call at every size.
+        self.gemv: torch.Tensor | None = None
+        self.kernels: Any = None
 
     def pack(self) -> None:
         """Replace the weight by a oneDNN-packed copy (call after loading, when available)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 16)
         self.weight = None  # the packed copy is the only one kept
 
+    def use_gemv(self, ops: Any) -> None:
+        """Read the packed bf16 weight in place for steps of at most ``MAX_ROWS`` rows with
+        ``ops`` (a probed :func:`tapllm.kernels.gemv.packed_gemv_ops`); None restores oneDNN's call."""
+        usable = ops is not None and self.packed is not None and self.packed.dtype == torch.bfloat16
+        self.kernels = ops if usable else None
+        self.gemv = ops.packed_view(self.packed) if usable else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16:
+            return self.kernels.packed_linear(x, self.gemv, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)

@@ -19,6 +19,7 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
+from tapllm.kernels.gemv import packed_gemv_ops
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.models.stack import DecoderStack
@@ -248,9 +249,12 @@ class CausalLM(nn.Module):
     def use_kernels(self, ops: Any) -> None:
         """Run the norms, rotary and gated activations of every block with tapllm's fused
         kernels ``ops`` (``tapllm.kernels.fused_kernels()``); ``None`` restores the eager code."""
+        gemv = packed_gemv_ops(ops)
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | GatedMLP | QuantLinear | QuantEmbedding):
                 module.kernels = ops
+            elif isinstance(module, Linear):
+                module.use_gemv(gemv)
         self.kernels = ops
         self.stack = DecoderStack.maybe(ops, self.layers, self.stack_block, Attention, GatedMLP)
 

@@ -88,12 +88,12 @@ class DecoderStack:
             for layer, runs, (k, v) in zip(self.layers, self.runs, kv_caches):
                 attn, mlp = layer.self_attn, layer.mlp
                 if not runs:
-                    params.append([None] * 12)  # never handed to the runner
+                    params.append([None] * 16)  # never handed to the runner
                     continue
                 params.append([layer.input_layernorm.weight, _weight(attn.qkv_proj), attn.qkv_proj.bias,
                                _weight(attn.o_proj), attn.o_proj.bias, layer.post_attention_layernorm.weight,
                                _weight(mlp.gate_up_proj), mlp.gate_up_proj.bias, _weight(mlp.down_proj),
-                               mlp.down_proj.bias, k, v])
+                               mlp.down_proj.bias, k, v, *(getattr(m, "gemv", None) for m in _linears(layer))])
             self._kv, self._params = kv_caches, params
         return self._params
 

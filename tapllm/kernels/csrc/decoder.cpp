@@ -11,14 +11,17 @@
 namespace tapllm {
 namespace {
 
-constexpr int64_t kParamsPerLayer = 12;
+constexpr int64_t kParamsPerLayer = 16;
+constexpr int64_t kGemvRows = 4;  // tapllm/kernels/gemv.py MAX_ROWS
 
 // y = x W^T + b: oneDNN's op on a weight tapllm prepacked at load time (the Python path calls
 // the same op), else at::linear. The packed op is private: the Python side only packs after
 // its probe ran it (tapllm/platform.py), and only then passes packed=true.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, bool packed,
-                  int64_t act_bits) {
+// gemv: the packed weight's packed_view where the Python side probed the in-place GEMV (gemv.py).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& gemv,
+                  const std::optional<at::Tensor>& b, bool packed, int64_t act_bits) {
   if (w.scalar_type() == at::kByte) return quant_linear(x, w, b, act_bits);  // a quantized weight (quant.cpp)
+  if (gemv.has_value() && x.size(0) <= kGemvRows && x.scalar_type() == at::kBFloat16) return packed_linear(x, *gemv, b);
   if (!packed) return at::linear(x, w, b);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   c10::List<std::optional<at::Scalar>> scalars;
@@ -41,7 +44,7 @@ at::Tensor req(const c10::List<std::optional<at::Tensor>>& params, int64_t i) {
 }
 
 // params: per layer [input norm, qkv, qkv bias?, o, o bias?, post norm, gate_up, gate_up bias?, down,
-// down bias?, k_cache, v_cache]; windows: per layer (0: none); act_bits: the quantized linears' activation
+// down bias?, k_cache, v_cache, then the packed_view of qkv, o, gate_up, down or None]; windows: per layer (0: none); act_bits: the quantized linears' activation
 // rounding (0: none, 8: int8). x [T, hidden] is updated in place.
 at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor>>& params, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
@@ -55,7 +58,7 @@ at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor
   for (size_t layer = 0; layer < windows.size(); ++layer) {
     const int64_t p = kParamsPerLayer * static_cast<int64_t>(layer);
     at::Tensor h = rms_norm(x, req(params, p), eps, 0);
-    at::Tensor qkv = linear(h, req(params, p + 1), opt(params, p + 2), packed, act_bits);
+    at::Tensor qkv = linear(h, req(params, p + 1), opt(params, p + 12), opt(params, p + 2), packed, act_bits);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
@@ -63,10 +66,10 @@ at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor
     at::Tensor k_cache = req(params, p + 10), v_cache = req(params, p + 11);
     kv_write(k, v, k_cache, v_cache, slots);
     at::Tensor z = decode_attention(q, k_cache, v_cache, block_tables, lens, scale, windows[layer], 0.0);
-    at::Tensor a = linear(z.view({t, q_size}), req(params, p + 3), opt(params, p + 4), packed, act_bits);
+    at::Tensor a = linear(z.view({t, q_size}), req(params, p + 3), opt(params, p + 13), opt(params, p + 4), packed, act_bits);
     h = add_rms_norm_(x, a, req(params, p + 5), eps, 0);
-    at::Tensor gate_up = linear(h, req(params, p + 6), opt(params, p + 7), packed, act_bits);
-    at::Tensor m = linear(gated_act(gate_up, act), req(params, p + 8), opt(params, p + 9), packed, act_bits);
+    at::Tensor gate_up = linear(h, req(params, p + 6), opt(params, p + 14), opt(params, p + 7), packed, act_bits);
+    at::Tensor m = linear(gated_act(gate_up, act), req(params, p + 8), opt(params, p + 15), opt(params, p + 9), packed, act_bits);
     x.add_(m);
   }
   return x;

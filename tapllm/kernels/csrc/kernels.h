@@ -42,4 +42,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
                         int64_t act_bits = 0);
 at::Tensor quant_linear_a8(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
+// y = x W^T + b for a few bf16 rows on a oneDNN-prepacked weight read in place (packed_gemv.cpp):
+// w is the weight's packed_view.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+
 }  // namespace tapllm

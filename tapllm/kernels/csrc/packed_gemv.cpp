@@ -1,0 +1,185 @@
+// Linears of a few rows (decode steps) on oneDNN-prepacked bfloat16 weights, read in place.
+//
+// oneDNN's own call on a prepacked weight costs 20-40 us at the default model's decode shapes
+// (a 576x576 GEMV: 22 us, ~30 GB/s out of L2), so a batch-1 step's 121 linears ran at about
+// half the memory bandwidth. The weight stays the one oneDNN packed (no second copy): on
+// AVX512-BF16 CPUs it is laid out in blocks of 64 outputs, each block K/2 pairs of inputs of
+// 64 outputs x 2 bf16 (oneDNN's VNNI layout; N padded to 64, K to 32). That is exactly the
+// operand of vdpbf16ps: one 512-bit load is 16 outputs x 2 inputs, the input pair is broadcast.
+// packed_view() checks the byte count; tapllm/kernels/gemv.py checks the layout by running this
+// kernel against oneDNN before any model uses it, so another layout keeps oneDNN's call.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace tapllm {
+namespace {
+
+constexpr int64_t kBlockN = 64;  // outputs per block
+constexpr int64_t kBlockK = 32;  // K is padded to a multiple of this
+constexpr int64_t kRowsPerPass = 4;
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+int64_t int_op(const char* name, const at::Tensor& t) {
+  const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  std::vector<c10::IValue> stack{t};
+  op.callBoxed(&stack);
+  return stack[0].toInt();
+}
+
+bool supported() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// A plain bf16 tensor over a prepacked weight's bytes (no copy; it keeps the packed tensor alive).
+// Sizes [N, Kpad] name the weight's true outputs and padded inputs; the memory is the blocked
+// layout above, which only packed_linear reads.
+at::Tensor packed_view(const at::Tensor& packed) {
+  TORCH_CHECK(packed.is_mkldnn() && packed.dim() == 2 && packed.scalar_type() == at::kBFloat16,
+              "packed_view: a 2-D bfloat16 oneDNN-packed weight expected");
+  const int64_t n = packed.size(0), k = packed.size(1);
+  const int64_t kpad = round_up(k, kBlockK), npad = round_up(n, kBlockN);
+  const int64_t nbytes = int_op("mkldnn::_nbytes", packed);
+  TORCH_CHECK(nbytes == npad * kpad * 2, "packed_view: ", nbytes, " bytes, not the ", npad * kpad * 2,
+              " of a [", npad, ", ", kpad, "] blocked layout");
+  void* ptr = reinterpret_cast<void*>(int_op("mkldnn::data_ptr", packed));
+  at::Tensor keep = packed;
+  return at::from_blob(ptr, {n, kpad}, {kpad, 1}, [keep](void*) mutable {}, at::TensorOptions().dtype(at::kBFloat16));
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define TAPLLM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// The input pair (x[2p], x[2p+1]) of a row, broadcast; the pair past an odd K is (x[K-1], 0).
+TAPLLM_BF16_TARGET inline __m512bh pair(const uint16_t* x, int64_t p, int64_t k) {
+  uint32_t bits;
+  if (2 * p + 1 < k) {
+    std::memcpy(&bits, x + 2 * p, 4);
+  } else {
+    bits = x[2 * p];
+  }
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+}
+
+// Rows [0, M) of x times one block of 64 outputs; out gets float32 sums [M][64].
+template <int M>
+TAPLLM_BF16_TARGET void block_rows(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out) {
+  __m512 acc[M][4];
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t pairs = (k + 1) / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* wp = w + p * 2 * kBlockN;  // pairs of a block follow each other (16 x 128 = 2048)
+    _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * 2 * kBlockN), _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    for (int r = 0; r < M; ++r) {
+      const __m512bh xb = pair(x + r * ldx, p, k);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlockN + 16 * j, acc[r][j]);
+}
+
+TAPLLM_BF16_TARGET void run_rows(int m, const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out) {
+  switch (m) {
+    case 1: return block_rows<1>(w, x, ldx, k, out);
+    case 2: return block_rows<2>(w, x, ldx, k, out);
+    case 3: return block_rows<3>(w, x, ldx, k, out);
+    default: return block_rows<4>(w, x, ldx, k, out);
+  }
+}
+
+// float32 sums (+ bias) rounded to bf16 (to nearest even, as oneDNN's output) for outputs [n0, n0 + count).
+TAPLLM_BF16_TARGET void store_row(const float* sums, const uint16_t* bias, uint16_t* y, int64_t n0, int64_t count) {
+  for (int64_t j = 0; j < count; j += 16) {
+    const __mmask16 mask = count - j >= 16 ? static_cast<__mmask16>(0xffff)
+                                           : static_cast<__mmask16>((1u << (count - j)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(mask, sums + j);
+    if (bias != nullptr) {
+      const __m256i b = _mm256_maskz_loadu_epi16(mask, bias + n0 + j);
+      v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+    }
+    const __m256i r = (__m256i)_mm512_cvtneps_pbh(v);
+    _mm256_mask_storeu_epi16(y + n0 + j, mask, r);
+  }
+}
+#endif
+
+}  // namespace
+
+// y = x W^T + b for a few rows x [m, K] (bf16) and a packed_view W; y [m, N] bf16.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(supported(), "packed_linear: this build or CPU lacks AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && w.dim() == 2,
+              "packed_linear: bfloat16 x [m, K] and a packed_view weight expected");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), kpad = w.size(1);
+  TORCH_CHECK(round_up(k, kBlockK) == kpad, "packed_linear: x has ", k, " inputs, the weight ", kpad, " (padded)");
+  const at::Tensor xc = x.contiguous();
+  std::optional<at::Tensor> bc;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "packed_linear: bias must be bf16 [N]");
+    bc = bias->contiguous();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+#if defined(CPU_CAPABILITY_AVX512)
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const auto* bp = bc.has_value() ? reinterpret_cast<const uint16_t*>(bc->data_ptr()) : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t blocks = (n + kBlockN - 1) / kBlockN, block_elems = kpad * kBlockN;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kRowsPerPass * kBlockN];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlockN, count = std::min(kBlockN, n - n0);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {  // later passes read the block from cache
+        const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, m - r0));
+        run_rows(rows, wp + b * block_elems, xp + r0 * k, k, k, sums);
+        for (int r = 0; r < rows; ++r) store_row(sums + r * kBlockN, bp, yp + (r0 + r) * n, n0, count);
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+namespace {
+bool packed_gemv_supported() { return supported(); }
+}  // namespace
+
+}  // namespace tapllm
+
+#define TAPLLM_GEMV_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define TAPLLM_GEMV_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+TAPLLM_GEMV_FRAGMENT(TAPLLM_NS, m) {
+  m.def("packed_view(Tensor packed) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("packed_gemv_supported() -> bool", &tapllm::packed_gemv_supported);
+}
+
+TAPLLM_GEMV_IMPL(TAPLLM_NS, MkldnnCPU, m) { m.impl("packed_view", &tapllm::packed_view); }
+TAPLLM_GEMV_IMPL(TAPLLM_NS, CPU, m) {
+  m.impl("packed_linear", &tapllm::packed_linear);
+  m.impl("packed_view", &tapllm::packed_view);  // a plain tensor: refused with a message
+}

@@ -1,0 +1,65 @@
+"""Decode-sized linears on oneDNN-prepacked bfloat16 weights, read in place (packed_gemv.cpp).
+
+oneDNN's call on a prepacked weight costs 20-40 us at a small model's decode shapes, so the
+121 linears of a batch-1 step ran at about half the memory bandwidth. tapllm's kernel reads the
+very buffer oneDNN packed (no second copy), for steps of at most :data:`MAX_ROWS` rows; larger
+ones keep oneDNN's call. It assumes oneDNN's AVX512-BF16 layout, so it is used only after this
+module's probe ran it against oneDNN on shapes that pad both dimensions; any other layout (an
+AMX machine's, a future oneDNN's) or a CPU without AVX512-BF16 keeps oneDNN, and the log says so.
+``TAPLLM_PACKED_GEMV=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("tapllm")
+
+MAX_ROWS = 4  # measured: 2.5-4x oneDNN's call at 1-4 rows on the default model's shapes; past that the gap closes
+
+_state: dict[int, tuple[bool, str]] = {}
+
+
+def packed_gemv_ops(ops: Any) -> Any | None:
+    """``ops`` when its packed GEMV runs correctly on this CPU's packed bf16 weights, else None."""
+    if ops is None:
+        return None
+    key = id(ops)
+    if key not in _state:
+        _state[key] = _probe(ops)
+        ok, reason = _state[key]
+        (logger.info if ok else logger.warning)("packed bf16 GEMV for <= %d rows: %s", MAX_ROWS, reason)
+    return ops if _state[key][0] else None
+
+
+def _probe(ops: Any) -> tuple[bool, str]:
+    from tapllm.platform import cpu_support
+
+    if os.environ.get("TAPLLM_PACKED_GEMV", "1") == "0":
+        return False, "off (TAPLLM_PACKED_GEMV=0): oneDNN's call"
+    if not hasattr(ops, "packed_gemv_supported") or not ops.packed_gemv_supported():
+        return False, "off (no AVX512-BF16 in this build or CPU): oneDNN's call"
+    if torch.bfloat16 not in cpu_support().packable:
+        return False, "off (bf16 weights are not packed here)"
+    g = torch.Generator().manual_seed(0)
+    try:
+        for n, k in ((130, 72), (64, 33), (200, 576)):  # padded and exact N and K, an odd K
+            w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+            b = torch.randn(n, generator=g).to(torch.bfloat16)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+            view = ops.packed_view(packed)
+            for rows in range(1, MAX_ROWS + 2):
+                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                for bias in (None, b):
+                    want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "").float()
+                    got = ops.packed_linear(x, view, bias).float()
+                    err = ((got - want).norm() / want.norm()).item()
+                    if not err < 1e-2:  # a wrong layout gives an error of order 1
+                        return False, f"off (disagrees with oneDNN at {n}x{k}, {rows} rows: {err:.2e}): oneDNN's call"
+    except Exception as exc:  # noqa: BLE001 - any failure means: keep oneDNN's call
+        return False, f"off ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}): oneDNN's call"
+    return True, "on (oneDNN's packed layout read in place)"

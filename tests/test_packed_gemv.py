@@ -1,0 +1,117 @@
+"""The in-place GEMV on oneDNN-packed bf16 weights (tapllm/kernels/gemv.py) against oneDNN and
+float32, its probe, and the fused step with it on against the same step with it off.
+
+The kernel runs only on CPUs with AVX512-BF16 whose oneDNN packs bf16 weights in the layout it
+reads; elsewhere these tests check that the probe keeps oneDNN's call.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from tapllm import LLM, HiddenStatesSpec, SamplingParams
+from tapllm.kernels import fused_kernels, gemv
+from tapllm.layers.linear import Linear
+
+ops = fused_kernels()
+gemv_ops = gemv.packed_gemv_ops(ops)
+needs_gemv = pytest.mark.skipif(gemv_ops is None, reason="no AVX512-BF16 packed GEMV on this CPU")
+
+
+@needs_gemv
+@pytest.mark.parametrize("n,k", [(1, 64), (63, 32), (64, 576), (130, 33), (200, 1536), (49, 7)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_equals_onednn_on_the_same_packed_weight(n, k, rows, bias):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    got = gemv_ops.packed_linear(x, gemv_ops.packed_view(packed), b).float()
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [None], "").float()
+    exact = x.float() @ w.float().T + (b.float() if bias else 0)
+    assert got.shape == (rows, n)
+    # both round float32 sums to bf16: at most an ulp of bf16 (2^-8 relative) apart, plus summation order
+    torch.testing.assert_close(got, exact, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
+    torch.testing.assert_close(got, onednn, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
+
+
+@needs_gemv
+def test_gemv_refuses_mismatched_inputs():
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 96).to(torch.bfloat16), 16)
+    view = gemv_ops.packed_view(packed)
+    assert tuple(view.shape) == (64, 96)
+    with pytest.raises(RuntimeError, match="inputs"):
+        gemv_ops.packed_linear(torch.randn(1, 40).to(torch.bfloat16), view, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        gemv_ops.packed_linear(torch.randn(1, 96), view, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        gemv_ops.packed_linear(torch.randn(1, 96).to(torch.bfloat16), view, torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="oneDNN-packed"):
+        gemv_ops.packed_view(torch.randn(64, 96).to(torch.bfloat16))
+
+
+@needs_gemv
+def test_the_view_keeps_the_packed_weight_alive():
+    w = torch.randn(70, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    view = gemv_ops.packed_view(torch.ops.mkldnn._reorder_linear_weight(w, 16))  # the packed tensor is dropped
+    torch.randn(70, 64).to(torch.bfloat16)  # allocations that could reuse freed memory
+    got = gemv_ops.packed_linear(x, view, None).float()
+    torch.testing.assert_close(got, x.float() @ w.float().T, rtol=8e-3, atol=1e-2)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env})
+
+
+@pytest.mark.skipif(ops is None, reason="no C++ compiler: only the eager step exists here")
+def test_turned_off_or_on_a_cpu_without_avx512_bf16_the_probe_keeps_onednn():
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from tapllm.kernels import fused_kernels, gemv\n"
+            "assert gemv.packed_gemv_ops(fused_kernels()) is None\n")
+    off = _python(code, TAPLLM_PACKED_GEMV="0")
+    assert off.returncode == 0 and "TAPLLM_PACKED_GEMV=0" in off.stderr, off.stderr[-2000:]
+    avx2 = _python(code, ATEN_CPU_CAPABILITY="avx2")  # the AVX2 build has no bf16 dot products
+    assert avx2.returncode == 0 and "no AVX512-BF16" in avx2.stderr, avx2.stderr[-2000:]
+
+
+def _generate(folder, *, gemv_on: bool, monkeypatch) -> list:
+    monkeypatch.setenv("TAPLLM_PACKED_GEMV", "1" if gemv_on else "0")
+    monkeypatch.setattr(gemv, "_state", {})
+    llm = LLM(folder, dtype="bfloat16")
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all((m.gemv is not None) == gemv_on for m in linears)
+    spec = HiddenStatesSpec(layers="all", points=["resid_post", "attn_out"], positions="all")
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, hidden_states=spec),
+              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]
+    return llm.generate(random_prompts([12, 3, 25, 8], seed=4), params * 2, use_tqdm=False)
+
+
+@needs_gemv
+def test_fused_step_with_the_gemv_tracks_the_step_without_it(tiny_models, monkeypatch):
+    """Batches of 1-4 decodes take the GEMV, prefills oneDNN; states agree to bf16 rounding."""
+    on = _generate(tiny_models["llama"], gemv_on=True, monkeypatch=monkeypatch)
+    off = _generate(tiny_models["llama"], gemv_on=False, monkeypatch=monkeypatch)
+    compared = 0
+    for a, b in zip(on, off):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(ta) == len(tb)
+        if b.hidden_states is None:
+            continue
+        # bf16 roundings may part greedy tokens; states agree up to the first parted token
+        common = next((i for i, (u, v) in enumerate(zip(ta, tb)) if u != v), len(ta))
+        rows = len(a.prompt_token_ids) + min(common, len(ta) - 1)
+        compared += rows - len(a.prompt_token_ids)
+        for point in ("resid_post", "attn_out"):
+            x, y = a.hidden_states[point][:rows].float(), b.hidden_states[point][:rows].float()
+            assert ((x - y).norm() / y.norm()).item() < 2e-2, point
+    assert compared > 0  # some generated positions (the GEMV's decode steps) were compared
