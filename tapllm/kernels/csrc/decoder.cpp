@@ -44,8 +44,9 @@ at::Tensor req(const c10::List<std::optional<at::Tensor>>& params, int64_t i) {
 }
 
 // params: per layer [input norm, qkv, qkv bias?, o, o bias?, post norm, gate_up, gate_up bias?, down,
-// down bias?, k_cache, v_cache, then the packed_view of qkv, o, gate_up, down or None]; windows: per layer (0: none); act_bits: the quantized linears' activation
-// rounding (0: none, 8: int8). x [T, hidden] is updated in place.
+// down bias?, k_cache, v_cache, then the packed_view (or None) of qkv, o, gate_up, down]; windows: per
+// layer (0: none); act_bits: the quantized linears' activation rounding (0: none, 8: int8). x [T, hidden]
+// is updated in place.
 at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor>>& params, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
                           const at::Tensor& lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
