@@ -92,6 +92,22 @@ def test_decode_attention_reads_scattered_blocks(dtype, heads, kv_heads, dim):
         _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128)])
+def test_decode_attention_over_long_scattered_contexts(dtype, heads, kv_heads, dim):
+    # contexts of many 16-key chunks and odd lengths: the bf16 dot-product path's key pairs and prefetches
+    g = torch.Generator().manual_seed(dim)
+    bs, blocks = 16, 80
+    k_cache, v_cache = _cache(dtype, kv_heads, blocks, bs, dim, g)
+    lens = torch.tensor([37, 100, 161, 255, 256])
+    tables = torch.randperm(blocks, generator=g)[:80].view(5, 16)
+    q = torch.randn(5, heads, dim, generator=g).to(dtype)
+    for window, softcap in ((0, 0.0), (77, 0.0), (0, 20.0)):
+        got = ops.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, softcap)
+        want = reference.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, softcap)
+        _close(got, want, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kv_write_scatters_rows_and_zeroes_non_finite_values(dtype):
     g = torch.Generator().manual_seed(3)
@@ -141,6 +157,12 @@ def test_bad_arguments_raise_instead_of_reading_out_of_bounds():
     with pytest.raises(RuntimeError, match="int64"):
         ops.decode_attention(torch.zeros(1, 4, 8), k_cache, k_cache, torch.zeros(1, 2, dtype=torch.int32),
                              torch.tensor([3]), 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="block table is too short"):  # 9 keys need 3 blocks of 4
+        ops.decode_attention(torch.zeros(1, 4, 8), k_cache, k_cache, torch.zeros(1, 2, dtype=torch.long),
+                             torch.tensor([9]), 1.0, 0, 0.0)
+    with pytest.raises(RuntimeError, match="names block 4 of a cache of 4"):
+        ops.decode_attention(torch.zeros(1, 4, 8), k_cache, k_cache, torch.tensor([[0, 4]]),
+                             torch.tensor([5]), 1.0, 0, 0.0)
     with pytest.raises(RuntimeError, match="weight"):
         ops.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6, 0)
 

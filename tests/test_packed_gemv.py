@@ -25,8 +25,8 @@ needs_gemv = pytest.mark.skipif(gemv_ops is None, reason="no AVX512-BF16 packed 
 
 
 @needs_gemv
-@pytest.mark.parametrize("n,k", [(1, 64), (63, 32), (64, 576), (130, 33), (200, 1536), (49, 7)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(1, 64), (63, 32), (64, 576), (130, 33), (200, 1536), (49, 7), (520, 96)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 30, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_onednn_on_the_same_packed_weight(n, k, rows, bias):
     g = torch.Generator().manual_seed(n * 1000 + k + rows)

@@ -19,7 +19,10 @@ import torch
 
 logger = logging.getLogger("tapllm")
 
-MAX_ROWS = 4  # measured: 2.5-4x oneDNN's call at 1-4 rows on the default model's shapes; past that the gap closes
+# Measured, the default model's four linear shapes out of cache, 2 threads (ms per block, oneDNN ->
+# this kernel): 1 row 0.46-0.53 -> 0.30-0.32, 16 rows 0.57-0.62 -> 0.43, 64 rows 1.5-1.7 -> 1.35-1.39;
+# 96 rows 2.07 -> 2.08, 256 rows 4.98 -> 5.32: the cut is 64 rows.
+MAX_ROWS = 64
 
 _state: dict[int, tuple[bool, str]] = {}
 
@@ -47,12 +50,12 @@ def _probe(ops: Any) -> tuple[bool, str]:
         return False, "off (bf16 weights are not packed here)"
     g = torch.Generator().manual_seed(0)
     try:
-        for n, k in ((130, 72), (64, 33), (200, 576)):  # padded and exact N and K, an odd K
+        for n, k in ((130, 72), (64, 33), (520, 576)):  # padded and exact N and K, an odd K; 9 blocks
             w = torch.randn(n, k, generator=g).to(torch.bfloat16)
             b = torch.randn(n, generator=g).to(torch.bfloat16)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
             view = ops.packed_view(packed)
-            for rows in range(1, MAX_ROWS + 2):
+            for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, MAX_ROWS):
                 x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
                 for bias in (None, b):
                     want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "").float()

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 // float32, bfloat16 and float16, with the element type as scalar_t in the body.
@@ -496,6 +497,22 @@ void kv_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
+bool bf16_dot_supported() {
+#if defined(CPU_CAPABILITY_AVX512)
+  // CPUID is the right test here: AVX512-BF16 works on the zmm state that the OS has already
+  // enabled for AVX512 (ATen's AVX512 dispatch checks it); unlike AMX tiles, no further
+  // permission is asked of the kernel.
+  static const bool ok = [] {
+    const char* env = std::getenv("TAPLLM_BF16_DOT");
+    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0") &&
+           !std::getenv("TAPLLM_NO_AVX512BF16");  // that switch stands for a CPU without AVX512-BF16
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 // ---- decode attention: one query per sequence, K/V read in place from their blocks --------
 // Each task is one (sequence, KV head): the G query heads that share the KV head read its key
 // and value rows (from L1/L2 after the first head). Scores, softmax and the weighted sum are
@@ -547,12 +564,12 @@ inline __m512 sum16(const __m512* a) {
 
 // Asks for the rows of keys [begin, end) ahead of use: a sequence's blocks lie anywhere in the
 // cache, so the hardware prefetcher, which follows strides, does not find them (5 GB/s without).
-template <typename T>
+template <typename T, int HINT = _MM_HINT_T0>
 inline void prefetch_rows(const T* base, const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
                           int64_t d) {
   for (int64_t p = begin; p < end; ++p) {
     const char* row = reinterpret_cast<const char*>(base + (table[p / block_size] * block_size + p % block_size) * d);
-    for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(row + b, static_cast<_mm_hint>(HINT));
   }
 }
 
@@ -641,7 +658,130 @@ void decode_task16(const T* q, const T* kh, const T* vh, T* out, const int64_t* 
     }
   }
 }
+#define TAPLLM_DOT_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+
+// bfloat16 K/V with AVX512-BF16 dot products, for head sizes of DP x 32. In the float32 task above
+// widening every key and value row costs as much as the products (a bf16 step ran at 11-14 GB/s,
+// compute-bound even in cache). Q.K: a key row's pairs of dimensions times the query's, 16 keys
+// summed by sum16. P.V: pairs of keys: the two value rows interleaved (vpunpck{l,h}wd, so lanes
+// hold dims in a fixed permuted order, undone at the end) times the two probabilities rounded to
+// bfloat16, as PyTorch's bf16 attention rounds them. Scores, softmax and sums are float32.
+template <int DP>
+TAPLLM_DOT_TARGET void decode_scores_dot(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, const int64_t* table,
+                                         int64_t first, int64_t len, int64_t group, int64_t block_size,
+                                         int64_t q_head, float scale, float* scores) {
+  constexpr int64_t D = DP * 32;
+  constexpr int64_t AHEAD = 48;
+  const int64_t n = len - first;
+  prefetch_rows(kh, table, first, std::min<int64_t>(len, first + AHEAD), block_size, D);
+  for (int64_t p0 = first; p0 < len; p0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, len - p0);
+    prefetch_rows(kh, table, p0 + AHEAD, std::min<int64_t>(len, p0 + AHEAD + 16), block_size, D);
+    // the values of these keys into L2 now: the value pass then misses only there, and the memory
+    // has twice the requests in flight while the keys are scored
+    prefetch_rows<uint16_t, _MM_HINT_T1>(vh, table, p0, p0 + nk, block_size, D);
+    const uint16_t* rows[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t p = p0 + std::min<int64_t>(j, nk - 1);  // past the end: repeat the last key, not stored
+      rows[j] = kh + (table[p / block_size] * block_size + p % block_size) * D;
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << nk) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512bh qv[DP];
+      for (int v = 0; v < DP; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(q + g * q_head + v * 32);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(rows[j]), qv[0]);
+        for (int v = 1; v < DP; ++v) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(rows[j] + v * 32), qv[v]);
+        acc[j] = a;
+      }
+      _mm512_mask_storeu_ps(scores + g * n + (p0 - first), keep, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+    }
+  }
+}
+
+// Heads [g0, g0 + HPN) of a task over every value pair (a function, not a lambda: a lambda
+// does not take the target attribute).
+template <int DP, int HPN>
+TAPLLM_DOT_TARGET void dot_values(const uint16_t* vh, uint16_t* out, const int64_t* table, int64_t first, int64_t len,
+                                  int64_t block_size, const uint16_t* probs, int64_t np, int64_t g0) {
+  constexpr int64_t D = DP * 32;
+  __m512 lo[HPN][DP], hi[HPN][DP];
+  for (int h = 0; h < HPN; ++h)
+    for (int v = 0; v < DP; ++v) lo[h][v] = hi[h][v] = _mm512_setzero_ps();
+  if (g0 == 0) prefetch_rows(vh, table, first, std::min<int64_t>(len, first + 48), block_size, D);
+  for (int64_t i = 0; i < np; ++i) {
+    const int64_t p = first + 2 * i, p1 = std::min(p + 1, len - 1);
+    if (g0 == 0 && i % 8 == 0) prefetch_rows(vh, table, p + 48, std::min<int64_t>(len, p + 64), block_size, D);
+    const uint16_t* a = vh + (table[p / block_size] * block_size + p % block_size) * D;
+    const uint16_t* b = vh + (table[p1 / block_size] * block_size + p1 % block_size) * D;
+    __m512i vl[DP], vu[DP];
+    for (int v = 0; v < DP; ++v) {
+      const __m512i x = _mm512_loadu_si512(a + v * 32), y = _mm512_loadu_si512(b + v * 32);
+      vl[v] = _mm512_unpacklo_epi16(x, y);
+      vu[v] = _mm512_unpackhi_epi16(x, y);
+    }
+    for (int h = 0; h < HPN; ++h) {
+      uint32_t bits;
+      std::memcpy(&bits, probs + (g0 + h) * 2 * np + 2 * i, 4);
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+      for (int v = 0; v < DP; ++v) {
+        lo[h][v] = _mm512_dpbf16_ps(lo[h][v], (__m512bh)vl[v], w);
+        hi[h][v] = _mm512_dpbf16_ps(hi[h][v], (__m512bh)vu[v], w);
+      }
+    }
+  }
+  // lane e of lo[v] holds dim 32v + 8 (e / 4) + e % 4, of hi[v] the same + 4
+  for (int h = 0; h < HPN; ++h) {
+    alignas(64) float l[16], u[16], o[D];
+    for (int v = 0; v < DP; ++v) {
+      _mm512_store_ps(l, lo[h][v]);
+      _mm512_store_ps(u, hi[h][v]);
+      for (int e = 0; e < 16; ++e) {
+        o[32 * v + 8 * (e / 4) + e % 4] = l[e];
+        o[32 * v + 8 * (e / 4) + e % 4 + 4] = u[e];
+      }
+    }
+    for (int v = 0; v < 2 * DP; ++v)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (g0 + h) * D + v * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(o + v * 16)));
+  }
+}
+
+template <int DP>
+TAPLLM_DOT_TARGET void decode_task_dot(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, uint16_t* out,
+                                       const int64_t* table, int64_t first, int64_t len, int64_t group,
+                                       int64_t block_size, int64_t q_head, float scale, float softcap, float* scores,
+                                       uint16_t* probs) {
+  constexpr int64_t D = DP * 32;
+  constexpr int HP = DP <= 2 ? 4 : (DP <= 4 ? 2 : 1);  // heads per pass: 2 x DP accumulators each
+  const int64_t n = len - first, np = (n + 1) / 2;  // key pairs; an odd count's last pair has weight 0
+  decode_scores_dot<DP>(q, kh, vh, table, first, len, group, block_size, q_head, scale, scores);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * n;
+    const float inv = 1.f / exp_scores(sg, n, softcap);
+    uint16_t* pg = probs + g * 2 * np;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sg + i), _mm512_set1_ps(inv))));
+    if (i < 2 * np) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sg + i), _mm512_set1_ps(inv));  // zero past n
+      _mm256_mask_storeu_epi16(pg + i, static_cast<__mmask16>((1u << (2 * np - i)) - 1), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += HP) {
+    switch (std::min<int64_t>(HP, group - g0)) {
+      case 1: dot_values<DP, 1>(vh, out, table, first, len, block_size, probs, np, g0); break;
+      case 2: if constexpr (HP >= 2) dot_values<DP, 2>(vh, out, table, first, len, block_size, probs, np, g0); break;
+      case 3: if constexpr (HP >= 3) dot_values<DP, 3>(vh, out, table, first, len, block_size, probs, np, g0); break;
+      default: if constexpr (HP >= 4) dot_values<DP, 4>(vh, out, table, first, len, block_size, probs, np, g0); break;
+    }
+  }
+}
 #endif
+
 
 template <typename T, int NV>
 void decode_task(const T* q, const T* kh, const T* vh, T* out, const int64_t* table, int64_t first, int64_t len,
@@ -701,6 +841,35 @@ void decode_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* ta
   const int64_t group = heads / kv_heads;
   int64_t longest = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b]);
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if ((d == 64 || d == 128 || d == 256) && q_head % 2 == 0 && q_row % 2 == 0 && bf16_dot_supported()) {
+      auto run_dot = [&](auto dp_tag) {
+        constexpr int DP = decltype(dp_tag)::value;
+        at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+          const int64_t longest_even = std::max<int64_t>(longest, 1) + 1;
+          std::vector<float> scores(group * longest_even);
+          std::vector<uint16_t> probs(group * longest_even);
+          for (int64_t task = begin; task < end; ++task) {
+            const int64_t b = task / kv_heads, hk = task % kv_heads;
+            const int64_t len = lens[b];
+            const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+            const auto* qb = reinterpret_cast<const uint16_t*>(q) + b * q_row + hk * group * q_head;
+            decode_task_dot<DP>(qb, reinterpret_cast<const uint16_t*>(kc) + hk * head_slots * d,
+                                reinterpret_cast<const uint16_t*>(vc) + hk * head_slots * d,
+                                reinterpret_cast<uint16_t*>(out) + (b * heads + hk * group) * d,
+                                tables + b * table_width, first, len, group, block_size, q_head, scale, softcap,
+                                scores.data(), probs.data());
+          }
+        });
+      };
+      if (d == 64) run_dot(std::integral_constant<int, 2>());
+      else if (d == 128) run_dot(std::integral_constant<int, 4>());
+      else run_dot(std::integral_constant<int, 8>());
+      return;
+    }
+  }
+#endif
   auto run = [&](auto nv_tag) {
     constexpr int NV = decltype(nv_tag)::value;
     at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -749,6 +918,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == q.size(0), "bad lens");
   const int64_t kv_heads = k_cache.size(0), d = k_cache.size(3);
   TORCH_CHECK(q.size(2) == d && q.size(1) % kv_heads == 0, "q heads must be a multiple of the KV heads");
+  const int64_t bs = k_cache.size(2), blocks = k_cache.size(1);
+  const int64_t* ln = lens.data_ptr<int64_t>();
+  const int64_t* tb = block_tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(ln[b] >= 0 && (ln[b] + bs - 1) / bs <= block_tables.size(1), "sequence ", b, "'s block table is too short");
+    for (int64_t j = 0; j < (ln[b] + bs - 1) / bs; ++j)
+      TORCH_CHECK(tb[b * block_tables.size(1) + j] >= 0 && tb[b * block_tables.size(1) + j] < blocks, "sequence ", b,
+                  " names block ", tb[b * block_tables.size(1) + j], " of a cache of ", blocks);
+  }
   auto out = at::empty({q.size(0), q.size(1), d}, q.options());
   const int64_t head_slots = k_cache.size(1) * k_cache.size(2);
   TAPLLM_DISPATCH(q.scalar_type(), "decode_attention", [&] {

@@ -12,7 +12,7 @@ namespace tapllm {
 namespace {
 
 constexpr int64_t kParamsPerLayer = 16;
-constexpr int64_t kGemvRows = 4;  // tapllm/kernels/gemv.py MAX_ROWS
+constexpr int64_t kGemvRows = 64;  // tapllm/kernels/gemv.py MAX_ROWS
 
 // y = x W^T + b: oneDNN's op on a weight tapllm prepacked at load time (the Python path calls
 // the same op), else at::linear. The packed op is private: the Python side only packs after

@@ -32,6 +32,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
                             double softcap);
 
+// Whether attention may multiply bfloat16 with AVX512-BF16 dot products (cpu_kernels.cpp): the
+// CPU runs vdpbf16ps and TAPLLM_BF16_DOT is not "0" (float32 products, for comparisons).
+bool bf16_dot_supported();
+
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& contexts,
                              const at::Tensor& block_tables, double scale, int64_t window, double softcap);

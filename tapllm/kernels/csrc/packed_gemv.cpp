@@ -77,9 +77,20 @@ TAPLLM_BF16_TARGET inline __m512bh pair(const uint16_t* x, int64_t p, int64_t k)
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
 }
 
+// Lines of the next block to request while a later pass of rows works on this one from cache: the
+// first pass streams a block from memory, the others are compute, so without this the memory
+// sits idle for (passes - 1) / passes of the time at 8+ rows. Lines [first, end) of next, `each`
+// per input pair.
+struct Ahead {
+  const char* next = nullptr;
+  int64_t first = 0, end = 0;
+  int each = 0;
+};
+
 // Rows [0, M) of x times one block of 64 outputs; out gets float32 sums [M][64].
 template <int M>
-TAPLLM_BF16_TARGET void block_rows(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out) {
+TAPLLM_BF16_TARGET void block_rows(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out,
+                                   const Ahead& ahead) {
   __m512 acc[M][4];
   for (int r = 0; r < M; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -87,6 +98,12 @@ TAPLLM_BF16_TARGET void block_rows(const uint16_t* w, const uint16_t* x, int64_t
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* wp = w + p * 2 * kBlockN;  // pairs of a block follow each other (16 x 128 = 2048)
     _mm_prefetch(reinterpret_cast<const char*>(wp + 16 * 2 * kBlockN), _MM_HINT_T0);
+    if (ahead.next != nullptr) {
+      for (int q = 0; q < ahead.each; ++q) {
+        const int64_t line = ahead.first + p * ahead.each + q;
+        if (line < ahead.end) _mm_prefetch(ahead.next + line * 64, _MM_HINT_T1);
+      }
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
     for (int r = 0; r < M; ++r) {
@@ -101,12 +118,13 @@ TAPLLM_BF16_TARGET void block_rows(const uint16_t* w, const uint16_t* x, int64_t
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlockN + 16 * j, acc[r][j]);
 }
 
-TAPLLM_BF16_TARGET void run_rows(int m, const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out) {
+TAPLLM_BF16_TARGET void run_rows(int m, const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, float* out,
+                                 const Ahead& ahead) {
   switch (m) {
-    case 1: return block_rows<1>(w, x, ldx, k, out);
-    case 2: return block_rows<2>(w, x, ldx, k, out);
-    case 3: return block_rows<3>(w, x, ldx, k, out);
-    default: return block_rows<4>(w, x, ldx, k, out);
+    case 1: return block_rows<1>(w, x, ldx, k, out, ahead);
+    case 2: return block_rows<2>(w, x, ldx, k, out, ahead);
+    case 3: return block_rows<3>(w, x, ldx, k, out, ahead);
+    default: return block_rows<4>(w, x, ldx, k, out, ahead);
   }
 }
 
@@ -148,13 +166,31 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   const auto* bp = bc.has_value() ? reinterpret_cast<const uint16_t*>(bc->data_ptr()) : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t blocks = (n + kBlockN - 1) / kBlockN, block_elems = kpad * kBlockN;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t passes = (m + kRowsPerPass - 1) / kRowsPerPass, pairs = (k + 1) / 2;
+  const int64_t block_lines = block_elems * 2 / 64;
+  // The next block's lines spread over this block's later passes (4 lines per input pair in all).
+  const int each = passes > 1 ? static_cast<int>((block_lines / pairs + passes - 2) / (passes - 1)) : 0;
+  // With 2+ passes a work unit is half of a block's passes, so an odd block count (the default
+  // model's 576 outputs are 9 blocks) still splits evenly over threads; an even one gives each
+  // thread whole blocks, as before.
+  const int64_t halves = passes > 1 ? 2 : 1, mid = (passes + 1) / 2;
+  at::parallel_for(0, blocks * halves, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRowsPerPass * kBlockN];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kBlockN, count = std::min(kBlockN, n - n0);
-      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerPass) {  // later passes read the block from cache
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / halves, n0 = b * kBlockN, count = std::min(kBlockN, n - n0);
+      const int64_t pass_lo = halves == 1 || u % 2 == 0 ? 0 : mid, pass_hi = halves == 1 || u % 2 == 1 ? passes : mid;
+      const bool next_here = (b + 1) * halves < end;  // this thread runs the next block too
+      for (int64_t pass = pass_lo; pass < pass_hi; ++pass) {  // later passes read the block from cache
+        const int64_t r0 = pass * kRowsPerPass;
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, m - r0));
-        run_rows(rows, wp + b * block_elems, xp + r0 * k, k, k, sums);
+        Ahead ahead;
+        if (pass > 0 && next_here) {
+          ahead.next = reinterpret_cast<const char*>(wp + (b + 1) * block_elems);
+          ahead.first = (pass - 1) * pairs * each;
+          ahead.end = block_lines;
+          ahead.each = each;
+        }
+        run_rows(rows, wp + b * block_elems, xp + r0 * k, k, k, sums, ahead);
         for (int r = 0; r < rows; ++r) store_row(sums + r * kBlockN, bp, yp + (r0 + r) * n, n0, count);
       }
     }

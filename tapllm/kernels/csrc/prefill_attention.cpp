@@ -576,16 +576,6 @@ TAPLLM_BF16_TARGET void bf16_dot_task(const uint16_t* q, const uint16_t* kh, con
         heads * d);
 }
 
-// Whether the CPU runs vdpbf16ps. CPUID is the right test here: AVX512-BF16 works on the
-// zmm state that the OS has already enabled for AVX512 (ATen's AVX512 dispatch checks it);
-// unlike AMX tiles, no further permission is asked of the kernel.
-bool bf16_dot_supported() {
-  static const bool ok = [] {
-    const char* env = std::getenv("TAPLLM_BF16_DOT");  // "0": float32 products (for comparisons)
-    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0");
-  }();
-  return ok;
-}
 #endif
 
 template <typename T>
