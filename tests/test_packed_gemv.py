@@ -1,4 +1,4 @@
-"""The in-place GEMV on oneDNN-packed bf16 weights (tapllm/kernels/gemv.py) against oneDNN and
+"""The in-place GEMV on oneDNN-packed bf16 and float32 weights (tapllm/kernels/gemv.py) against oneDNN and
 float32, its probe, and the fused step with it on against the same step with it off.
 
 The kernel runs only on CPUs with AVX512-BF16 whose oneDNN packs bf16 weights in the layout it
@@ -43,6 +43,26 @@ def test_gemv_equals_onednn_on_the_same_packed_weight(n, k, rows, bias):
     torch.testing.assert_close(got, onednn, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
 
 
+gemv_f32 = gemv.packed_gemv_ops(ops, torch.float32)
+
+
+@pytest.mark.skipif(gemv_f32 is None, reason="no AVX512 packed float32 GEMV on this CPU")
+@pytest.mark.parametrize("n,k", [(2, 64), (63, 16), (130, 33), (200, 1536), (49, 7), (520, 96)])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 30, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_gemv_equals_onednn_on_the_same_packed_weight(n, k, rows, bias):
+    g = torch.Generator().manual_seed(n * 1000 + k + rows)
+    w, x = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    got = gemv_f32.packed_linear(x, gemv_f32.packed_view(packed), b)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [None], "")
+    exact = (x.double() @ w.double().T + (b.double() if bias else 0)).float()
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5 * k**0.5)  # summation order only
+    torch.testing.assert_close(got, onednn, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
 @needs_gemv
 def test_gemv_refuses_mismatched_inputs():
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 96).to(torch.bfloat16), 16)
@@ -77,17 +97,20 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 def test_turned_off_or_on_a_cpu_without_avx512_bf16_the_probe_keeps_onednn():
     code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
             "from tapllm.kernels import fused_kernels, gemv\n"
-            "assert gemv.packed_gemv_ops(fused_kernels()) is None\n")
+            "import torch\n"
+            "assert gemv.packed_gemv_ops(fused_kernels()) is None\n"
+            "assert gemv.packed_gemv_ops(fused_kernels(), torch.float32) is None\n")
     off = _python(code, TAPLLM_PACKED_GEMV="0")
     assert off.returncode == 0 and "TAPLLM_PACKED_GEMV=0" in off.stderr, off.stderr[-2000:]
     avx2 = _python(code, ATEN_CPU_CAPABILITY="avx2")  # the AVX2 build has no bf16 dot products
     assert avx2.returncode == 0 and "no AVX512-BF16" in avx2.stderr, avx2.stderr[-2000:]
+    assert "packed fp32 GEMV for <= 64 rows: off (no AVX512 in this build)" in avx2.stderr, avx2.stderr[-2000:]
 
 
-def _generate(folder, *, gemv_on: bool, monkeypatch) -> list:
+def _generate(folder, *, gemv_on: bool, monkeypatch, dtype: str = "bfloat16") -> list:
     monkeypatch.setenv("TAPLLM_PACKED_GEMV", "1" if gemv_on else "0")
     monkeypatch.setattr(gemv, "_state", {})
-    llm = LLM(folder, dtype="bfloat16")
+    llm = LLM(folder, dtype=dtype)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert linears and all((m.gemv is not None) == gemv_on for m in linears)
     spec = HiddenStatesSpec(layers="all", points=["resid_post", "attn_out"], positions="all")
@@ -115,3 +138,29 @@ def test_fused_step_with_the_gemv_tracks_the_step_without_it(tiny_models, monkey
             x, y = a.hidden_states[point][:rows].float(), b.hidden_states[point][:rows].float()
             assert ((x - y).norm() / y.norm()).item() < 2e-2, point
     assert compared > 0  # some generated positions (the GEMV's decode steps) were compared
+
+
+@pytest.mark.skipif(gemv_f32 is None, reason="no AVX512 packed float32 GEMV on this CPU")
+def test_float32_fused_step_with_the_gemv_equals_the_step_without_it(tiny_models, monkeypatch):
+    """float32: the same greedy tokens and states within summation order (1e-4), decodes and short prefills."""
+    on = _generate(tiny_models["llama"], gemv_on=True, monkeypatch=monkeypatch, dtype="float32")
+    off = _generate(tiny_models["llama"], gemv_on=False, monkeypatch=monkeypatch, dtype="float32")
+    for a, b in zip(on, off):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if b.hidden_states is not None:
+            for point in ("resid_post", "attn_out"):
+                torch.testing.assert_close(a.hidden_states[point], b.hidden_states[point], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(gemv_f32 is None, reason="no AVX512 packed float32 GEMV on this CPU")
+def test_a_layout_the_kernel_does_not_read_keeps_onednn_for_that_layer():
+    # oneDNN packs a float32 weight of one output plainly (256 bytes, no 64-output block)
+    lin = Linear(64, 1, bias=False, dtype=torch.float32)
+    lin.weight.data = torch.randn(1, 64)
+    lin.pack()
+    with pytest.raises(RuntimeError, match="blocked layout"):
+        gemv_f32.packed_view(lin.packed)
+    lin.use_gemv(gemv_f32)
+    assert lin.gemv is None
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(lin(x), torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [None], ""))

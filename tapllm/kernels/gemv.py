@@ -1,4 +1,4 @@
-"""Decode-sized linears on oneDNN-prepacked bfloat16 weights, read in place (packed_gemv.cpp).
+"""Decode-sized linears on oneDNN-prepacked bfloat16 or float32 weights, read in place (packed_gemv.cpp).
 
 oneDNN's call on a prepacked weight costs 20-40 us at a small model's decode shapes, so the
 121 linears of a batch-1 step ran at about half the memory bandwidth. tapllm's kernel reads the
@@ -24,44 +24,51 @@ logger = logging.getLogger("tapllm")
 # 96 rows 2.07 -> 2.08, 256 rows 4.98 -> 5.32: the cut is 64 rows.
 MAX_ROWS = 64
 
-_state: dict[int, tuple[bool, str]] = {}
+_state: dict[tuple[int, torch.dtype], tuple[bool, str]] = {}
 
 
-def packed_gemv_ops(ops: Any) -> Any | None:
-    """``ops`` when its packed GEMV runs correctly on this CPU's packed bf16 weights, else None."""
-    if ops is None:
+def packed_gemv_ops(ops: Any, dtype: torch.dtype = torch.bfloat16) -> Any | None:
+    """``ops`` when its packed GEMV runs correctly on this CPU's packed ``dtype`` weights, else None."""
+    if ops is None or dtype not in (torch.bfloat16, torch.float32):
         return None
-    key = id(ops)
+    key = (id(ops), dtype)
     if key not in _state:
-        _state[key] = _probe(ops)
+        _state[key] = _probe(ops, dtype)
         ok, reason = _state[key]
-        (logger.info if ok else logger.warning)("packed bf16 GEMV for <= %d rows: %s", MAX_ROWS, reason)
+        (logger.info if ok else logger.warning)("packed %s GEMV for <= %d rows: %s", _NAMES[dtype], MAX_ROWS, reason)
     return ops if _state[key][0] else None
 
 
-def _probe(ops: Any) -> tuple[bool, str]:
+_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _probe(ops: Any, dtype: torch.dtype) -> tuple[bool, str]:
     from tapllm.platform import cpu_support
 
     if os.environ.get("TAPLLM_PACKED_GEMV", "1") == "0":
         return False, "off (TAPLLM_PACKED_GEMV=0): oneDNN's call"
-    if not hasattr(ops, "packed_gemv_supported") or not ops.packed_gemv_supported():
-        return False, "off (no AVX512-BF16 in this build or CPU): oneDNN's call"
-    if torch.bfloat16 not in cpu_support().packable:
-        return False, "off (bf16 weights are not packed here)"
+    if dtype == torch.bfloat16:
+        if not hasattr(ops, "packed_gemv_supported") or not ops.packed_gemv_supported():
+            return False, "off (no AVX512-BF16 in this build or CPU): oneDNN's call"
+    elif not hasattr(ops, "packed_gemv_f32_supported") or not ops.packed_gemv_f32_supported():
+        return False, "off (no AVX512 in this build): oneDNN's call"
+    if dtype not in cpu_support().packable:
+        return False, f"off ({_NAMES[dtype]} weights are not packed here)"
     g = torch.Generator().manual_seed(0)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     try:
         for n, k in ((130, 72), (64, 33), (520, 576)):  # padded and exact N and K, an odd K; 9 blocks
-            w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-            b = torch.randn(n, generator=g).to(torch.bfloat16)
+            w = torch.randn(n, k, generator=g).to(dtype)
+            b = torch.randn(n, generator=g).to(dtype)
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
             view = ops.packed_view(packed)
             for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, MAX_ROWS):
-                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                x = torch.randn(rows, k, generator=g).to(dtype)
                 for bias in (None, b):
                     want = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "").float()
                     got = ops.packed_linear(x, view, bias).float()
                     err = ((got - want).norm() / want.norm()).item()
-                    if not err < 1e-2:  # a wrong layout gives an error of order 1
+                    if not err < tol:  # a wrong layout gives an error of order 1
                         return False, f"off (disagrees with oneDNN at {n}x{k}, {rows} rows: {err:.2e}): oneDNN's call"
     except Exception as exc:  # noqa: BLE001 - any failure means: keep oneDNN's call
         return False, f"off ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}): oneDNN's call"

@@ -51,14 +51,20 @@ class Linear(nn.Module):
         self.weight = None  # the packed copy is the only one kept
 
     def use_gemv(self, ops: Any) -> None:
-        """Read the packed bf16 weight in place for steps of at most ``MAX_ROWS`` rows with
-        ``ops`` (a probed :func:`tapllm.kernels.gemv.packed_gemv_ops`); None restores oneDNN's call."""
-        usable = ops is not None and self.packed is not None and self.packed.dtype == torch.bfloat16
-        self.kernels = ops if usable else None
-        self.gemv = ops.packed_view(self.packed) if usable else None
+        """Read the packed weight in place for steps of at most ``MAX_ROWS`` rows with ``ops``
+        (:func:`tapllm.kernels.gemv.packed_gemv_ops`, probed for the weight's dtype); None restores oneDNN's call."""
+        usable = ops is not None and self.packed is not None and self.packed.dtype in (torch.bfloat16, torch.float32)
+        view = None
+        if usable:
+            try:
+                view = ops.packed_view(self.packed)
+            except RuntimeError:  # a layout the kernel does not read (oneDNN packs some shapes plainly): oneDNN's call
+                view = None
+        self.kernels = ops if view is not None else None
+        self.gemv = view
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == self.gemv.dtype:
             return self.kernels.packed_linear(x, self.gemv, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")

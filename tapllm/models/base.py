@@ -249,7 +249,7 @@ class CausalLM(nn.Module):
     def use_kernels(self, ops: Any) -> None:
         """Run the norms, rotary and gated activations of every block with tapllm's fused
         kernels ``ops`` (``tapllm.kernels.fused_kernels()``); ``None`` restores the eager code."""
-        gemv = packed_gemv_ops(ops)
+        gemv = packed_gemv_ops(ops, self.cfg.dtype)
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | GatedMLP | QuantLinear | QuantEmbedding):
                 module.kernels = ops

@@ -21,7 +21,7 @@ constexpr int64_t kGemvRows = 64;  // tapllm/kernels/gemv.py MAX_ROWS
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& gemv,
                   const std::optional<at::Tensor>& b, bool packed, int64_t act_bits) {
   if (w.scalar_type() == at::kByte) return quant_linear(x, w, b, act_bits);  // a quantized weight (quant.cpp)
-  if (gemv.has_value() && x.size(0) <= kGemvRows && x.scalar_type() == at::kBFloat16) return packed_linear(x, *gemv, b);
+  if (gemv.has_value() && x.size(0) <= kGemvRows && x.scalar_type() == gemv->scalar_type()) return packed_linear(x, *gemv, b);
   if (!packed) return at::linear(x, w, b);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   c10::List<std::optional<at::Scalar>> scalars;
