@@ -3,9 +3,11 @@
 oneDNN's call on a prepacked weight costs 20-40 us at a small model's decode shapes, so the
 121 linears of a batch-1 step ran at about half the memory bandwidth. tapllm's kernel reads the
 very buffer oneDNN packed (no second copy), for steps of at most :data:`MAX_ROWS` rows; larger
-ones keep oneDNN's call. It assumes oneDNN's AVX512-BF16 layout, so it is used only after this
-module's probe ran it against oneDNN on shapes that pad both dimensions; any other layout (an
-AMX machine's, a future oneDNN's) or a CPU without AVX512-BF16 keeps oneDNN, and the log says so.
+ones keep oneDNN's call. It assumes oneDNN's AVX512 layouts (bf16: blocks of 64 outputs x input
+pairs; float32: 64 outputs x inputs), so it is used only after this module's probe ran it, per
+dtype, against oneDNN on shapes that pad both dimensions; any other layout (an AMX machine's, a
+future oneDNN's) or a CPU without AVX512-BF16 (bf16) or AVX512 (float32) keeps oneDNN, and the
+log says so.
 ``TAPLLM_PACKED_GEMV=0`` turns it off.
 """
 

@@ -1,4 +1,4 @@
-// Linears of a few rows (decode steps) on oneDNN-prepacked bfloat16 weights, read in place.
+// Linears of a few rows (decode steps) on oneDNN-prepacked bfloat16 or float32 weights, read in place.
 //
 // oneDNN's own call on a prepacked weight costs 20-40 us at the default model's decode shapes
 // (a 576x576 GEMV: 22 us, ~30 GB/s out of L2), so a batch-1 step's 121 linears ran at about
