@@ -26,12 +26,14 @@ logger = logging.getLogger("tapllm")
 # 96 rows 2.07 -> 2.08, 256 rows 4.98 -> 5.32: the cut is 64 rows.
 MAX_ROWS = 64
 
+_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # the dtypes the kernel reads
+
 _state: dict[tuple[int, torch.dtype], tuple[bool, str]] = {}
 
 
 def packed_gemv_ops(ops: Any, dtype: torch.dtype = torch.bfloat16) -> Any | None:
     """``ops`` when its packed GEMV runs correctly on this CPU's packed ``dtype`` weights, else None."""
-    if ops is None or dtype not in (torch.bfloat16, torch.float32):
+    if ops is None or dtype not in _NAMES:
         return None
     key = (id(ops), dtype)
     if key not in _state:
@@ -39,9 +41,6 @@ def packed_gemv_ops(ops: Any, dtype: torch.dtype = torch.bfloat16) -> Any | None
         ok, reason = _state[key]
         (logger.info if ok else logger.warning)("packed %s GEMV for <= %d rows: %s", _NAMES[dtype], MAX_ROWS, reason)
     return ops if _state[key][0] else None
-
-
-_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def _probe(ops: Any, dtype: torch.dtype) -> tuple[bool, str]:
