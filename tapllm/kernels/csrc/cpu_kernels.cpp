@@ -585,6 +585,13 @@ inline void prefetch_keys(const T* kh, const int64_t* table, int64_t p0, int64_t
   prefetch_rows<T, _MM_HINT_T1>(kh, table, p0 + kKeysAhead, std::min<int64_t>(len, p0 + kKeysAhead + 16), block_size, d);
   prefetch_rows(kh, table, p0 + 16, std::min<int64_t>(len, p0 + 32), block_size, d);
 }
+// What prefetch_keys would have requested before the task's first chunk.
+template <typename T>
+inline void prefetch_first_keys(const T* kh, const int64_t* table, int64_t first, int64_t len, int64_t block_size,
+                                int64_t d) {
+  prefetch_rows<T, _MM_HINT_T1>(kh, table, first, std::min<int64_t>(len, first + kKeysAhead), block_size, d);
+  prefetch_rows(kh, table, first, std::min<int64_t>(len, first + 16), block_size, d);
+}
 
 // Scores of every query head of the group against keys [first, len), 16 keys at a time: each key
 // row is widened once for the group, and the 16 dot products of a head are summed by sum16.
@@ -594,8 +601,7 @@ void decode_scores16(const T* q, const T* kh, const T* vh, const int64_t* table,
   constexpr int64_t D = NV * 16;
   const int64_t n = len - first;
   alignas(64) float kbuf[std::is_same_v<T, float> ? 1 : 16 * D];
-  prefetch_rows<T, _MM_HINT_T1>(kh, table, first, std::min<int64_t>(len, first + kKeysAhead), block_size, D);
-  prefetch_rows(kh, table, first, std::min<int64_t>(len, first + 16), block_size, D);
+  prefetch_first_keys(kh, table, first, len, block_size, D);
   for (int64_t p0 = first; p0 < len; p0 += 16) {
     const int64_t nk = std::min<int64_t>(16, len - p0);
     prefetch_keys(kh, table, p0, len, block_size, D);
@@ -687,8 +693,7 @@ TAPLLM_DOT_TARGET void decode_scores_dot(const uint16_t* q, const uint16_t* kh, 
                                          int64_t q_head, float scale, float* scores) {
   constexpr int64_t D = DP * 32;
   const int64_t n = len - first;
-  prefetch_rows<uint16_t, _MM_HINT_T1>(kh, table, first, std::min<int64_t>(len, first + kKeysAhead), block_size, D);
-  prefetch_rows(kh, table, first, std::min<int64_t>(len, first + 16), block_size, D);
+  prefetch_first_keys(kh, table, first, len, block_size, D);
   for (int64_t p0 = first; p0 < len; p0 += 16) {
     const int64_t nk = std::min<int64_t>(16, len - p0);
     prefetch_keys(kh, table, p0, len, block_size, D);
