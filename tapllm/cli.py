@@ -32,6 +32,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "larger gives throughput and time to first token (default 2048)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="memory of the KV cache (default: a fifth of the available memory, at most 4 GB)")
+    p.add_argument("--kv-cache-precommit", action="store_true",
+                   help="commit the KV cache's memory at start-up, as vLLM does (no page faults inside steps)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="on CUDA, the share of device memory to use (sizes the KV cache); ignored on CPU")
     p.add_argument("--seed", type=int, default=0)

@@ -202,6 +202,9 @@ class EngineConfig:
         kv_cache_memory_gb: memory given to the KV cache (``None``: a fifth of the memory
             available at start on CPU, at most 4 GB; its pages are committed only as requests
             write them, so an idle or lightly used cache costs little).
+        kv_cache_precommit: commit the KV cache's memory at start-up (as vLLM's CPU backend
+            does) instead of on first write: about 0.25 s per GB more start-up and the whole
+            cache resident from the start, in exchange for no page faults inside steps.
         enable_prefix_caching: share KV blocks between requests with equal prefixes.
         seed: seeds the generators of requests that set no seed of their own.
         enable_hidden_states: serve ``hidden_states`` requests at all (a service may turn it off).
@@ -248,6 +251,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
+    kv_cache_precommit: bool = False
     enable_prefix_caching: bool = True
     seed: int = 0
     enable_hidden_states: bool = True

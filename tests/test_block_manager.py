@@ -128,3 +128,38 @@ def test_kv_cache_pages_are_committed_a_small_page_at_a_time():
     grown = anon_kib() - before
     assert grown < 16 * 1024, f"64 scattered writes committed {grown} KiB"
     assert float(cache.sum()) == 64.0
+
+
+def test_kv_cache_precommit_makes_the_cache_resident_at_start(tiny_models):
+    """``kv_cache_precommit=True`` writes the whole cache at start-up (zeros, as before), so no
+    step faults its pages in; without it the cache stays uncommitted until written."""
+    import re
+    import sys
+
+    import pytest
+    import torch
+
+    from tapllm.engine.model_runner import _zeros
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/status")
+
+    def anon_kib() -> int:
+        with open("/proc/self/status") as f:
+            return int(re.search(r"RssAnon:\s+(\d+)", f.read()).group(1))
+
+    before = anon_kib()
+    lazy = _zeros((64, 1024, 256), torch.float32, torch.device("cpu"))  # 64 MiB
+    assert anon_kib() - before < 8 * 1024
+    before = anon_kib()
+    eager = _zeros((64, 1024, 256), torch.float32, torch.device("cpu"), commit=True)
+    assert anon_kib() - before > 60 * 1024
+    assert float(eager.abs().sum()) == 0.0 and float(lazy.abs().sum()) == 0.0
+
+    from tapllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    runs = [LLM(model=str(tiny_models["llama"]), dtype="float32", kv_cache_blocks=32,
+                kv_cache_precommit=flag).generate(prompts, params, use_tqdm=False) for flag in (False, True)]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]

@@ -43,8 +43,9 @@ def default_kv_cache_bytes() -> float:
     return 2e9 if available is None else min(DEFAULT_KV_SHARE * available, DEFAULT_KV_MAX_BYTES)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled cache tensor; on CPU its pages become resident only when first written.
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, commit: bool = False) -> torch.Tensor:
+    """A zero-filled cache tensor; on CPU its pages become resident only when first written,
+    unless ``commit``: then they are written now (``kv_cache_precommit``).
 
     The cache must start as zeros (masked slots are multiplied by zero probabilities, and
     garbage could be NaN). An anonymous ``mmap`` gives untouched zero pages, so a large cache
@@ -60,7 +61,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buffer.madvise(mmap.MADV_NOHUGEPAGE)
     # frombuffer keeps ``buffer`` alive for as long as the tensor lives.
-    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+    if commit:
+        # Writing faults the pages in on every torch thread (MAP_POPULATE faults on one).
+        flat.zero_()
+    return flat.view(dtype).view(shape)
 
 
 def _linear_path(device: torch.device, dtype: torch.dtype) -> str:
@@ -136,13 +141,15 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         shape = (model_config.num_kv_heads, self.num_blocks, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
-            (_zeros(shape, model_config.dtype, device), _zeros(shape, model_config.dtype, device))
+            (_zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit),
+             _zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit))
             for _ in range(model_config.num_layers)
         ]
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GB)",
+            "KV cache: %d blocks of %d tokens (%.2f GB, %s)",
             self.num_blocks, engine_config.block_size,
             self.num_blocks * engine_config.block_size * model_config.kv_bytes_per_token / 1e9,
+            "committed at start" if engine_config.kv_cache_precommit else "committed as written",
         )
 
     def _num_blocks(self) -> int:
