@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent / "tapllm"
 # Lowest first. A module belongs to the layer of the longest prefix listed; the rest is top.
 LAYERS: list[tuple[str, ...]] = [
     ("tapllm.tap", "tapllm._text", "tapllm._options", "tapllm._files", "tapllm._version", "tapllm.dtypes"),
-    ("tapllm.platform", "tapllm.layers", "tapllm.kernels", "tapllm.quant"),
+    ("tapllm.platform", "tapllm.backends", "tapllm.layers", "tapllm.kernels", "tapllm.quant"),
     ("tapllm.config", "tapllm.models", "tapllm.loader", "tapllm.sae"),
     ("tapllm.outputs", "tapllm.hidden_states", "tapllm.steering", "tapllm.structured", "tapllm.sampling_params",
      "tapllm.tokenizer", "tapllm.sae.serving"),

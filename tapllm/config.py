@@ -215,8 +215,14 @@ class EngineConfig:
         max_logprobs: most ``logprobs`` a request may ask for (vLLM's name and default, 20; -1: no limit).
         chat_template: a Jinja chat template, or a file holding one, used instead of the
             tokenizer's (vLLM's ``--chat-template``).
-        enforce_eager: run the plain PyTorch step (vLLM's name): no fused C++ kernels. The
-            eager step is the reference the fused one is tested against.
+        enforce_eager: run the plain PyTorch step (vLLM's name): no fused CPU kernels, no Triton
+            attention, no CUDA graphs. The eager step is the reference the others are tested against.
+        load_format: ``"auto"`` (the checkpoint's weights) or ``"dummy"`` (random weights of the
+            config's shapes, nothing read: for benchmarks; vLLM's name).
+        cuda_graph_sizes: the batch sizes of decode steps captured as CUDA graphs at start-up (a
+            step of fewer rows replays the next size up, padded); ``None``: 1, 2, 4, then every
+            multiple of 8 up to ``max_num_seqs`` (at most 512), as vLLM captures; ``[]``: none.
+            Ignored off CUDA and with ``enforce_eager``.
         quantization: keep the linear weights, the LM head and the embedding table quantized,
             vLLM's spelling: ``"int8"`` (weight-only, a scale per output channel) or ``"int4"``
             (weight-only, a scale and a min per group of inputs), or llama.cpp's ``"q4_k"`` (int4
@@ -261,6 +267,8 @@ class EngineConfig:
     max_logprobs: int = 20
     chat_template: str | Path | None = None
     enforce_eager: bool = False
+    load_format: str = "auto"
+    cuda_graph_sizes: list[int] | None = None
     quantization: str | None = None
     quantization_group_size: int | None = None
     quantize_embedding: bool = True
@@ -294,6 +302,15 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.load_format == "dummy" and self.quantization is not None:
+            raise ValueError("load_format='dummy' cannot be combined with quantization (nothing to quantize from)")
+        sizes = self.cuda_graph_sizes
+        if sizes is not None and (not isinstance(sizes, list | tuple)
+                                  or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 4096
+                                         for b in sizes)):
+            raise ValueError(f"cuda_graph_sizes must be a list of batch sizes in [1, 4096], got {sizes!r}")
         self.quant()
         if not isinstance(self.quantize_embedding, bool):
             raise ValueError(f"quantize_embedding must be True or False, got {self.quantize_embedding!r}")
@@ -304,6 +321,15 @@ class EngineConfig:
         limit = self.hidden_states_max_bytes_per_request
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"hidden_states_max_bytes_per_request must be an integer >= 1 or None, got {limit!r}")
+
+    def graph_sizes(self, device: torch.device) -> tuple[int, ...]:
+        """The decode batch sizes to capture as CUDA graphs on ``device`` (empty: none)."""
+        if device.type != "cuda" or self.enforce_eager:
+            return ()
+        if self.cuda_graph_sizes is not None:
+            return tuple(sorted({b for b in self.cuda_graph_sizes if b <= self.max_num_seqs}))
+        top = min(self.max_num_seqs, 512)
+        return tuple(sorted({b for b in (1, 2, 4, *range(8, top + 1, 8)) if b <= top} | {top}))
 
     def quant(self) -> Quantization | None:
         """The validated quantization (``ValueError`` names a bad ``quantization`` field)."""

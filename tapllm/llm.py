@@ -54,6 +54,11 @@ class LLM:
         # dropped, anything of it caught in a reference cycle must become collectable again.
         weakref.finalize(self, gc.unfreeze)
 
+    def describe(self) -> str:
+        """How this engine runs: model, device, the forward backend chosen at load (which op families
+        run compiled code, and why the others do not), the linear layers and the KV cache."""
+        return self.engine.runner.describe()
+
     @property
     def tokenizer(self) -> Any:
         """The model's Hugging Face tokenizer."""

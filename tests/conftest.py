@@ -134,3 +134,13 @@ def _kernels_built() -> None:
     from tapllm.kernels import fused_kernels
 
     fused_kernels()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ``cuda`` skip where no CUDA GPU is available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

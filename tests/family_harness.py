@@ -77,7 +77,7 @@ def hf_points(model: nn.Module, layout: HFLayout, token_ids: list[int]) -> dict[
     stack["resid_mid"] = stack["resid_pre"] + stack["attn_out"]
     stack["embed"] = out.hidden_states[0][0][:, None]
     stack["final"] = final[0][:, None]
-    return stack
+    return {k: v.cpu() for k, v in stack.items()}  # the model may run on a GPU
 
 
 def assert_close_states(got: torch.Tensor, ref: torch.Tensor, what: str, tol: float = 1e-4) -> None:
@@ -118,10 +118,11 @@ def hf_head_points(model: nn.Module, layout: HFLayout, token_ids: list[int]) -> 
         for h in handles:
             h.remove()
     layers = out.cache.layers
-    return {"k": [layer.keys[0].transpose(0, 1) for layer in layers],  # [T', Hkv, D] (T' < T past a window)
-            "v": [layer.values[0].transpose(0, 1) for layer in layers],
-            "attn_pattern": [a[0].transpose(0, 1) for a in out.attentions],  # [T, H, T]
-            "z": got["z"], "mlp_post": got["mlp_post"]}
+    found = {"k": [layer.keys[0].transpose(0, 1) for layer in layers],  # [T', Hkv, D] (T' < T past a window)
+             "v": [layer.values[0].transpose(0, 1) for layer in layers],
+             "attn_pattern": [a[0].transpose(0, 1) for a in out.attentions],  # [T, H, T]
+             "z": got["z"], "mlp_post": got["mlp_post"]}
+    return {k: [t.cpu() for t in v] for k, v in found.items()}  # the model may run on a GPU
 
 
 def check_head_points(llm: LLM, model: nn.Module, layout: HFLayout, prompts: list[list[int]], new: int) -> None:
@@ -245,13 +246,13 @@ class HFSteering:
 
     def _op(self, s: Steer, v: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         def apply(x: torch.Tensor) -> torch.Tensor:
-            pos = torch.arange(self.start, self.start + x.shape[1])
+            pos = torch.arange(self.start, self.start + x.shape[1], device=x.device)
             mask = {"all": torch.ones_like(pos, dtype=torch.bool), "prompt": pos < self.num_prompt,
                     "generated": pos >= self.num_prompt}[s.positions][None, :, None]
             if s.op == "add":
-                new = x + s.scale * v.to(x.dtype)
+                new = x + s.scale * v.to(x.device, x.dtype)
             else:
-                d = (v / v.norm()).to(x.dtype)
+                d = (v / v.norm()).to(x.device, x.dtype)
                 new = x - (x @ d)[..., None] * d
             return torch.where(mask, new, x)
         return apply

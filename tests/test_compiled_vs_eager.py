@@ -77,7 +77,7 @@ def _workload(hidden: int) -> tuple[list[list[int]], list[SamplingParams]]:
 
 def _run(folder: Path, eager: bool, **options) -> list:
     llm = LLM(folder, dtype="float32", enforce_eager=eager, **options)
-    assert (llm.engine.runner.kernels is None) == eager
+    assert (llm.engine.runner.backend.name == "eager") == eager
     stackable = folder.name in ("llama", "llama3-rope-tied", "qwen2") or folder.name.startswith("phi3")
     assert (llm.engine.runner.model.stack is not None) == (stackable and not eager), folder.name
     prompts, params = _workload(llm.engine.model_config.hidden_size)

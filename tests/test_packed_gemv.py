@@ -160,7 +160,7 @@ def test_a_layout_the_kernel_does_not_read_keeps_onednn_for_that_layer():
     lin.pack()
     with pytest.raises(RuntimeError, match="blocked layout"):
         gemv_f32.packed_view(lin.packed)
-    lin.use_gemv(gemv_f32)
+    lin.use_gemv(gemv_f32, gemv.MAX_ROWS)
     assert lin.gemv is None
     x = torch.randn(3, 64)
     torch.testing.assert_close(lin(x), torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [None], ""))

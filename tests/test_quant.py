@@ -415,7 +415,7 @@ def test_split_quant_linear_parts_and_bias():
     x = torch.randn(3, k, generator=g)
     for ops in (None, fused_kernels()):
         for part in layer.parts:
-            part.kernels = ops
+            part.ops = ops
         torch.testing.assert_close(layer(x), F.linear(x, deq, layer.bias), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="span parts"):
         layer.load_rows(6, parts[1])

@@ -132,10 +132,11 @@ def test_draws_follow_the_distribution_after_temperature_top_k_top_p(logits, top
     """The sampler's draw, many times from one row, matches the probabilities it should sample
     from (temperature, then top-k and top-p), and never picks an excluded token."""
     from tapllm.engine.request import Request
-    from tapllm.engine.sampler import _draw
+    from tapllm.engine.sampler import SamplingPlan
+    from tapllm.engine.staging import Staging
 
     params = SamplingParams(temperature=0.7, top_k=top_k, top_p=0.9, seed=3)
-    req = Request("r", 0, None, [1], params, torch.Generator().manual_seed(3))
+    generator = torch.Generator().manual_seed(3)
     x = logits / 0.7
     kept = torch.topk(x, top_k or x.numel()).indices
     probs = torch.full_like(x, float("-inf")).scatter(0, kept, x[kept]).softmax(-1)
@@ -144,6 +145,12 @@ def test_draws_follow_the_distribution_after_temperature_top_k_top_p(logits, top
     probs[order[before >= 0.9]] = 0.0
     probs /= probs.sum()
     n = 20000
-    counts = torch.bincount(torch.tensor([_draw(logits, req) for _ in range(n)]), minlength=x.numel()).double() / n
+    staging = Staging(torch.device("cpu"))
+    staging.begin()
+    plan = SamplingPlan([Request(f"r{i}", 0, None, [1], params, generator) for i in range(n)], x.numel(), staging,
+                        torch.device("cpu"))
+    plan.bind(staging.upload())
+    drawn = plan.sample(logits.expand(n, -1), None, None)[:n].long()
+    counts = torch.bincount(drawn, minlength=x.numel()).double() / n
     assert counts[probs == 0].sum() == 0
     torch.testing.assert_close(counts, probs.double(), atol=0.015, rtol=0)

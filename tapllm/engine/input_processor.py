@@ -190,6 +190,10 @@ class InputProcessor:
         if not self.config.enable_hidden_states:
             raise ValueError("hidden_states: this instance was started with enable_hidden_states=False")
         mc, p = self.model_config, len(token_ids)
+        where = params.hidden_states.device
+        if where is not None and torch.device(where).type != "cpu" and not _same_device(torch.device(where), self.device):
+            raise ValueError(f"hidden_states.device={where!r}: states can stay only on the model's device "
+                             f"({self.device}) or go to 'cpu'")
         end = p if encode else min(p + max_tokens, mc.max_model_len) - 1
         sel = resolve(
             params.hidden_states, num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
@@ -211,3 +215,13 @@ class InputProcessor:
                 "select fewer layers or positions, reduce, project, or use a smaller dtype"
             )
         return sel
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """True when ``a`` names ``b`` (``cuda`` without an index is the current CUDA device)."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" and torch.cuda.is_available() else 0
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index

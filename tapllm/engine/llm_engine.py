@@ -82,7 +82,8 @@ class LLMEngine:
         """Resolve ``config``'s model, device and dtype, then load the engine."""
         config.validate()
         device = resolve_device(config.device)
-        folder = resolve_model(config.model, config.revision, config.download_dir)
+        folder = resolve_model(config.model, config.revision, config.download_dir,
+                               weights=config.load_format != "dummy")
         model_config = ModelConfig.from_folder(folder, config.dtype, device)
         if config.tokenizer is not None:
             model_config.tokenizer_path = resolve_tokenizer(config.tokenizer, config.tokenizer_revision,
@@ -196,6 +197,7 @@ class LLMEngine:
                 sample.capture = None
                 self._release_counts(sample)
                 self.scheduler.finish(sample)
+                self.runner.release(sample)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued or running."""
@@ -281,6 +283,7 @@ class LLMEngine:
         sample.status = RequestStatus.RUNNING
         self.scheduler.running.append(sample)
         if parent.capture is not None:
+            self.runner.capture_sink.settle()
             try:  # a reducer plugin's state is copied here
                 sample.capture = parent.capture.fork()
             except Exception as exc:  # noqa: BLE001 - belongs to this sample alone
@@ -315,11 +318,13 @@ class LLMEngine:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         self.scheduler.finish(req)
+        self.runner.release(req)
         self._release_counts(req)
         if req.group_finished:
             root = req.parent or req
             self.requests.pop(root.request_id, None)
         if req.capture is not None and reason != "error":
+            self.runner.capture_sink.settle()  # its last rows may still be on their way to the host
             try:  # reducers finish here, so a plugin that raises fails this request alone
                 req.hidden_states = req.capture.result()
                 if self.quantization != "none":  # states of quantized weights say so (saved, sent)

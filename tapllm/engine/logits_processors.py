@@ -8,9 +8,14 @@ the (row, token) pairs to ban or bias, a masked fill for allowed ids, a gather o
 token counts for the penalties). Requests without controls are never gathered, so a step
 without any pays nothing.
 
-Penalty state lives in :class:`TokenCounts`: one row per sample that uses penalties, holding
-its output-token counts (updated in place after each sampled token with one ``index_put_``)
-and its prompt's token set (for ``repetition_penalty``), so nothing is rebuilt per step.
+Penalty state lives in :class:`TokenCounts`, on the model's device: one row per sample that
+uses penalties, holding its output-token counts (updated in place after each sampled token
+with one ``index_put_`` of the device's sampled ids) and its prompt's token set (for
+``repetition_penalty``), so nothing is rebuilt per step.
+
+The controls run where the logits are. A row's ids are listed on the host and go to the
+device with the step (a copy that only steps with controls make); nothing reads a device
+value back.
 """
 
 from __future__ import annotations
@@ -98,16 +103,17 @@ def tokenize_bad_words(tokenizer, words: Sequence[str]) -> list[list[int]]:
 
 
 class TokenCounts:
-    """Per sample with penalties: output-token counts ``[rows, vocab]`` and prompt-token sets.
+    """Per sample with penalties: output-token counts ``[rows, vocab]`` and prompt-token sets, on ``device``.
 
     Rows are handed out at admission and returned when the sample finishes; the tables grow by
     doubling (a step only ever indexes them).
     """
 
-    def __init__(self, vocab_size: int, capacity: int = 8) -> None:
+    def __init__(self, vocab_size: int, capacity: int = 8, device: torch.device | str = "cpu") -> None:
         self.vocab_size = vocab_size
-        self.counts = torch.zeros((capacity, vocab_size), dtype=torch.int32)
-        self.in_prompt = torch.zeros((capacity, vocab_size), dtype=torch.bool)
+        self.device = torch.device(device)
+        self.counts = torch.zeros((capacity, vocab_size), dtype=torch.int32, device=self.device)
+        self.in_prompt = torch.zeros((capacity, vocab_size), dtype=torch.bool, device=self.device)
         self.free = list(range(capacity - 1, -1, -1))
 
     def acquire(self, prompt_token_ids: Sequence[int]) -> int:
@@ -120,7 +126,7 @@ class TokenCounts:
         slot = self.free.pop()
         self.counts[slot].zero_()
         self.in_prompt[slot].zero_()
-        self.in_prompt[slot, torch.tensor(prompt_token_ids, dtype=torch.long)] = True
+        self.in_prompt[slot, torch.tensor(prompt_token_ids, dtype=torch.long).to(self.device)] = True
         return slot
 
     def release(self, slot: int) -> None:
@@ -130,8 +136,12 @@ class TokenCounts:
     def record(self, slots: list[int], tokens: list[int]) -> None:
         """Count one sampled token per listed row."""
         if slots:
-            self.counts.index_put_((torch.tensor(slots), torch.tensor(tokens)),
-                                   torch.ones(len(slots), dtype=torch.int32), accumulate=True)
+            self.record_on_device(torch.tensor(slots).to(self.device), torch.tensor(tokens).to(self.device))
+
+    def record_on_device(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count one sampled token per row of ``slots`` (device tensors of the same length)."""
+        if slots.numel():
+            self.counts.index_put_((slots, tokens), self.counts.new_ones(()).expand(slots.shape[0]), accumulate=True)
 
 
 @dataclass(slots=True)
@@ -149,17 +159,22 @@ class ControlledRow:
         return len(self.token_ids) - self.num_prompt
 
 
-def apply_controls(x: torch.Tensor, rows: Sequence[ControlledRow], counts: TokenCounts | None) -> None:
-    """Apply every row's controls to ``x`` ``[len(rows), vocab]`` (float32, CPU) in place.
+def apply_controls(x: torch.Tensor, rows: Sequence[ControlledRow], counts: TokenCounts | None,
+                   dense: bool = False) -> None:
+    """Apply every row's controls to ``x`` ``[len(rows), vocab]`` (float32, on any device) in place.
 
     vLLM's order: allowed ids, bad words, logit bias, min_tokens, then the penalties. Each is one
     batched operation over the rows that use it; per row only its precomputed ids are listed.
+    ``dense`` computes the penalties over whole rows (on a GPU; no host read of which tokens
+    were seen) instead of gathering the seen tokens (on CPU, where dense rows cost milliseconds).
     """
+    dev = x.device
     allowed = [(j, r.controls.allowed) for j, r in enumerate(rows) if r.controls.allowed is not None]
     if allowed:
-        keep = torch.zeros((len(allowed), x.shape[1]), dtype=torch.bool)
-        keep[_row_ids(range(len(allowed)), [a for _, a in allowed]), torch.cat([a for _, a in allowed])] = True
-        which = torch.tensor([j for j, _ in allowed])
+        keep = torch.zeros((len(allowed), x.shape[1]), dtype=torch.bool, device=dev)
+        keep[_row_ids(range(len(allowed)), [a for _, a in allowed]).to(dev),
+             torch.cat([a for _, a in allowed]).to(dev)] = True
+        which = torch.tensor([j for j, _ in allowed]).to(dev)
         x[which] = x[which].masked_fill(~keep, _NEG_INF)
     bans: list[tuple[int, torch.Tensor]] = []
     late: list[tuple[int, torch.Tensor]] = []  # min_tokens: after the bias, as in vLLM
@@ -176,13 +191,13 @@ def apply_controls(x: torch.Tensor, rows: Sequence[ControlledRow], counts: Token
     _fill(x, bans, _NEG_INF)
     biased = [(j, r.controls) for j, r in enumerate(rows) if r.controls.bias_ids is not None]
     if biased:
-        x.index_put_((_row_ids([j for j, _ in biased], [c.bias_ids for _, c in biased]),
-                      torch.cat([c.bias_ids for _, c in biased])),
-                     torch.cat([c.bias_values for _, c in biased]), accumulate=True)
+        x.index_put_((_row_ids([j for j, _ in biased], [c.bias_ids for _, c in biased]).to(dev),
+                      torch.cat([c.bias_ids for _, c in biased]).to(dev)),
+                     torch.cat([c.bias_values for _, c in biased]).to(dev), accumulate=True)
     _fill(x, late, _NEG_INF)
     penalized = [j for j, r in enumerate(rows) if r.slot >= 0]
     if penalized and counts is not None:
-        _penalize(x, penalized, [rows[j] for j in penalized], counts)
+        (_penalize_dense if dense else _penalize)(x, penalized, [rows[j] for j in penalized], counts)
 
 
 def _row_ids(rows: Sequence[int], ids: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -193,8 +208,8 @@ def _row_ids(rows: Sequence[int], ids: Sequence[torch.Tensor]) -> torch.Tensor:
 def _fill(x: torch.Tensor, entries: list[tuple[int, torch.Tensor]], value: float) -> None:
     """Set ``x[row, ids] = value`` for every ``(row, ids)`` in one ``index_put_``."""
     if entries:
-        x.index_put_((_row_ids([j for j, _ in entries], [t for _, t in entries]),
-                      torch.cat([t for _, t in entries])), torch.tensor(value))
+        x.index_put_((_row_ids([j for j, _ in entries], [t for _, t in entries]).to(x.device),
+                      torch.cat([t for _, t in entries]).to(x.device)), x.new_full((), value))
 
 
 def _penalize(x: torch.Tensor, js: list[int], rows: list[ControlledRow], counts: TokenCounts) -> None:
@@ -225,6 +240,27 @@ def _penalize(x: torch.Tensor, js: list[int], rows: list[ControlledRow], counts:
         vals = vals - torch.tensor(freq, dtype=torch.float32)[r_idx] * c
         vals = vals - torch.tensor(pres, dtype=torch.float32)[r_idx] * (c > 0)
     x[rows_x, t_idx] = vals
+
+
+def _penalize_dense(x: torch.Tensor, js: list[int], rows: list[ControlledRow], counts: TokenCounts) -> None:
+    """:func:`_penalize` over whole rows: the same arithmetic on every token, no host read."""
+    dev = x.device
+    which = torch.tensor(js).to(dev)
+    slots = torch.tensor([r.slot for r in rows]).to(dev)
+    n = counts.counts[slots]
+    vals = x[which]
+    reps = [r.controls.repetition for r in rows]
+    if any(p != 1.0 for p in reps):
+        rep = torch.tensor(reps, dtype=torch.float32).to(dev)[:, None]
+        seen = (n > 0) | counts.in_prompt[slots]
+        vals = torch.where(seen, torch.where(vals > 0, vals / rep, vals * rep), vals)
+    freq = [r.controls.frequency for r in rows]
+    pres = [r.controls.presence for r in rows]
+    if any(freq) or any(pres):
+        c = n.float()
+        vals = vals - torch.tensor(freq, dtype=torch.float32).to(dev)[:, None] * c
+        vals = vals - torch.tensor(pres, dtype=torch.float32).to(dev)[:, None] * (c > 0)
+    x[which] = vals
 
 
 def _ends_with(row: ControlledRow, prefix: tuple[int, ...]) -> bool:

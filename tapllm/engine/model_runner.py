@@ -10,24 +10,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tapllm.backends import Backend, select_backend
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.logits_processors import TokenCounts
 from tapllm.engine.request import Request
-from tapllm.engine.sampler import RowFailure, sample
+from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem
-from tapllm.engine.step_tap import CaptureSpan, StepTap, SteerSpan
+from tapllm.engine.block_tables import BlockTables
+from tapllm.engine.staging import Download, Staging
+from tapllm.engine.step_inputs import StepBatch, build_step
+from tapllm.engine.step_tap import StepTap
 from tapllm.hidden_states.sink import CopySink
-from tapllm.kernels import fused_kernels
-from tapllm.layers.attention import AttentionMetadata, PrefillBatch, PrefillChunk, group_prefills
 from tapllm.layers.linear import Linear
 from tapllm.loader.gguf_blocks import gguf_source, keep_gguf_blocks
+from tapllm.loader.dummy import fill_dummy_weights
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 from tapllm.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
 from tapllm.quant.embedding import quantize_embedding
 from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
-from tapllm.tap import RowSpan
 
 logger = logging.getLogger("tapllm")
 
@@ -78,19 +80,6 @@ def _linear_path(device: torch.device, dtype: torch.dtype) -> str:
 
 
 @dataclass(slots=True)
-class StepBatch:
-    """One step's batch tensors, attention metadata, the rows that sample, and the tap's row spans."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: list[tuple[int, Request]]  # (batch row, request) of each request that samples
-    captures: list[CaptureSpan]  # chunks of requests that capture
-    steers: list[SteerSpan]  # chunks of requests that steer
-    prompt_logprob_rows: list[tuple[ScheduledItem, int]]  # chunks (and first rows) of prompt-logprob requests
-
-
-@dataclass(slots=True)
 class StepResult:
     """What a step produced: a token per sampling request, and requests that failed alone."""
 
@@ -111,7 +100,8 @@ class ModelRunner:
         with torch.device(device):
             self.model = build_model(model_config)
         self.quant = engine_config.quant()
-        weights = iter_weights(model_config.path, group=1 if self.quant is not None else None)
+        weights = None if engine_config.load_format == "dummy" else \
+            iter_weights(model_config.path, group=1 if self.quant is not None else None)
         if self.quant is not None and self.quant.method == "gguf":  # the file's blocks as stored
             weights = keep_gguf_blocks(self.model, gguf_source(engine_config.model), model_config.path, Linear,
                                        embedding=engine_config.quantize_embedding, quant=self.quant)
@@ -122,21 +112,30 @@ class ModelRunner:
                 quantize_embedding(self.model, self.quant)
         if self.quant is not None and device.type == "cpu":
             trim_heap()  # the replaced float tables (an initialized embedding) leave before the load's peak
-        self.model.load_weights(weights)
+        if weights is None:
+            fill_dummy_weights(self.model, engine_config.seed)
+        else:
+            self.model.load_weights(weights)
         self.model.prepare_for_inference(device)
         if device.type == "cpu":
             trim_heap()  # the load's freed temporaries leave the resident set
         self.model.eval()
-        self.kernels = None if engine_config.enforce_eager or device.type != "cpu" else fused_kernels()
-        self.model.use_kernels(self.kernels)
+        self.backend: Backend = select_backend(device, model_config.dtype, enforce_eager=engine_config.enforce_eager,
+                                               graph_sizes=engine_config.graph_sizes(device))
+        self.model.use_backend(self.backend)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; linear layers: %s",
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
             _linear_path(device, model_config.dtype) if self.quant is None else self.quant.describe(),
         )
+        logger.info("%s", self.backend.describe())
         # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
         self.capture_sink = CopySink(staged=device.type != "cpu")
-        self.token_counts = TokenCounts(model_config.vocab_size)  # penalty state of the samples that need it
+        self.token_counts = TokenCounts(model_config.vocab_size, device=device)  # penalty state of samples that need it
+        self.staging = Staging(device)  # the step's inputs: one upload
+        width = -(-model_config.max_model_len // engine_config.block_size)
+        self.block_tables = BlockTables(engine_config.max_num_seqs, width, engine_config.block_size, device)
+        self.download = Download(device)  # the step's results: one download
         self.token_masks = MaskComputer()  # structured output
         self.num_blocks = self._num_blocks()
         shape = (model_config.num_kv_heads, self.num_blocks, engine_config.block_size, model_config.head_dim)
@@ -151,6 +150,18 @@ class ModelRunner:
             self.num_blocks * engine_config.block_size * model_config.kv_bytes_per_token / 1e9,
             "committed at start" if engine_config.kv_cache_precommit else "committed as written",
         )
+
+    def describe(self) -> str:
+        """The lines of :meth:`tapllm.LLM.describe`."""
+        mc, ec = self.mcfg, self.ecfg
+        linear = _linear_path(self.device, mc.dtype) if self.quant is None else self.quant.describe()
+        return "\n".join([
+            f"model: {mc.architecture} ({mc.path.name}), {mc.num_layers} blocks, hidden {mc.hidden_size}, {mc.dtype}",
+            self.backend.describe(),
+            f"linear layers: {linear}",
+            f"KV cache: {self.num_blocks} blocks of {ec.block_size} tokens "
+            f"({self.num_blocks * ec.block_size * mc.kv_bytes_per_token / 1e9:.2f} GB) on {self.device}",
+        ])
 
     def _num_blocks(self) -> int:
         bs = self.ecfg.block_size
@@ -219,21 +230,25 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                 result.failed[req] = RowFailure(f"prompt_logprobs failed: {type(exc).__name__}: {exc}",
                                                 "server_error")
-        sample_rows = batch.sample_rows
-        if not sample_rows:
+        plan = batch.sampling
+        if plan is None:
             return result
-        rows, reqs = zip(*sample_rows)
-        if rows != tuple(range(hidden.shape[0])):  # all rows sample in a pure decode step: no gather
-            hidden = hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
-        tokens, failures = sample(logits.cpu(), list(reqs), self.token_counts,
-                                  pending_mask.result() if pending_mask else None)
-        for row, (req, token) in enumerate(zip(reqs, tokens)):
+        if batch.sample_index is not None:  # all rows sample in a pure decode step: no gather
+            hidden = hidden.index_select(0, batch.sample_index)
+        mask = pending_mask.result() if pending_mask else None
+        results = plan.sample(self.model.compute_logits(hidden), self.token_counts, mask)
+        failures = {row: RowFailure(message, "server_error") for row, message in (mask.errors if mask else {}).items()}
+        tokens = plan.read(self.download.fetch(results), failures)
+        for row, (req, token) in enumerate(zip(plan.requests, tokens)):
             if row in failures:
                 result.failed.setdefault(req, failures[row])
             elif req not in result.failed:
                 result.sampled[req] = token
         return result
+
+    def release(self, req: Request) -> None:
+        """Forget a request that finished or was aborted (its block-table row is free again)."""
+        self.block_tables.release(req)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -247,70 +262,6 @@ class ModelRunner:
             v.index_copy_(1, dst, v.index_select(1, src))
 
     def _prepare(self, items: list[ScheduledItem]) -> StepBatch:
-        bs = self.ecfg.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[tuple[int, Request]] = []
-        prefills: list[PrefillChunk] = []
-        prefill_tables: list[list[int]] = []  # every chunk's blocks (the fused attention reads them all)
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        captures: list[CaptureSpan] = []
-        steers: list[SteerSpan] = []
-        prompt_lp_rows: list[tuple[ScheduledItem, int]] = []
-        for it in items:
-            req, start, n = it.request, it.start, it.num_tokens
-            row = len(ids)
-            ids.extend(req.token_ids[start : start + n])
-            table = req.block_table
-            for p in range(start, start + n):
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            if n == 1:
-                decode_tables.append(table[: (start // bs) + 1])
-                decode_lens.append(start + 1)
-            else:
-                # With cached context, attention reads context and chunk back from the blocks.
-                used = torch.tensor(table[: -(-(start + n) // bs)], device=self.device) if start else None
-                prefills.append(PrefillChunk(row, n, start, used))
-                prefill_tables.append(table[: -(-(start + n) // bs)])
-            if it.samples and not req.encode_only:
-                sample_rows.append((row + n - 1, req))
-                # Samples waiting for this prompt draw their first tokens from the same logits.
-                sample_rows.extend((row + n - 1, child) for child in req.forks)
-            if req.capture is not None:
-                captures.append((RowSpan(row, start, n), req.capture, req.block_table))
-            if req.steering is not None:
-                steers.append((RowSpan(row, start, n), req.steering))
-            if req.prompt_lp is not None:
-                prompt_lp_rows.append((it, row))
-        dev = self.device
-        decode_bt = decode_mask = lens = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            decode_bt = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
-            if self.kernels is None:  # the fused decode kernel reads only each row's own length
-                decode_mask = (torch.arange(width * bs, device=dev)[None, :] >= lens[:, None])[:, None, :]
-        prefill_batch = None
-        if self.kernels is not None and prefills:  # one fused call attends every chunk
-            prefill_batch = PrefillBatch.build(prefills, prefill_tables, dev)
-            groups, alone = [], prefills
-        else:
-            groups, alone = group_prefills(prefills, dev)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev),
-            num_decodes=len(decode_tables),
-            decode_block_tables=decode_bt,
-            decode_mask=decode_mask,
-            prefills=alone,
-            prefill_groups=groups,
-            decode_lens=lens,
-            prompt_lens=torch.tensor([it.request.num_prompt_tokens for it in items for _ in range(it.num_tokens)],
-                                     device=dev) if self.model.needs_prompt_lengths else None,
-            kernels=self.kernels,
-            prefill_batch=prefill_batch,
-        )
-        return StepBatch(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, sample_rows, captures,
-                         steers, prompt_lp_rows)
+        return build_step(items, self.staging, self.block_tables, attn=self.backend.attention,
+                          prompt_lengths=self.model.needs_prompt_lengths, vocab_size=self.mcfg.vocab_size,
+                          device=self.device)

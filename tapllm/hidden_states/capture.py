@@ -29,6 +29,8 @@ class RequestCapture:
         self.sel = sel
         self.spec_dict = spec.to_dict()
         self.device = device
+        # where the result lives: the host, or the model's device (HiddenStatesSpec.device)
+        self.out_device = torch.device(spec.device) if spec.device is not None else torch.device("cpu")
         self.next_pos = 0  # every position below this has been captured (or is not selected)
         self.last_pos = -1  # positions="last": the position held in the one-row buffer
         self.proj = spec.project.to(device) if spec.project is not None else None
@@ -62,8 +64,9 @@ class RequestCapture:
     def _empty(self, point: str, rows: int) -> torch.Tensor:
         shape = (rows, len(self.sel.layer_keys(point)), *self.sel.shapes[point])
         # attention patterns leave the keys past each row's position zero: allocate zeros
-        return torch.zeros(shape, dtype=self.sel.dtype) if point == "attn_pattern" else \
-            torch.empty(shape, dtype=self.sel.dtype)
+        if point == "attn_pattern":
+            return torch.zeros(shape, dtype=self.sel.dtype, device=self.out_device)
+        return torch.empty(shape, dtype=self.sel.dtype, device=self.out_device)
 
     def first_needed(self, num_tokens: int) -> int:
         """The first position this request still has to run to capture what it asked for."""
@@ -155,7 +158,7 @@ class RequestCapture:
                 out = out.reshape(layers, *shape)
             if point == "attn_pattern" and not sel.reduce:  # keys 0..last captured position
                 out = out[..., : int(positions[-1]) + 1 if n else 0]
-            tensors[point] = out.to("cpu", sel.dtype).contiguous()
+            tensors[point] = out.to(self.out_device, sel.dtype).contiguous()
         lens = None
         if self.lens is not None:
             lens = self.lens.of_reduced(reduced) if sel.reduce else self.lens.result(n)

@@ -134,6 +134,7 @@ class CapturePlan:
         A request whose delivery raises (e.g. its reducer plugin) is left out and returned
         with the error; the other requests' rows are delivered as usual.
         """
+        self.sink.settle()  # the previous step's rows reach their buffers before any buffer is touched
         for pp in self.points:
             if pp.stage is None:
                 raise RuntimeError(f"the model never recorded point {pp.point!r}")

@@ -135,7 +135,7 @@ class HiddenStates(Mapping[str, torch.Tensor]):
             if k in meta:
                 raise ValueError(f"metadata key {k!r} is reserved")
             meta[str(k)] = str(v)
-        tensors = {p: t.contiguous() for p, t in self._flat().items()}
+        tensors = {p: t.contiguous().cpu() for p, t in self._flat().items()}  # states may live on a GPU
         tensors["positions"] = self.positions.contiguous()
         parent = path.parent if str(path.parent) else Path(".")
         if not parent.is_dir():

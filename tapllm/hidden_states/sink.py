@@ -1,4 +1,13 @@
-"""Moving captured rows from the model's device into the requests' CPU buffers."""
+"""Moving captured rows from the model's device into the requests' buffers without stalling the device.
+
+On CPU each write is one copy straight into the request's buffer. On CUDA (``staged``), a
+step's writes to host buffers are queued; :meth:`CopySink.flush` packs them per dtype and
+copies them to pinned host memory on a side stream, after the step's work, without
+waiting; the rows reach the requests' buffers at :meth:`CopySink.settle`, which the next
+step calls before it touches any buffer (so the copy overlaps that step's forward) and the
+engine calls before it reads a finished request's states. A write whose buffer lives on the
+device itself (``HiddenStatesSpec(device="cuda")``) is a device copy, made at once.
+"""
 
 from __future__ import annotations
 
@@ -6,47 +15,70 @@ import torch
 
 
 class CopySink:
-    """Moves captured rows into CPU buffers.
-
-    On CPU each write is one copy straight into the request's buffer. With ``staged`` (used
-    on CUDA), writes are queued and ``flush`` sends all of a step's rows to the host in one
-    asynchronous copy per dtype into pinned memory, then scatters them into the buffers.
-    """
+    """Moves captured rows into the requests' buffers (see the module docstring)."""
 
     def __init__(self, staged: bool) -> None:
         self.staged = staged
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._host: dict[torch.dtype, torch.Tensor] = {}  # reused: pinned allocation is slow
+        self._host: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]  # two pinned sets: one in flight, one filling
+        self._turn = 0
+        self._inflight: list[tuple[int, torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        self._stream: torch.cuda.Stream | None = None
 
     def write(self, dest: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` into the CPU tensor ``dest`` (now, or at ``flush``)."""
-        if not self.staged:
+        """Copy ``src`` into ``dest`` (now, or from :meth:`settle` on when it crosses to the host)."""
+        if not self.staged or dest.device == src.device:
             dest.copy_(src)
         else:
             self.pending.append((dest, src.to(dest.dtype)))
 
     def flush(self) -> None:
-        """Finish the queued copies (a no-op unless staged)."""
+        """Start the queued copies to the host (a no-op unless staged)."""
         if not self.pending:
             return
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dest, src in self.pending:
             by_dtype.setdefault(dest.dtype, []).append((dest, src))
         self.pending = []
-        for dtype, pairs in by_dtype.items():
-            flat = torch.cat([src.reshape(-1) for _, src in pairs])
-            pin = flat.device.type == "cuda"
-            host = self._host.get(dtype)
-            if host is None or host.numel() < flat.numel():
-                host = torch.empty(max(flat.numel(), 2 * (host.numel() if host is not None else 0)),
-                                   dtype=dtype, pin_memory=pin)
-                self._host[dtype] = host
-            host = host[: flat.numel()]
-            host.copy_(flat, non_blocking=pin)
-            if pin:
-                torch.cuda.current_stream(flat.device).synchronize()
-            offset = 0
-            for dest, _ in pairs:
-                n = dest.numel()
-                dest.copy_(host[offset : offset + n].view(dest.shape))
-                offset += n
+        device = next(iter(by_dtype.values()))[0][1].device
+        if device.type != "cuda":  # staged without a GPU (tests): the same bookkeeping, copied at once
+            for pairs in by_dtype.values():
+                for dest, src in pairs:
+                    dest.copy_(src)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        main = torch.cuda.current_stream(device)
+        self._stream.wait_stream(main)
+        turn, self._turn = self._turn, self._turn ^ 1
+        if any(t == turn for t, _, _ in self._inflight):  # its pinned set is still being read: finish first
+            self.settle()
+        hosts = self._host[turn]
+        scatter: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.cuda.stream(self._stream):
+            for dtype, pairs in by_dtype.items():
+                flat = torch.cat([src.reshape(-1) for _, src in pairs])
+                flat.record_stream(self._stream)  # the allocator keeps it until the side stream is done
+                host = hosts.get(dtype)
+                if host is None or host.numel() < flat.numel():
+                    host = torch.empty(max(flat.numel(), 2 * (host.numel() if host is not None else 0)),
+                                       dtype=dtype, pin_memory=True)
+                    hosts[dtype] = host
+                host = host[: flat.numel()]
+                host.copy_(flat, non_blocking=True)
+                offset = 0
+                for dest, _ in pairs:
+                    n = dest.numel()
+                    scatter.append((dest, host[offset : offset + n].view(dest.shape)))
+                    offset += n
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self._inflight.append((turn, done, scatter))
+
+    def settle(self) -> None:
+        """Wait for the copies started by :meth:`flush` and put their rows in the requests' buffers."""
+        inflight, self._inflight = self._inflight, []
+        for _, done, scatter in inflight:
+            done.synchronize()
+            for dest, host in scatter:
+                dest.copy_(host)

@@ -48,6 +48,9 @@ class HiddenStatesSpec:
             ``layers`` default to nothing: name them to get raw states as well.
         features: what to keep of the SAE's latents: ``"topk:K"`` (ids and values of the K
             largest, the default ``topk:16``), a list of feature ids, or ``"all"`` (dense).
+        device: where the returned tensors live: ``None`` or ``"cpu"`` (the default), or the
+            model's own device (``"cuda"``, ``"cuda:N"``) to keep them there for an in-process
+            consumer (a probe or SAE trained on the GPU): no copy to the host at all.
 
     Model-independent checks run here; layer range, projection width and the window's fit
     to the sequence are checked when a request is added (they depend on model and prompt).
@@ -64,6 +67,7 @@ class HiddenStatesSpec:
     heads: Sequence[int] | None = None
     sae: Any = None
     features: Any = None
+    device: str | None = None
 
     def __post_init__(self) -> None:
         with_sae = self.sae is not None or self.features is not None
@@ -89,6 +93,8 @@ class HiddenStatesSpec:
                 raise ValueError(f"hidden_states.heads must hold head indices, got {self.heads!r}") from None
             if not self.heads:
                 raise ValueError("hidden_states.heads is empty: give head indices or leave it out")
+        if self.device is not None:
+            self.device = _check_device(self.device)
         if self.lens_targets is not None and self.lens is None:
             self.lens = 1
         if self.lens is not None:
@@ -169,6 +175,7 @@ class HiddenStatesSpec:
             "lens": self.lens,
             "lens_targets": list(self.lens_targets) if self.lens_targets is not None else None,
             "heads": list(self.heads) if self.heads is not None else None,
+            **({"device": self.device} if self.device is not None else {}),
             **({"sae": repr(self.sae), "features": _features_text(self.features)} if self.sae is not None else {}),
         }
 
@@ -250,3 +257,14 @@ def _check_project(project: Any) -> torch.Tensor:
     if not torch.isfinite(t).all():
         raise ValueError("hidden_states.project holds NaN or infinite values")
     return t
+
+
+def _check_device(value: Any) -> str:
+    """``value`` as a device name tapllm can keep states on (``"cpu"``, ``"cuda"``, ``"cuda:N"``)."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"hidden_states.device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"hidden_states.device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    return str(device)

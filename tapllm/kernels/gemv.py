@@ -43,6 +43,14 @@ def packed_gemv_ops(ops: Any, dtype: torch.dtype = torch.bfloat16) -> Any | None
     return ops if _state[key][0] else None
 
 
+def packed_gemv_status(ops: Any, dtype: torch.dtype) -> str:
+    """Why the packed GEMV is on or off for ``dtype`` weights (probing it first if needed)."""
+    if dtype not in _NAMES:
+        return f"off (the kernel reads {', '.join(_NAMES.values())} weights, not {dtype})"
+    packed_gemv_ops(ops, dtype)
+    return _state[(id(ops), dtype)][1]
+
+
 def _probe(ops: Any, dtype: torch.dtype) -> tuple[bool, str]:
     from tapllm.platform import cpu_support
 

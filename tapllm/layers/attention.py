@@ -18,10 +18,11 @@ still serve them, and a model with global layers needs them anyway.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tapllm.backends.ops import AttentionOps
 
 
 @dataclass(slots=True)
@@ -53,15 +54,18 @@ class PrefillBatch:
     lens: torch.Tensor  # [chunks] its tokens
     contexts: torch.Tensor  # [chunks] tokens cached before it
     tables: torch.Tensor  # [chunks, blocks] its sequence's blocks, zero-padded
+    max_len: int  # the longest chunk (sizes a kernel's grid without reading ``lens``)
 
     @classmethod
-    def build(cls, chunks: list[PrefillChunk], tables: list[list[int]], device: torch.device) -> PrefillBatch:
+    def build(cls, chunks: list[PrefillChunk], tables: list[list[int]], device: torch.device,
+              max_len: int | None = None) -> PrefillBatch:
         """From the step's chunks and each one's block table (covering context and chunk)."""
         width = max(len(t) for t in tables)
         return cls(torch.tensor([c.start for c in chunks], device=device),
                    torch.tensor([c.length for c in chunks], device=device),
                    torch.tensor([c.context_len for c in chunks], device=device),
-                   torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device))
+                   torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device),
+                   max(c.length for c in chunks) if max_len is None else max_len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +89,8 @@ class AttentionMetadata:
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
     decode_lens: torch.Tensor | None = None  # [num_decodes] context length of each decode row
     prompt_lens: torch.Tensor | None = None  # [T] prompt length of each row's request (models that ask)
-    kernels: Any = None  # tapllm's fused kernel ops when the step runs them (tapllm.kernels), else None
-    prefill_batch: PrefillBatch | None = None  # the prefill chunks as tensors, when ``kernels`` attends them
+    attn: AttentionOps | None = None  # the backend's paged-attention kernels; None: the PyTorch code here
+    prefill_batch: PrefillBatch | None = None  # the prefill chunks as tensors, when ``attn`` attends them
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask_for(self, window: int | None) -> torch.Tensor:
@@ -107,11 +111,22 @@ _ALWAYS_GROUP = 64
 _MAX_PADDING_WORK = 1.3  # a group may do at most this much more attention work than its prompts need
 
 
-def group_prefills(chunks: list[PrefillChunk], device: torch.device) -> tuple[list[PrefillGroup], list[PrefillChunk]]:
+@dataclass(slots=True)
+class GroupPlan:
+    """A :class:`PrefillGroup` as host lists, before the step's upload turns them into tensors."""
+
+    count: int
+    length: int
+    gather: list[int]
+    valid: list[int]
+    rows: list[int]
+
+
+def group_prefills(chunks: list[PrefillChunk]) -> tuple[list[GroupPlan], list[PrefillChunk]]:
     """Split prefill chunks into padded groups of fresh prompts and chunks attended alone."""
     fresh = sorted((c for c in chunks if c.context_len == 0), key=lambda c: -c.length)
     alone = [c for c in chunks if c.context_len != 0]
-    groups: list[PrefillGroup] = []
+    groups: list[GroupPlan] = []
     i = 0
     while i < len(fresh):
         longest = fresh[i].length
@@ -131,8 +146,7 @@ def group_prefills(chunks: list[PrefillChunk], device: torch.device) -> tuple[li
             gather.extend(span + [span[-1]] * (longest - c.length))
             valid.extend(range(m * longest, m * longest + c.length))
             rows.extend(span)
-        groups.append(PrefillGroup(len(members), longest, torch.tensor(gather, device=device),
-                                   torch.tensor(valid, device=device), torch.tensor(rows, device=device)))
+        groups.append(GroupPlan(len(members), longest, gather, valid, rows))
     return groups, alone
 
 
@@ -151,8 +165,8 @@ def paged_attention(
     gathering a sequence's blocks yields a contiguous ``[S, D]`` matrix per head.
     """
     num_kv, dim = k.shape[1], k.shape[2]
-    if meta.kernels is not None:
-        meta.kernels.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)  # zeroes non-finite V as below
+    if meta.attn is not None:
+        meta.attn.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)  # zeroes non-finite V as below
     else:
         k_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         # A freed block keeps its values, and padded or partly filled blocks are read with zero
@@ -164,8 +178,8 @@ def paged_attention(
         return _decode_attention(q, k_cache, v_cache, meta, opts)
     if meta.prefill_batch is not None:  # the fused kernel reads every chunk's keys from the cache in place
         pb = meta.prefill_batch
-        out = meta.kernels.prefill_attention(q, k_cache, v_cache, pb.starts, pb.lens, pb.contexts, pb.tables,
-                                             opts.scale, opts.window or 0, opts.softcap or 0.0)
+        out = meta.attn.prefill_attention(q, k_cache, v_cache, pb.starts, pb.lens, pb.contexts, pb.tables,
+                                          opts.scale, opts.window or 0, opts.softcap or 0.0, pb.max_len)
         if nd:
             out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, opts)
         return out
@@ -220,12 +234,12 @@ def _decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence, against its whole cached context; returns [B, H, D].
 
-    With the fused kernels, one C++ kernel reads each sequence's K/V blocks in place. Else two
+    With the backend's kernels, one kernel reads each sequence's K/V blocks in place. Else two
     batched matmuls over the gathered context, with the query heads of each KV group folded
     together: on CPU several times faster than SDPA's flash kernel for a single query row.
     """
-    if meta.kernels is not None:
-        return meta.kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
+    if meta.attn is not None:
+        return meta.attn.decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
                                              opts.scale, opts.window or 0, opts.softcap or 0.0)
     b, h, d = q.shape
     kv_heads = k_cache.shape[0]

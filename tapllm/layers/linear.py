@@ -1,27 +1,24 @@
 """A linear layer whose weights come from a checkpoint, optionally prepacked for oneDNN on CPU.
 
 On CPU, ``F.linear`` reorders the weight into oneDNN's blocked layout on every call; for the
-small row counts of decoding that dominates. Reordering once at load time (what
-torch.compile's CPU freezing does) makes linears 1.4-2.5x faster at decode sizes.
-
-Which mechanism: the public ``torch.utils.mkldnn.to_mkldnn`` (``MkldnnLinear``) converts
-every input to and from oneDNN's tensor format and measured slower than plain ``F.linear``
-at decode sizes (16x576 @ 576x1536: 0.26 ms against 0.30 plain and 0.15 prepacked, fp32;
-0.23 / 0.16 / 0.10 ms in bf16), and torch.compile's freezing costs a compile per shape. So
-the private ``torch.ops.mkldnn`` packing ops are used, only where ``tapllm.platform``'s probe
+small row counts of decoding that dominates, so weights are reordered once at load time (what
+torch.compile's CPU freezing does). The public ``torch.utils.mkldnn.to_mkldnn``
+(``MkldnnLinear``) converts every input to and from oneDNN's tensor format, which costs more
+than it saves at decode sizes, and torch.compile's freezing costs a compile per shape; so the
+private ``torch.ops.mkldnn`` packing ops are used, only where ``tapllm.platform``'s probe
 packed and ran a trial linear in that dtype on this CPU (bf16 packing needs AVX512-BW/VL/DQ
-or AVX-NE-CONVERT); everywhere else the layer is a plain ``F.linear``.
+or AVX-NE-CONVERT); everywhere else the layer is a plain ``F.linear``. With the CPU backend,
+steps of at most ``Backend.gemv_rows`` rows read the packed weight in place with tapllm's GEMV
+(``tapllm.kernels.gemv``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapllm.kernels.gemv import MAX_ROWS
+from tapllm.backends.ops import GemvOps
 from tapllm.platform import cpu_support
 
 
@@ -40,19 +37,20 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None
-        # With tapllm's kernels: the packed buffer as a plain tensor, for steps of a few rows
-        # (tapllm/kernels/gemv.py); None keeps oneDNN's call at every size.
+        # With the backend's GEMV: the packed buffer as a plain tensor, for steps of at most
+        # ``gemv_rows`` rows; None keeps oneDNN's call at every size.
         self.gemv: torch.Tensor | None = None
-        self.kernels: Any = None
+        self.gemv_rows = 0
+        self.ops: GemvOps | None = None
 
     def pack(self) -> None:
         """Replace the weight by a oneDNN-packed copy (call after loading, when available)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 16)
         self.weight = None  # the packed copy is the only one kept
 
-    def use_gemv(self, ops: Any) -> None:
-        """Read the packed weight in place for steps of at most ``MAX_ROWS`` rows with ``ops``
-        (:func:`tapllm.kernels.gemv.packed_gemv_ops`, probed for the weight's dtype); None restores oneDNN's call."""
+    def use_gemv(self, ops: GemvOps | None, rows: int) -> None:
+        """Read the packed weight in place for steps of at most ``rows`` rows with ``ops`` (the backend's
+        GEMV, probed for the weight's dtype); None restores oneDNN's call."""
         usable = ops is not None and self.packed is not None and self.packed.dtype in (torch.bfloat16, torch.float32)
         view = None
         if usable:
@@ -60,12 +58,13 @@ class Linear(nn.Module):
                 view = ops.packed_view(self.packed)
             except RuntimeError:  # a layout the kernel does not read (oneDNN packs some shapes plainly): oneDNN's call
                 view = None
-        self.kernels = ops if view is not None else None
+        self.ops = ops if view is not None else None
         self.gemv = view
+        self.gemv_rows = rows if view is not None else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == self.gemv.dtype:
-            return self.kernels.packed_linear(x, self.gemv, self.bias)
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= self.gemv_rows and x.dtype == self.gemv.dtype:
+            return self.ops.packed_linear(x, self.gemv, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tapllm.backends.ops import ElementwiseOps
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, with a learned scale.
 
-    ``kernels`` (set by the model when tapllm's fused kernels run) computes rows ``[T, dim]``
-    in one pass with the same roundings (``kernel_mode`` says which order).
+    ``ops`` (the backend's fused kernels, set by the model when it has them) computes rows
+    ``[T, dim]`` in one pass with the same roundings (``kernel_mode`` says which order).
     """
 
-    kernels: Any = None
+    ops: ElementwiseOps | None = None
     kernel_mode = 0  # tapllm.kernels.reference.RMS_LLAMA
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
@@ -25,14 +25,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dim() == 2 and x.stride(1) == 1:
-            return self.kernels.rms_norm(x, self.weight, self.eps, self.kernel_mode)
+        if self.ops is not None and x.dim() == 2 and x.stride(1) == 1:
+            return self.ops.rms_norm(x, self.weight, self.eps, self.kernel_mode)
         return self.eager(x)
 
     def add_and_norm(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + r, norm(x + r))``; with the fused kernels ``x`` is updated in place in the same pass."""
-        if self.kernels is not None and x.dim() == 2 and x.stride(1) == 1 and r.stride(1) == 1:
-            return x, self.kernels.add_rms_norm_(x, r, self.weight, self.eps, self.kernel_mode)
+        if self.ops is not None and x.dim() == 2 and x.stride(1) == 1 and r.stride(1) == 1:
+            return x, self.ops.add_rms_norm_(x, r, self.weight, self.eps, self.kernel_mode)
         s = x + r
         return s, self.forward(s)
 

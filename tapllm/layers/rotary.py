@@ -15,31 +15,36 @@ def _inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) -> t
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
         return inv, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ValueError(f"rope_type {rope_type!r} is not supported")
-    # transformers' own implementation of each scaling, so results match it exactly.
+    # transformers' own implementation of each scaling, so results match it exactly; on the CPU,
+    # whatever device the model is being built on (its helpers make tensors on the ambient one).
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
-    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
+    with torch.device("cpu"):
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
 
 
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position.
 
     ``layer_type`` picks one entry of a ``rope_parameters`` given per layer type (Gemma-3).
+    The tables are computed on the CPU (where transformers computes the frequencies) and then
+    placed on the device the model is being built on (``torch.get_default_device()``).
     """
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int, layer_type: str | None = None) -> None:
         super().__init__()
         inv_freq, scale = _inv_freq(hf_config, head_dim, layer_type)
-        pos = torch.arange(max_positions, dtype=torch.float)
-        freqs = pos[:, None] * inv_freq[None, :]
+        pos = torch.arange(max_positions, dtype=torch.float, device="cpu")
+        freqs = pos[:, None] * inv_freq.to("cpu", torch.float)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        device = torch.get_default_device()
+        self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin rows for ``positions`` [T], shaped [T, 1, D] to broadcast over heads."""
@@ -77,9 +82,11 @@ class LongRopeEmbedding(nn.Module):
 
         init = ROPE_INIT_FUNCTIONS["longrope"]
         self.original_max = int(hf_config.rope_parameters["original_max_position_embeddings"])
-        short, self.scale = init(hf_config, torch.device("cpu"))
-        long, _ = init(hf_config, torch.device("cpu"), seq_len=self.original_max + 1)
-        self.register_buffer("inv_freq", torch.stack((short, long)), persistent=False)  # [2, rotary_dim / 2]
+        with torch.device("cpu"):  # see _inv_freq
+            short, self.scale = init(hf_config, torch.device("cpu"))
+            long, _ = init(hf_config, torch.device("cpu"), seq_len=self.original_max + 1)
+        inv = torch.stack((short.to("cpu"), long.to("cpu")))  # [2, rotary_dim / 2]
+        self.register_buffer("inv_freq", inv.to(torch.get_default_device()), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, long_rows: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:

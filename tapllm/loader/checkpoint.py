@@ -27,9 +27,10 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | Path | None, revision: str | None = None, download_dir: str | Path | None = None
-                  ) -> Path:
-    """Return a folder holding config.json, safetensors weights and a tokenizer.
+def resolve_model(model: str | Path | None, revision: str | None = None, download_dir: str | Path | None = None,
+                  weights: bool = True) -> Path:
+    """Return a folder holding config.json, safetensors weights (unless not ``weights``: random
+    ones will be made, ``load_format="dummy"``) and a tokenizer.
 
     ``model`` is ``None`` (the default model), a local folder, a ``.gguf`` file (dequantized
     once into a cached folder, see :mod:`tapllm.loader.gguf_convert`), or a Hugging Face Hub
@@ -54,7 +55,7 @@ def resolve_model(model: str | Path | None, revision: str | None = None, downloa
         return gguf_to_folder(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model: {path} has no config.json")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+    if weights and not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         raise FileNotFoundError(f"model: {path} has no *.safetensors (or pytorch_model*.bin) weights")
     return path
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tapllm.backends import Backend, ElementwiseOps
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
-from tapllm.kernels.gemv import packed_gemv_ops
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
 from tapllm.models.stack import DecoderStack
@@ -28,6 +30,8 @@ from tapllm.quant.linear import QuantLinear, SplitQuantLinear, block_shape
 from tapllm.quant.schemes import Quantization
 from tapllm.layers.rotary import apply_rotary
 from tapllm.tap import PSEUDO_LAYER, Tap, no_tap
+
+logger = logging.getLogger("tapllm")
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # A checkpoint tensor's destinations: (parameter name, first row or None for all of it, the tensor).
@@ -43,7 +47,7 @@ class Attention(nn.Module):
     sees the flat projections (OLMo-2), ``norm_heads`` the per-head ones (Qwen3, Gemma-3).
     """
 
-    kernels: Any = None  # tapllm's fused kernel ops, when the model runs them (see CausalLM.use_kernels)
+    ops: ElementwiseOps | None = None  # the backend's fused rotary (see CausalLM.use_backend)
 
     def __init__(self, cfg: ModelConfig, layer: int, *, qkv_bias: bool, o_bias: bool, scale: float | None = None,
                  softcap: float | None = None, rotary_dim: int | None = None) -> None:
@@ -77,9 +81,9 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv, self.head_dim)
         v = v.reshape(t, self.num_kv, self.head_dim)
         q, k = self.norm_heads(q, k)
-        if self.rotary_dim and self.kernels is not None and cos_sin[0].shape[-1] == self.rotary_dim:
+        if self.rotary_dim and self.ops is not None and cos_sin[0].shape[-1] == self.rotary_dim:
             cos, sin = cos_sin
-            self.kernels.rotary_(q, k, cos.view(t, self.rotary_dim), sin.view(t, self.rotary_dim))
+            self.ops.rotary_(q, k, cos.view(t, self.rotary_dim), sin.view(t, self.rotary_dim))
         elif self.rotary_dim == self.head_dim:
             q, k = apply_rotary(q, k, cos_sin)
         elif self.rotary_dim:
@@ -96,7 +100,7 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with fused gate/up projection (SwiGLU, GeGLU)."""
 
-    kernels: Any = None  # tapllm's fused kernel ops, when the model runs them (see CausalLM.use_kernels)
+    ops: ElementwiseOps | None = None  # the backend's fused gated activation (see CausalLM.use_backend)
 
     def __init__(self, cfg: ModelConfig, act: Callable[[torch.Tensor], torch.Tensor], bias: bool = False,
                  intermediate: int | None = None) -> None:
@@ -110,8 +114,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and self.kernel_act is not None and gate_up.dim() == 2:
-            return self.down_proj(tap("mlp_post", i, self.kernels.gated_act(gate_up, self.kernel_act)))
+        if self.ops is not None and self.kernel_act is not None and gate_up.dim() == 2:
+            return self.down_proj(tap("mlp_post", i, self.ops.gated_act(gate_up, self.kernel_act)))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(tap("mlp_post", i, self.act(gate) * up))
 
@@ -170,8 +174,8 @@ class CausalLM(nn.Module):
     """
 
     final_logit_softcap: float | None = None
-    kernels: Any = None  # tapllm's fused kernel ops (see use_kernels)
-    stack: DecoderStack | None = None  # runs untapped blocks of decode steps in C++ (see use_kernels)
+    backend: Backend | None = None  # how the forward runs (see use_backend); None: plain PyTorch
+    stack: DecoderStack | None = None  # runs untapped blocks of decode steps in C++ (see use_backend)
     stack_block: type | None = None  # the family's block type that the C++ runner implements, if any
     needs_prompt_lengths = False  # True: the runner fills AttentionMetadata.prompt_lens each step
 
@@ -179,6 +183,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tied = bool(getattr(cfg.hf_config, "tie_word_embeddings", False))
+        # The path each run of blocks of the latest forward took: (first block, stop, path) with
+        # path "stack" (one C++ call), "fused" (Python blocks on the backend's ops) or "eager".
+        self.last_runs: tuple[tuple[int, int, str], ...] = ()
 
     # ---- the forward -------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -217,21 +224,38 @@ class CausalLM(nn.Module):
         x = tap("embed", PSEUDO_LAYER, self.embed(input_ids, positions))
         ctx = self.block_context(positions, x.dtype, meta)
         layers = self.layers[:num_layers]
-        stack = self.stack if self.stack is not None and self.stack.applies(meta, x.shape[0]) else None
-        i = 0
-        while i < len(layers):
-            if stack is not None and not tap.touches(i) and stack.runs[i]:  # blocks nobody taps: one C++ call
-                j = i + 1
-                while j < len(layers) and not tap.touches(j) and stack.runs[j]:
-                    j += 1
-                x = stack.run(x, i, j, ctx, kv_caches, meta)
-                i = j
+        runs = self.plan_runs(len(layers), tap, meta, x.shape[0])
+        for start, stop, path in runs:
+            if path == "stack":
+                x = self.stack.run(x, start, stop, ctx, kv_caches, meta)
                 continue
-            x = layers[i](x, i, tap, ctx, kv_caches[i], meta)
-            i += 1
+            for i in range(start, stop):
+                x = layers[i](x, i, tap, ctx, kv_caches[i], meta)
+        self.last_runs = runs
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step of %d rows: %s", x.shape[0], ", ".join(f"blocks {a}-{b - 1} {p}" for a, b, p in runs))
         if num_layers is not None and num_layers < len(self.layers):
             return None
         return tap("final", PSEUDO_LAYER, self.norm(x))
+
+    def plan_runs(self, num_layers: int, tap: Tap, meta: AttentionMetadata, rows: int
+                  ) -> tuple[tuple[int, int, str], ...]:
+        """How blocks ``[0, num_layers)`` of this step run: maximal runs ``(start, stop, path)``.
+
+        ``"stack"``: a decode step's blocks that no request taps, where the backend has the C++
+        block runner and the family's blocks fit it; ``"fused"``: Python blocks on the backend's
+        fused ops (tapped blocks, prefill steps); ``"eager"``: Python blocks on PyTorch alone.
+        """
+        stack = self.stack is not None and self.stack.applies(meta, rows)
+        python = "fused" if self.backend is not None and self.backend.fused else "eager"
+        runs: list[tuple[int, int, str]] = []
+        for i in range(num_layers):
+            path = "stack" if stack and self.stack.runs[i] and not tap.touches(i) else python
+            if runs and runs[-1][2] == path:
+                runs[-1] = (runs[-1][0], i + 1, path)
+            else:
+                runs.append((i, i + 1, path))
+        return tuple(runs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (model dtype) for the given final hidden rows."""
@@ -246,17 +270,20 @@ class CausalLM(nn.Module):
         x = x.to(self.cfg.dtype)
         return self.compute_logits(x if point == "final" else self.norm(x))
 
-    def use_kernels(self, ops: Any) -> None:
-        """Run the norms, rotary and gated activations of every block with tapllm's fused
-        kernels ``ops`` (``tapllm.kernels.fused_kernels()``); ``None`` restores the eager code."""
-        gemv = packed_gemv_ops(ops, self.cfg.dtype)
+    def use_backend(self, backend: Backend | None) -> None:
+        """Hand every module the backend's ops of its family (``tapllm.backends.select_backend``);
+        ``None`` (or the eager backend) restores the plain PyTorch code everywhere."""
         for module in self.modules():
-            if isinstance(module, RMSNorm | Attention | GatedMLP | QuantLinear | QuantEmbedding):
-                module.kernels = ops
+            if isinstance(module, RMSNorm | Attention | GatedMLP):
+                module.ops = backend.elementwise if backend is not None else None
+            elif isinstance(module, QuantLinear | QuantEmbedding):
+                module.ops = backend.quant if backend is not None else None
             elif isinstance(module, Linear):
-                module.use_gemv(gemv)
-        self.kernels = ops
-        self.stack = DecoderStack.maybe(ops, self.layers, self.stack_block, Attention, GatedMLP)
+                module.use_gemv(backend.gemv if backend is not None else None,
+                                backend.gemv_rows if backend is not None else 0)
+        self.backend = backend
+        self.stack = DecoderStack.maybe(backend.stack if backend is not None else None, self.layers,
+                                        self.stack_block, Attention, GatedMLP)
 
     # ---- weights -----------------------------------------------------------------------
     def prepare_for_inference(self, device: torch.device) -> None:

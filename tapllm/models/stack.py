@@ -80,7 +80,7 @@ class DecoderStack:
 
     def applies(self, meta: AttentionMetadata, rows: int) -> bool:
         """True for a step of decodes only (prefill chunks keep the Python blocks and SDPA)."""
-        return meta.kernels is not None and meta.num_decodes == rows and not meta.prefills and not meta.prefill_groups
+        return meta.attn is not None and meta.num_decodes == rows and not meta.prefills and not meta.prefill_groups
 
     def _layer_params(self, kv_caches: list) -> list[list[torch.Tensor | None]]:
         if self._kv is not kv_caches:

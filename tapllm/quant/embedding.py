@@ -8,11 +8,10 @@ else :func:`tapllm.quant.pack.dequantize` (float32, then rounded to the model dt
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
+from tapllm.backends.ops import QuantOps
 from tapllm.quant.linear import QuantLinear, block_shape, fill_rows
 from tapllm.quant.pack import dequantize
 from tapllm.quant.schemes import Quantization
@@ -24,7 +23,7 @@ class QuantEmbedding(nn.Module):
     It has no ``weight``: :meth:`dequantized` is the float table (all of it; for tests and tools).
     """
 
-    kernels: Any = None  # tapllm's fused kernel ops when they run (set by CausalLM.use_kernels)
+    ops: QuantOps | None = None  # the backend's dequantizing kernel (set by CausalLM.use_backend)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, quant: Quantization,
                  shape: tuple[int, int] | None = None) -> None:
@@ -52,8 +51,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, input_ids.reshape(-1))
-        if self.kernels is not None:
-            out = self.kernels.quant_dequantize(rows, self.embedding_dim, self.dtype)
+        if self.ops is not None:
+            out = self.ops.quant_dequantize(rows, self.embedding_dim, self.dtype)
         else:
             out = dequantize(rows, self.embedding_dim).to(self.dtype)
         return out.view(*input_ids.shape, self.embedding_dim)

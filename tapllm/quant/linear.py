@@ -10,12 +10,11 @@ stored, so a float copy of the whole weight never exists.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tapllm.backends.ops import QuantOps
 from tapllm.quant.pack import (SUPER, block_kind, dequantize, fit_group, quantize_int4, quantize_int8, quantize_q4_k,
                                round_activations)
 from tapllm.quant.schemes import Quantization
@@ -71,7 +70,7 @@ def fill_rows(blocks: torch.Tensor, k: int, quant: Quantization, offset: int | N
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` as packed blocks ``uint8 [N, G, B]`` (``blocks``)."""
 
-    kernels: Any = None  # tapllm's fused kernel ops when they run (set by CausalLM.use_kernels)
+    ops: QuantOps | None = None  # the backend's quantized-linear kernels (set by CausalLM.use_backend)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  quant: Quantization, shape: tuple[int, int] | None = None) -> None:
@@ -109,8 +108,8 @@ class QuantLinear(nn.Module):
         return self.quant.act_bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            return self.kernels.quant_linear(x, self.blocks, self.bias, self.act_bits)
+        if self.ops is not None:
+            return self.ops.quant_linear(x, self.blocks, self.bias, self.act_bits)
         bias = None if self.bias is None else self.bias.float()
         xf = round_activations(x) if self.act_bits else x.float()
         return F.linear(xf, self.dequantized(), bias).to(x.dtype)

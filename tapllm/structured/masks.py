@@ -28,13 +28,14 @@ class TokenMask:
     def apply(self, values: torch.Tensor) -> torch.Tensor:
         """A copy of ``values`` [N, vocab] with every banned token of the constrained rows at -inf."""
         n, width = values.shape
-        banned = self.banned
+        banned = self.banned.to(values.device, non_blocking=True)
         if banned.shape[1] < width:  # logits wider than the mask: the padding is never allowed
             banned = torch.nn.functional.pad(banned, (0, width - banned.shape[1]), value=True)
         if len(self.rows) == n:  # every row constrained (rows are in order): one masked_fill
             return values.masked_fill(banned, float("-inf"))
         out = values.clone()
-        out[self.rows] = values[self.rows].masked_fill(banned, float("-inf"))
+        rows = self.rows.to(values.device, non_blocking=True)
+        out[rows] = values[rows].masked_fill(banned, float("-inf"))
         return out
 
 

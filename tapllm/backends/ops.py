@@ -1,0 +1,89 @@
+"""What the modules of a model see of a backend's compiled ops: typed handles, one per op family.
+
+A backend (see :mod:`tapllm.backends`) hands each module the ops of its family, or ``None``,
+in which case the module runs its plain PyTorch code (the reference). The protocols below
+say exactly which calls a module may make; the CPU backend satisfies them with the C++ ops
+of ``tapllm.kernels`` (``torch.ops.tapllm_<isa>``), the CUDA backend its attention with
+Triton kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class ElementwiseOps(Protocol):
+    """Norms, rotary and gated activations over rows ``[T, dim]`` (tapllm.kernels.reference defines them)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int) -> torch.Tensor: ...
+
+    def add_rms_norm_(self, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
+                      mode: int) -> torch.Tensor: ...
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
+
+    def gated_act(self, gate_up: torch.Tensor, act: int) -> torch.Tensor: ...
+
+
+class AttentionOps(Protocol):
+    """Attention over the paged KV cache ``[Hkv, num_blocks, block_size, D]``, read in place."""
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int,
+                         softcap: float) -> torch.Tensor: ...
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor, tables: torch.Tensor,
+                          scale: float, window: int, softcap: float, max_len: int) -> torch.Tensor: ...
+
+
+class GemvOps(Protocol):
+    """Linears of a few rows reading oneDNN's prepacked weight in place (tapllm.kernels.gemv)."""
+
+    def packed_view(self, packed: torch.Tensor) -> torch.Tensor: ...
+
+    def packed_linear(self, x: torch.Tensor, view: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class QuantOps(Protocol):
+    """Linears and embedding rows over quantized blocks (tapllm.quant)."""
+
+    def quant_linear(self, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
+                     act_bits: int) -> torch.Tensor: ...
+
+    def quant_dequantize(self, rows: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class StackOps(Protocol):
+    """Runs of whole pre-norm Llama-style blocks of a decode step in one call (tapllm.models.stack)."""
+
+    def decoder_layers(self, *args: object) -> torch.Tensor: ...
+
+
+class CpuAttention:
+    """:class:`AttentionOps` over the C++ ops namespace (which takes no ``max_len``)."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self, ops: object) -> None:
+        self.ops = ops
+
+    def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        self.ops.kv_write(k, v, k_cache, v_cache, slot_mapping)
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int,
+                         softcap: float) -> torch.Tensor:
+        return self.ops.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, window, softcap)
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor, tables: torch.Tensor,
+                          scale: float, window: int, softcap: float, max_len: int) -> torch.Tensor:
+        return self.ops.prefill_attention(q, k_cache, v_cache, starts, lens, contexts, tables, scale, window,
+                                          softcap)

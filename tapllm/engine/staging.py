@@ -1,0 +1,138 @@
+"""A step's inputs in one buffer, sent to the device in one copy; its results back in one copy.
+
+The runner writes everything a step needs from the host (token ids, positions, cache slots,
+block tables, context lengths, sampling parameters, the draws' uniforms) into sections of
+one host buffer (pinned on CUDA, written through NumPy views), then :meth:`Staging.upload`
+copies the used bytes to the device buffer in one transfer and hands back a device view per
+section. Nothing else in a step goes from host to device unless a request asks for a
+feature that needs it (capture and steering plans, logits controls, grammar masks). The
+device buffer keeps its address while it is large enough, so a CUDA graph may read its
+sections in place.
+
+:class:`Download` is the other direction: one device tensor of results copied into a
+reused host buffer (pinned on CUDA), the one device-to-host copy a step waits for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_ALIGN = 8  # every section starts at a multiple of the widest element
+_NP = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.float64: np.float64,
+       torch.bool: np.bool_}
+_SIZE = {dtype: np.dtype(t).itemsize for dtype, t in _NP.items()}
+
+
+class Staging:
+    """The step's host-to-device inputs (see the module docstring)."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._sections: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
+        self._used = 0
+        self._done: torch.cuda.Event | None = None
+        self._allocate(capacity)
+
+    def _allocate(self, capacity: int) -> None:
+        self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self._pinned)
+        self._host_np = self.host.numpy()
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        self.generation = getattr(self, "generation", -1) + 1  # bumped when the device buffer moves
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for ``nbytes`` of sections (moves the device buffer when it grows)."""
+        if nbytes > self.buffer.numel():
+            self._wait()
+            self._allocate(max(nbytes, 2 * self.buffer.numel()))
+
+    def begin(self) -> None:
+        """Start a step's sections (the host buffer is free once the previous upload has been read)."""
+        self._wait()
+        self._sections.clear()
+        self._used = 0
+
+    def add(self, values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch.dtype,
+            shape: tuple[int, ...] | None = None) -> int:
+        """Write ``values`` (flattened, as ``dtype``) into a new section; returns its index in :meth:`upload`'s list."""
+        arr = values if isinstance(values, np.ndarray) else np.asarray(values, dtype=_NP[dtype])
+        n = arr.size
+        size = n * _SIZE[dtype]
+        start = -(-self._used // _ALIGN) * _ALIGN
+        if start + size > self.host.numel():
+            self._grow(start + size)
+        self._host_np[start:start + size].view(_NP[dtype])[:] = arr.reshape(-1)
+        self._sections.append((start, n, dtype, shape if shape is not None else (n,)))
+        self._used = start + size
+        return len(self._sections) - 1
+
+    def zeros(self, n: int, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> tuple[int, np.ndarray]:
+        """A new zero-filled section of ``n`` elements: its index and its host array, to fill in place
+        before the next section is added."""
+        size = n * _SIZE[dtype]
+        start = -(-self._used // _ALIGN) * _ALIGN
+        if start + size > self.host.numel():
+            self._grow(start + size)
+        view = self._host_np[start:start + size].view(_NP[dtype])
+        view[:] = 0
+        self._sections.append((start, n, dtype, shape if shape is not None else (n,)))
+        self._used = start + size
+        return len(self._sections) - 1, (view if shape is None else view.reshape(shape))
+
+    def host_tensor(self, n: int, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        """Like :meth:`zeros`, the host part as a tensor (to write with ``out=``)."""
+        index, array = self.zeros(n, dtype)
+        return index, torch.from_numpy(array)
+
+    def _grow(self, need: int) -> None:
+        """More host room mid-step: earlier sections are kept (the device buffer follows at upload)."""
+        old = self._host_np[: self._used].copy()
+        self._wait()
+        capacity = max(need, 2 * self.host.numel())
+        self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self._pinned)
+        self._host_np = self.host.numpy()
+        self._host_np[: len(old)] = old
+
+    def upload(self) -> list[torch.Tensor]:
+        """Copy the step's sections to the device in one transfer; the device view of each, in order."""
+        used = self._used
+        if used > self.buffer.numel():
+            self.buffer = torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device)
+            self.generation += 1
+        if used:
+            self.buffer[:used].copy_(self.host[:used], non_blocking=self._pinned)
+        if self._pinned:
+            self._done = torch.cuda.Event()
+            self._done.record()
+        return [self.buffer[start:start + n * _SIZE[dtype]].view(dtype).view(shape)
+                for start, n, dtype, shape in self._sections]
+
+    def _wait(self) -> None:
+        if self._done is not None:  # the previous copy must have read the host buffer before it is rewritten
+            self._done.synchronize()
+            self._done = None
+
+
+class Download:
+    """A step's results copied back into one reused host buffer (pinned on CUDA)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._pinned = device.type == "cuda"
+        self._host: dict[torch.dtype, torch.Tensor] = {}
+
+    def fetch(self, values: torch.Tensor) -> np.ndarray:
+        """``values`` (1-D, on the device) as a host array: one copy, waited for."""
+        n = values.numel()
+        host = self._host.get(values.dtype)
+        if host is None or host.numel() < n:
+            host = torch.empty(max(n, 256, 2 * (host.numel() if host is not None else 0)), dtype=values.dtype,
+                               pin_memory=self._pinned)
+            self._host[values.dtype] = host
+        out = host[:n]
+        out.copy_(values, non_blocking=self._pinned)
+        if self._pinned:
+            torch.cuda.current_stream(values.device).synchronize()
+        return out.numpy()

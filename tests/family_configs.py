@@ -1,0 +1,49 @@
+"""One tiny transformers config per supported family (and its variants), for tests that need them all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+VOCAB = 49152
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6)
+
+
+def family_configs() -> dict[str, Any]:
+    """name -> a transformers config of a tiny model of that family (random weights, real options)."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig,
+                              Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [1.2, 4.0, 11.0, 30.0]}
+    gemma3_rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}}
+    neox = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                max_position_embeddings=512, initializer_range=0.2)
+    configs = {
+        "llama": LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, **SMALL),
+        "llama3-rope": LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=True, rope_parameters=llama3, **SMALL),
+        "mistral": MistralConfig(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=16, **SMALL),
+        "qwen2": Qwen2Config(vocab_size=VOCAB, tie_word_embeddings=False, **SMALL),
+        "qwen3": Qwen3Config(vocab_size=VOCAB, tie_word_embeddings=True, head_dim=32, **SMALL),
+        "gemma2": Gemma2Config(vocab_size=VOCAB, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                               attn_logit_softcapping=10.0, final_logit_softcapping=4.0, bos_token_id=1,
+                               eos_token_id=2, pad_token_id=2, **{**SMALL, "num_hidden_layers": 4}),
+        "gemma3": Gemma3TextConfig(vocab_size=VOCAB, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                                   tie_word_embeddings=False, rope_parameters=gemma3_rope, bos_token_id=1,
+                                   eos_token_id=2, pad_token_id=2, **{**SMALL, "num_hidden_layers": 6}),
+        "phi3": Phi3Config(vocab_size=VOCAB, tie_word_embeddings=False, sliding_window=16, **SMALL),
+        "phi3-longrope": Phi3Config(vocab_size=VOCAB, tie_word_embeddings=True, rope_parameters=longrope,
+                                    original_max_position_embeddings=32, **SMALL),
+        "olmo2": Olmo2Config(vocab_size=VOCAB, tie_word_embeddings=False, **SMALL),
+        "gpt2": GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=512, initializer_range=0.2,
+                           bos_token_id=0, eos_token_id=0),
+        "pythia": GPTNeoXConfig(vocab_size=VOCAB, use_parallel_residual=True, rotary_pct=0.25, **neox),
+    }
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for config in configs.values():  # what save_pretrained of the model would write
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    return configs
