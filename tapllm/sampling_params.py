@@ -31,7 +31,7 @@ class RequestOutputKind(enum.IntEnum):
 
 
 # vLLM 0.32 SamplingParams fields tapllm does not implement -> the values that ask for nothing.
-# Anything else is refused naming the field (see README, "vLLM differences").
+# Anything else is refused naming the field (see docs/generation.md, "Sampling parameters").
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "watermarking": (None, False),
     "logprob_token_ids": (None,),

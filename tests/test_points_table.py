@@ -12,11 +12,11 @@ from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.spec import Steer
 from tapllm.tap.points import HEAD_STEER_POINTS, POINTS, QUERY_HEAD_POINTS, STEER_POINTS, TABLE, row_shapes
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+POINTS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "hidden-states.md"
 
 
-def test_the_readme_lists_every_point_with_its_row_shape_in_table_order():
-    rows = re.findall(r"^\| `(\w+)` \| .*? \| `\[([\w, ]+)\]` \|", README.read_text(), re.M)
+def test_the_docs_list_every_point_with_its_row_shape_in_table_order():
+    rows = re.findall(r"^\| `(\w+)` \| .*? \| `\[([\w, ]+)\]` \|", POINTS_PAGE.read_text(), re.M)
     assert [name for name, _ in rows] == list(POINTS)
     assert {name: tuple(shape.split(", ")) for name, shape in rows} == {p.name: p.shape for p in TABLE}
 

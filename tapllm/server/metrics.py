@@ -3,10 +3,10 @@
 Two families: the original ``tapllm_*`` series, and vLLM's metric names under a ``tapllm:``
 prefix (``vllm:time_to_first_token_seconds`` is ``tapllm:time_to_first_token_seconds``), so a
 vLLM dashboard works after replacing the prefix. Every vLLM 0.32 family with a meaning here is
-served (``VLLM_FAMILIES``); the README lists the others and why they are not. Latencies are measured from the engine
-thread's own timestamps (``Request.times``): arrival is when the HTTP request came in, queue
-time ends when a step first runs the request, a token's time is the end of the step that
-sampled it.
+served (``VLLM_FAMILIES``); docs/serving.md lists the others and why they are not. Latencies are
+measured from the engine thread's own timestamps (``Request.times``): arrival is when the HTTP
+request came in, queue time ends when a step first runs the request, a token's time is the end
+of the step that sampled it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tapllm.server.runner import EngineRunner, LoopStats
 
 VLLM = "tapllm:"  # the prefix of the series named after vLLM's
 
-# vLLM's families served under the prefix (the rest of vLLM 0.32's are in the README, with why not).
+# vLLM's families served under the prefix (the rest of vLLM 0.32's are in docs/serving.md, with why not).
 VLLM_FAMILIES = (
     "num_requests_running", "num_requests_waiting", "num_requests_waiting_by_reason", "engine_sleep_state",
     "kv_cache_usage_perc", "prefix_cache_hits", "prefix_cache_queries", "cache_config_info",
