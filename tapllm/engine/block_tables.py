@@ -7,7 +7,7 @@ entry, or none), since the blocks before hold computed context that never change
 preempted request (its blocks were freed and are taken anew) is sent whole again. Those
 ``(row, column, block)`` triples travel in the step's one upload and are written with one
 ``index_put_``; a step's tables are then gathered from the rows on the device. The last row
-stays zero: the padding rows of a CUDA graph's batch read it.
+holds only ``pad_block``: the padding rows of a CUDA graph's batch read it.
 """
 
 from __future__ import annotations
@@ -20,18 +20,20 @@ from tapllm.engine.request import Request
 class BlockTables:
     """The device-resident block tables (see the module docstring)."""
 
-    def __init__(self, rows: int, width: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, rows: int, width: int, block_size: int, device: torch.device, pad_block: int = 0) -> None:
         self.block_size = block_size
         self.width = width
         self.device = device
+        self.pad_block = pad_block
         self.table = torch.zeros((rows + 1, width), dtype=torch.int64, device=device)
+        self.table[rows] = pad_block
         self._free = list(range(rows - 1, -1, -1))
         self._rows: dict[Request, tuple[int, int]] = {}  # request -> (row, preemptions when sent whole)
         self.generation = 0  # bumped when ``table`` moves (a CUDA graph reading it must be captured anew)
 
     @property
     def pad_row(self) -> int:
-        """A row that is all zeros (for padding rows of a batch)."""
+        """The row padding rows of a batch read: every entry ``pad_block``."""
         return self.table.shape[0] - 1
 
     def row(self, req: Request, first_written: int, diff: list[int]) -> int:
@@ -59,6 +61,7 @@ class BlockTables:
             rows = old.shape[0] - 1
             self.table = torch.zeros((2 * rows + 1, self.width), dtype=torch.int64, device=self.device)
             self.table[:rows] = old[:rows]
+            self.table[2 * rows] = self.pad_block
             self._free = list(range(2 * rows - 1, rows - 1, -1))
             self.generation += 1
         return self._free.pop()

@@ -172,9 +172,9 @@ def apply_controls(x: torch.Tensor, rows: Sequence[ControlledRow], counts: Token
     allowed = [(j, r.controls.allowed) for j, r in enumerate(rows) if r.controls.allowed is not None]
     if allowed:
         keep = torch.zeros((len(allowed), x.shape[1]), dtype=torch.bool, device=dev)
-        keep[_row_ids(range(len(allowed)), [a for _, a in allowed]).to(dev),
-             torch.cat([a for _, a in allowed]).to(dev)] = True
-        which = torch.tensor([j for j, _ in allowed]).to(dev)
+        keep[_row_ids(range(len(allowed)), [a for _, a in allowed]).to(dev, non_blocking=True),
+             torch.cat([a for _, a in allowed]).to(dev, non_blocking=True)] = True
+        which = torch.tensor([j for j, _ in allowed]).to(dev, non_blocking=True)
         x[which] = x[which].masked_fill(~keep, _NEG_INF)
     bans: list[tuple[int, torch.Tensor]] = []
     late: list[tuple[int, torch.Tensor]] = []  # min_tokens: after the bias, as in vLLM
@@ -191,9 +191,9 @@ def apply_controls(x: torch.Tensor, rows: Sequence[ControlledRow], counts: Token
     _fill(x, bans, _NEG_INF)
     biased = [(j, r.controls) for j, r in enumerate(rows) if r.controls.bias_ids is not None]
     if biased:
-        x.index_put_((_row_ids([j for j, _ in biased], [c.bias_ids for _, c in biased]).to(dev),
-                      torch.cat([c.bias_ids for _, c in biased]).to(dev)),
-                     torch.cat([c.bias_values for _, c in biased]).to(dev), accumulate=True)
+        x.index_put_((_row_ids([j for j, _ in biased], [c.bias_ids for _, c in biased]).to(dev, non_blocking=True),
+                      torch.cat([c.bias_ids for _, c in biased]).to(dev, non_blocking=True)),
+                     torch.cat([c.bias_values for _, c in biased]).to(dev, non_blocking=True), accumulate=True)
     _fill(x, late, _NEG_INF)
     penalized = [j for j, r in enumerate(rows) if r.slot >= 0]
     if penalized and counts is not None:
@@ -245,21 +245,21 @@ def _penalize(x: torch.Tensor, js: list[int], rows: list[ControlledRow], counts:
 def _penalize_dense(x: torch.Tensor, js: list[int], rows: list[ControlledRow], counts: TokenCounts) -> None:
     """:func:`_penalize` over whole rows: the same arithmetic on every token, no host read."""
     dev = x.device
-    which = torch.tensor(js).to(dev)
-    slots = torch.tensor([r.slot for r in rows]).to(dev)
+    which = torch.tensor(js).to(dev, non_blocking=True)
+    slots = torch.tensor([r.slot for r in rows]).to(dev, non_blocking=True)
     n = counts.counts[slots]
     vals = x[which]
     reps = [r.controls.repetition for r in rows]
     if any(p != 1.0 for p in reps):
-        rep = torch.tensor(reps, dtype=torch.float32).to(dev)[:, None]
+        rep = torch.tensor(reps, dtype=torch.float32).to(dev, non_blocking=True)[:, None]
         seen = (n > 0) | counts.in_prompt[slots]
         vals = torch.where(seen, torch.where(vals > 0, vals / rep, vals * rep), vals)
     freq = [r.controls.frequency for r in rows]
     pres = [r.controls.presence for r in rows]
     if any(freq) or any(pres):
         c = n.float()
-        vals = vals - torch.tensor(freq, dtype=torch.float32).to(dev)[:, None] * c
-        vals = vals - torch.tensor(pres, dtype=torch.float32).to(dev)[:, None] * (c > 0)
+        vals = vals - torch.tensor(freq, dtype=torch.float32).to(dev, non_blocking=True)[:, None] * c
+        vals = vals - torch.tensor(pres, dtype=torch.float32).to(dev, non_blocking=True)[:, None] * (c > 0)
     x[which] = vals
 
 

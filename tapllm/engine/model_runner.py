@@ -17,8 +17,10 @@ from tapllm.engine.request import Request
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem
 from tapllm.engine.block_tables import BlockTables
+from tapllm.engine.cuda_graphs import GraphRunner
+from tapllm.engine.graph_tap import NO_TAP, TapShape, tap_shape
 from tapllm.engine.staging import Download, Staging
-from tapllm.engine.step_inputs import StepBatch, build_step
+from tapllm.engine.step_inputs import StepLayout, lay_out, upload, upload_graph_step
 from tapllm.engine.step_tap import StepTap
 from tapllm.hidden_states.sink import CopySink
 from tapllm.layers.linear import Linear
@@ -26,10 +28,12 @@ from tapllm.loader.gguf_blocks import gguf_source, keep_gguf_blocks
 from tapllm.loader.dummy import fill_dummy_weights
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
+from tapllm.models.shapes import point_shapes
 from tapllm.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
 from tapllm.quant.embedding import quantize_embedding
 from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
+from tapllm.tap.points import HIDDEN_POINTS
 
 logger = logging.getLogger("tapllm")
 
@@ -133,12 +137,15 @@ class ModelRunner:
         self.capture_sink = CopySink(staged=device.type != "cpu")
         self.token_counts = TokenCounts(model_config.vocab_size, device=device)  # penalty state of samples that need it
         self.staging = Staging(device)  # the step's inputs: one upload
-        width = -(-model_config.max_model_len // engine_config.block_size)
-        self.block_tables = BlockTables(engine_config.max_num_seqs, width, engine_config.block_size, device)
         self.download = Download(device)  # the step's results: one download
         self.token_masks = MaskComputer()  # structured output
         self.num_blocks = self._num_blocks()
-        shape = (model_config.num_kv_heads, self.num_blocks, engine_config.block_size, model_config.head_dim)
+        # One more block than requests get: the padding rows of a CUDA graph's batch write there.
+        self.trash_block = self.num_blocks
+        width = min(-(-model_config.max_model_len // engine_config.block_size), self.num_blocks)
+        self.block_tables = BlockTables(engine_config.max_num_seqs, width, engine_config.block_size, device,
+                                        pad_block=self.trash_block)
+        shape = (model_config.num_kv_heads, self.num_blocks + 1, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
             (_zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit),
              _zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit))
@@ -150,6 +157,29 @@ class ModelRunner:
             self.num_blocks * engine_config.block_size * model_config.kv_bytes_per_token / 1e9,
             "committed at start" if engine_config.kv_cache_precommit else "committed as written",
         )
+        self.graphs: GraphRunner | None = None
+        if self.backend.graph_sizes:
+            if self.model.needs_prompt_lengths:
+                logger.info("CUDA graphs off: %s reads each row's prompt length", model_config.architecture)
+            else:
+                self.use_graphs(self.backend.graph_sizes, capture=True)
+
+    @torch.inference_mode()
+    def use_graphs(self, sizes: tuple[int, ...], capture: bool = True) -> GraphRunner:
+        """Replay decode steps of up to ``max(sizes)`` rows from graphs (captured now for the plain
+        step); ``capture=False`` runs the same code without a graph (CPU, tests)."""
+        bs = self.ecfg.block_size
+        self.graphs = GraphRunner(self.model, self.kv_caches, self.block_tables, sizes, self.backend.attention,
+                                  {**{p: (self.mcfg.hidden_size,) for p in HIDDEN_POINTS}, **point_shapes(self.model)},
+                                  self.mcfg.dtype, self.device, self.trash_block * bs,
+                                  capture=capture)
+        if capture:
+            before = torch.cuda.memory_allocated(self.device)
+            self.graphs.capture_plain()
+            logger.info("CUDA graphs: %d batch sizes (%s) captured in %.1fs, %.2f GB",
+                        len(sizes), ", ".join(map(str, sizes)), self.graphs.capture_seconds,
+                        (torch.cuda.memory_allocated(self.device) - before) / 1e9)
+        return self.graphs
 
     def describe(self) -> str:
         """The lines of :meth:`tapllm.LLM.describe`."""
@@ -203,17 +233,30 @@ class ModelRunner:
         """
         items = sorted(items, key=lambda it: it.num_tokens != 1)  # decodes first
         self.capture_sink.pending.clear()  # a previous failed step may have left staged copies
-        batch = self._prepare(items)
-        tap = StepTap.build(batch.captures, batch.steers, self.device, self.capture_sink)
-        # Grammar masks of this step's constrained rows are computed while the forward runs.
-        pending_mask = self.token_masks.submit(
-            [(i, req.grammar) for i, (_, req) in enumerate(batch.sample_rows) if req.grammar is not None],
-            self.mcfg.vocab_size)
+        lay = lay_out(items, self.block_tables)
+        tap = StepTap.build(lay.captures, lay.steers, self.device, self.capture_sink)
         # Prompt-only requests need the blocks up to their deepest capture; a step of only such
         # requests stops there (their blocks are salted by that depth: see InputProcessor.prepare).
         depths = [it.request.depth for it in items]
         depth = None if None in depths else max(depths)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
+        shape = self._graph_shape(lay, tap, depth)
+        logits = hidden = None
+        if shape is not None:
+            batch = upload_graph_step(lay, self.staging, self.block_tables, self.graphs.inputs_for(len(lay.ids)),
+                                      self.graphs.trash_slot, vocab_size=self.mcfg.vocab_size, device=self.device)
+        else:
+            batch = upload(lay, self.staging, self.block_tables, attn=self.backend.attention,
+                           prompt_lengths=self.model.needs_prompt_lengths, vocab_size=self.mcfg.vocab_size,
+                           device=self.device)
+        # Grammar masks of this step's constrained rows are computed while the forward runs.
+        pending_mask = self.token_masks.submit(
+            [(i, req.grammar) for i, (_, req) in enumerate(batch.sample_rows) if req.grammar is not None],
+            self.mcfg.vocab_size)
+        if shape is not None:
+            logits = self.graphs.run(shape, len(lay.ids), tap.steering if tap is not None else None,
+                                     tap.capture if tap is not None else None)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
         result = StepResult()
         if tap is not None:
             owner = {it.request.capture: it.request for it in items if it.request.capture is not None}
@@ -233,10 +276,14 @@ class ModelRunner:
         plan = batch.sampling
         if plan is None:
             return result
-        if batch.sample_index is not None:  # all rows sample in a pure decode step: no gather
-            hidden = hidden.index_select(0, batch.sample_index)
+        if logits is None:
+            if batch.sample_index is not None:  # all rows sample in a pure decode step: no gather
+                hidden = hidden.index_select(0, batch.sample_index)
+            logits = self.model.compute_logits(hidden)
+        elif batch.sample_index is not None:  # a graph's padded rows, or forks sharing a row
+            logits = logits.index_select(0, batch.sample_index)
         mask = pending_mask.result() if pending_mask else None
-        results = plan.sample(self.model.compute_logits(hidden), self.token_counts, mask)
+        results = plan.sample(logits, self.token_counts, mask)
         failures = {row: RowFailure(message, "server_error") for row, message in (mask.errors if mask else {}).items()}
         tokens = plan.read(self.download.fetch(results), failures)
         for row, (req, token) in enumerate(zip(plan.requests, tokens)):
@@ -245,6 +292,27 @@ class ModelRunner:
             elif req not in result.failed:
                 result.sampled[req] = token
         return result
+
+    def _graph_shape(self, lay: StepLayout, tap: StepTap | None, depth: int | None) -> TapShape | None:
+        """The tap shape of the graph this step replays, or None (and the reason counted) for an eager step."""
+        graphs = self.graphs
+        if graphs is None:
+            return None
+        reason = None
+        if not lay.decode_only:
+            reason = "a prefill chunk in the step"
+        elif len(lay.ids) > graphs.max_size:
+            reason = f"more than {graphs.max_size} rows"
+        elif lay.prompt_logprob_rows:
+            reason = "prompt logprobs"
+        elif depth is not None:
+            reason = "prompt-only requests stop early"
+        else:
+            shape, reason = tap_shape(tap.capture, tap.steering) if tap is not None else (NO_TAP, None)
+            if reason is None:
+                return shape
+        graphs.fall_back(reason)
+        return None
 
     def release(self, req: Request) -> None:
         """Forget a request that finished or was aborted (its block-table row is free again)."""
@@ -261,7 +329,3 @@ class ModelRunner:
             k.index_copy_(1, dst, k.index_select(1, src))
             v.index_copy_(1, dst, v.index_select(1, src))
 
-    def _prepare(self, items: list[ScheduledItem]) -> StepBatch:
-        return build_step(items, self.staging, self.block_tables, attn=self.backend.attention,
-                          prompt_lengths=self.model.needs_prompt_lengths, vocab_size=self.mcfg.vocab_size,
-                          device=self.device)

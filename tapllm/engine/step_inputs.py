@@ -1,14 +1,16 @@
 """A scheduled step turned into the model's inputs: batch rows, cache slots, attention metadata.
 
-:func:`build_step` lays the step out on the host (decodes first, then prefill chunks, one
-row per token), writes every number into the step's staging buffer, uploads it in one copy
-and builds the :class:`StepBatch` from the device views. The sampling plan's numbers go in
-the same upload.
+:func:`lay_out` lays the step out on the host (decodes first, then prefill chunks, one row
+per token) as plain lists and row spans; :func:`upload` writes every number into the step's
+staging buffer, sends it in one copy and builds the :class:`StepBatch` from the device
+views. A step replayed from a CUDA graph is laid out the same way and uploaded by
+:func:`upload_graph_step`, padded to its graph's batch size. The sampling plan's numbers go
+in the same upload.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,12 +26,38 @@ from tapllm.tap import RowSpan
 
 
 @dataclass(slots=True)
+class StepLayout:
+    """A step's rows on the host: what :func:`upload` sends."""
+
+    items: list[ScheduledItem]
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    diff: list[int] = field(default_factory=list)  # block-table entries to send: (row, column, block) triples
+    sample_rows: list[tuple[int, Request]] = field(default_factory=list)  # (batch row, request) that sample
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    prefill_rows: list[int] = field(default_factory=list)  # each chunk's block-table row
+    prefill_width: int = 0  # the longest table a chunk reads
+    decode_rows: list[int] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    decode_width: int = 0
+    captures: list[CaptureSpan] = field(default_factory=list)
+    steers: list[SteerSpan] = field(default_factory=list)
+    prompt_logprob_rows: list[tuple[ScheduledItem, int]] = field(default_factory=list)
+
+    @property
+    def decode_only(self) -> bool:
+        """True when every row is a single-token decode."""
+        return not self.prefills
+
+
+@dataclass(slots=True)
 class StepBatch:
     """One step's batch tensors, attention metadata, the rows that sample, and the tap's row spans."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata | None  # None for a graph step (its graph holds its own)
     sample_rows: list[tuple[int, Request]]  # (batch row, request) of each request that samples
     sample_index: torch.Tensor | None  # batch rows of sample_rows on the device (None: every row, in order)
     sampling: SamplingPlan | None
@@ -38,25 +66,11 @@ class StepBatch:
     prompt_logprob_rows: list[tuple[ScheduledItem, int]]  # chunks (and first rows) of prompt-logprob requests
 
 
-def build_step(items: list[ScheduledItem], staging: Staging, tables: BlockTables, *, attn: AttentionOps | None,
-               prompt_lengths: bool, vocab_size: int, device: torch.device) -> StepBatch:
-    """The model's inputs for ``items`` (decodes first), uploaded in one copy; ``attn`` is the
-    backend's attention kernels (None: the PyTorch attention, which wants other metadata)."""
+def lay_out(items: list[ScheduledItem], tables: BlockTables) -> StepLayout:
+    """The host side of a step of ``items`` (decodes first); assigns block-table rows and collects their diff."""
     bs = tables.block_size
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    diff: list[int] = []
-    sample_rows: list[tuple[int, Request]] = []
-    prefills: list[PrefillChunk] = []
-    prefill_rows: list[int] = []  # each chunk's table row
-    width = 0  # the longest table a chunk reads
-    decode_rows: list[int] = []
-    decode_lens: list[int] = []
-    decode_width = 0
-    captures: list[CaptureSpan] = []
-    steers: list[SteerSpan] = []
-    prompt_lp_rows: list[tuple[ScheduledItem, int]] = []
+    lay = StepLayout(items)
+    ids, pos, slots, diff = lay.ids, lay.pos, lay.slots, lay.diff
     for it in items:
         req, start, n = it.request, it.start, it.num_tokens
         row = len(ids)
@@ -66,39 +80,47 @@ def build_step(items: list[ScheduledItem], staging: Staging, tables: BlockTables
         if n == 1:
             pos.append(start)
             slots.append(table[start // bs] * bs + start % bs)
-            decode_rows.append(trow)
-            decode_lens.append(start + 1)
-            decode_width = max(decode_width, start // bs + 1)
+            lay.decode_rows.append(trow)
+            lay.decode_lens.append(start + 1)
+            lay.decode_width = max(lay.decode_width, start // bs + 1)
         else:
             pos.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            prefills.append(PrefillChunk(row, n, start, None))
-            prefill_rows.append(trow)
-            width = max(width, -(-(start + n) // bs))
+            lay.prefills.append(PrefillChunk(row, n, start, None))
+            lay.prefill_rows.append(trow)
+            lay.prefill_width = max(lay.prefill_width, -(-(start + n) // bs))
         if it.samples and not req.encode_only:
-            sample_rows.append((row + n - 1, req))
+            lay.sample_rows.append((row + n - 1, req))
             # Samples waiting for this prompt draw their first tokens from the same logits.
-            sample_rows.extend((row + n - 1, child) for child in req.forks)
+            lay.sample_rows.extend((row + n - 1, child) for child in req.forks)
         if req.capture is not None:
-            captures.append((RowSpan(row, start, n), req.capture, req.block_table))
+            lay.captures.append((RowSpan(row, start, n), req.capture, req.block_table))
         if req.steering is not None:
-            steers.append((RowSpan(row, start, n), req.steering))
+            lay.steers.append((RowSpan(row, start, n), req.steering))
         if req.prompt_lp is not None:
-            prompt_lp_rows.append((it, row))
+            lay.prompt_logprob_rows.append((it, row))
+    return lay
 
+
+def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: AttentionOps | None,
+           prompt_lengths: bool, vocab_size: int, device: torch.device) -> StepBatch:
+    """The model's inputs for ``lay``, uploaded in one copy; ``attn`` is the backend's attention
+    kernels (None: the PyTorch attention, which wants other metadata)."""
+    bs = tables.block_size
     staging.begin()
-    s_ids = staging.add(ids, torch.int64)
-    s_pos = staging.add(pos, torch.int64)
-    s_slots = staging.add(slots, torch.int64)
-    s_diff = staging.add(diff, torch.int64, (len(diff) // 3, 3))
-    nd = len(decode_rows)
-    s_drows = staging.add(decode_rows, torch.int64)
-    s_lens = staging.add(decode_lens, torch.int64)
+    s_ids = staging.add(lay.ids, torch.int64)
+    s_pos = staging.add(lay.pos, torch.int64)
+    s_slots = staging.add(lay.slots, torch.int64)
+    s_diff = staging.add(lay.diff, torch.int64, (len(lay.diff) // 3, 3))
+    nd = len(lay.decode_rows)
+    s_drows = staging.add(lay.decode_rows, torch.int64)
+    s_lens = staging.add(lay.decode_lens, torch.int64)
+    prefills = lay.prefills
     s_batch = None
     groups = []
     alone = prefills
     s_groups: list[tuple[int, int, int]] = []
-    s_prows = staging.add(prefill_rows, torch.int64)
+    s_prows = staging.add(lay.prefill_rows, torch.int64)
     if prefills and attn is not None:  # one kernel call attends every chunk, reading the cache in place
         s_batch = (staging.add([c.start for c in prefills], torch.int64),
                    staging.add([c.length for c in prefills], torch.int64),
@@ -110,12 +132,9 @@ def build_step(items: list[ScheduledItem], staging: Staging, tables: BlockTables
                      staging.add(g.rows, torch.int64)) for g in groups]
     s_prompt = None
     if prompt_lengths:
-        s_prompt = staging.add([it.request.num_prompt_tokens for it in items for _ in range(it.num_tokens)],
+        s_prompt = staging.add([it.request.num_prompt_tokens for it in lay.items for _ in range(it.num_tokens)],
                                torch.int64)
-    s_sample = None
-    if sample_rows and [r for r, _ in sample_rows] != list(range(len(ids))):
-        s_sample = staging.add([r for r, _ in sample_rows], torch.int64)
-    sampling = SamplingPlan([r for _, r in sample_rows], vocab_size, staging, device) if sample_rows else None
+    s_sample, sampling = _sampling_sections(lay, staging, vocab_size, device, len(lay.ids))
 
     views = staging.upload()
     tables.apply(views[s_diff])
@@ -124,12 +143,13 @@ def build_step(items: list[ScheduledItem], staging: Staging, tables: BlockTables
     decode_bt = decode_mask = lens = None
     if nd:
         lens = views[s_lens]
-        decode_bt = tables.gather(views[s_drows], decode_width)
+        decode_bt = tables.gather(views[s_drows], lay.decode_width)
         if attn is None:  # the PyTorch decode attention masks the padded keys
-            decode_mask = (torch.arange(decode_width * bs, device=device)[None, :] >= lens[:, None])[:, None, :]
+            width = lay.decode_width * bs
+            decode_mask = (torch.arange(width, device=device)[None, :] >= lens[:, None])[:, None, :]
     prefill_batch = None
     if prefills:
-        prefill_tables = tables.gather(views[s_prows], width)
+        prefill_tables = tables.gather(views[s_prows], lay.prefill_width)
         if s_batch is not None:
             prefill_batch = PrefillBatch(*(views[i] for i in s_batch), prefill_tables,
                                          max(c.length for c in prefills))
@@ -150,5 +170,48 @@ def build_step(items: list[ScheduledItem], staging: Staging, tables: BlockTables
         attn=attn,
         prefill_batch=prefill_batch,
     )
-    return StepBatch(views[s_ids], views[s_pos], meta, sample_rows, views[s_sample] if s_sample is not None else None,
-                     sampling, captures, steers, prompt_lp_rows)
+    return StepBatch(views[s_ids], views[s_pos], meta, lay.sample_rows,
+                     views[s_sample] if s_sample is not None else None, sampling, lay.captures, lay.steers,
+                     lay.prompt_logprob_rows)
+
+
+def upload_graph_step(lay: StepLayout, staging: Staging, tables: BlockTables, graph_inputs: torch.Tensor,
+                      trash_slot: int, *, vocab_size: int, device: torch.device) -> StepBatch:
+    """A decode step's inputs for a CUDA graph of ``graph_inputs.shape[1]`` rows, uploaded in one copy.
+
+    ``graph_inputs`` (``[5, rows]`` on the device: ids, positions, slots, lengths, table rows) is
+    what the graph reads; the rows past the step's are padding: they write their key and value
+    to ``trash_slot`` and attend to that one slot, whose block no request holds.
+    """
+    n, b = len(lay.ids), graph_inputs.shape[1]
+    pad = b - n
+    staging.begin()
+    s_inputs, grid = staging.zeros(5 * b, torch.int64, (5, b))
+    grid[0, :n] = lay.ids
+    grid[1, :n] = lay.pos
+    grid[2, :n] = lay.slots
+    grid[2, n:] = trash_slot
+    grid[3, :n] = lay.decode_lens
+    grid[3, n:] = 1
+    grid[4, :n] = lay.decode_rows
+    grid[4, n:] = tables.pad_row
+    s_diff = staging.add(lay.diff, torch.int64, (len(lay.diff) // 3, 3))
+    s_sample, sampling = _sampling_sections(lay, staging, vocab_size, device, n + pad)
+    views = staging.upload()
+    tables.apply(views[s_diff])
+    graph_inputs.copy_(views[s_inputs])
+    if sampling is not None:
+        sampling.bind(views)
+    return StepBatch(graph_inputs[0], graph_inputs[1], None, lay.sample_rows,
+                     views[s_sample] if s_sample is not None else None, sampling, lay.captures, lay.steers,
+                     lay.prompt_logprob_rows)
+
+
+def _sampling_sections(lay: StepLayout, staging: Staging, vocab_size: int, device: torch.device, rows: int
+                       ) -> tuple[int | None, SamplingPlan | None]:
+    """The sampled rows' index (when they are not every one of ``rows``, in order) and the sampling plan."""
+    if not lay.sample_rows:
+        return None, None
+    picked = [r for r, _ in lay.sample_rows]
+    s_sample = staging.add(picked, torch.int64) if picked != list(range(rows)) else None
+    return s_sample, SamplingPlan([r for _, r in lay.sample_rows], vocab_size, staging, device)

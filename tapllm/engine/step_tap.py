@@ -33,6 +33,7 @@ class StepTap:
 
     def __init__(self, steering: SteeringPlan | None, capture: CapturePlan | None) -> None:
         self.capture = capture
+        self.steering = steering
         targets: dict[tuple[str, int], tuple[list[SteerOp], Target | None]] = {}
         for key, ops in (steering.ops if steering else {}).items():
             targets[key] = (ops, None)

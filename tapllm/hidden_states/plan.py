@@ -20,7 +20,7 @@ from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.sink import CopySink
 from tapllm.layers.attention import AttentionOptions, attention_probs, gather_keys
 from tapllm.sae.features import FeatureBatch
-from tapllm.tap import RowSpan
+from tapllm.tap import RowSpan, rows_tensor
 
 
 @dataclass(slots=True)
@@ -94,8 +94,7 @@ class CapturePlan:
             offset = 0
             for e in es:
                 own = e.capture.sel.layer_keys(point) if point in e.capture.sel.points else None  # None: SAE input only
-                subset = None if own is None or list(own) == keys else torch.tensor([slot[k] for k in own],
-                                                                                    device=device)
+                subset = None if own is None or list(own) == keys else rows_tensor([slot[k] for k in own], device)
                 placed.append((e, offset, subset))
                 self._placed[(point, id(e))] = (offset, slot)
                 offset += e.b - e.a
@@ -189,4 +188,4 @@ def _rows(entries: list[CaptureEntry], device: torch.device) -> slice | torch.Te
         first, last = entries[0], entries[-1]
         return slice(first.row, last.row + last.b - last.a)
     idx = [r for e in entries for r in range(e.row, e.row + e.b - e.a)]
-    return torch.tensor(idx, device=device)
+    return rows_tensor(idx, device)

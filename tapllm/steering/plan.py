@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tapllm.steering.resolved import RequestSteering
-from tapllm.tap import RowSpan
+from tapllm.tap import RowSpan, rows_tensor
 
 
 @dataclass(slots=True)
@@ -84,8 +84,8 @@ class SteeringPlan:
                     rows: slice | torch.Tensor = slice(span.row + w[0] - span.start, span.row + w[1] - span.start)
                     picked = None
                 else:
-                    rows = torch.tensor([span.row + p - span.start for p in w], device=device)
-                    picked = torch.tensor([s._position_set[p] for p in w], device=device)
+                    rows = rows_tensor([span.row + p - span.start for p in w], device)
+                    picked = rows_tensor([s._position_set[p] for p in w], device)
                 for block in s.blocks:
                     if s.sae is not None:
                         found.setdefault((s.point, block), []).append(s.sae.op(rows))

@@ -8,7 +8,7 @@ resolution, and :class:`RowSpan`, where a request's chunk sits in a step's batch
 from tapllm.tap.indices import resolve_indices, resolve_layers
 from tapllm.tap.points import BY_NAME, POINTS, TABLE, Point, row_shapes
 from tapllm.tap.protocol import PSEUDO_LAYER, Tap, no_tap
-from tapllm.tap.spans import RowSpan
+from tapllm.tap.spans import RowSpan, rows_tensor
 
 __all__ = ["BY_NAME", "POINTS", "PSEUDO_LAYER", "TABLE", "Point", "RowSpan", "Tap", "no_tap", "resolve_indices",
-           "resolve_layers", "row_shapes"]
+           "resolve_layers", "row_shapes", "rows_tensor"]
