@@ -125,3 +125,20 @@ def test_the_watch_sees_what_it_must_refuse(tiny_models):
     assert "tolist" in functions.host and "__float__" in functions.host
     assert "aten::nonzero" in copies.syncs and "aten::_local_scalar_dense" in copies.syncs
     assert copies.uploads == 1 and copies.downloads == 1
+
+
+def test_where_states_live_is_checked_where_it_enters(tiny_models):
+    from tapllm import HiddenStatesSpec
+
+    with pytest.raises(ValueError, match="hidden_states.device"):
+        HiddenStatesSpec(device="tpu")
+    with pytest.raises(ValueError, match="hidden_states.device"):
+        HiddenStatesSpec(device=3.5)
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    prompt = random_prompts([6], seed=9)
+    params = SamplingParams(max_tokens=2, temperature=0, hidden_states=HiddenStatesSpec(device="cuda"))
+    with pytest.raises(ValueError, match=r"hidden_states.device='cuda'.*model's device \(cpu\)"):
+        llm.generate(prompt, params, use_tqdm=False)
+    out = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0, hidden_states=HiddenStatesSpec(device="cpu")),
+                       use_tqdm=False)[0]
+    assert out.hidden_states["resid_post"].device.type == "cpu"
