@@ -1,0 +1,245 @@
+"""Triton kernels for attention over the paged KV cache (launched by :mod:`tapllm.kernels.triton_attention`).
+
+This module imports triton at the top; :mod:`tapllm.kernels.triton_attention` imports it
+only when a kernel is about to run. The cache is head-major, ``[Hkv, blocks, page, D]``
+with contiguous rows; a key at position ``p`` of a sequence lives in block ``table[p // page]``
+at row ``p % page``. Every kernel reads keys from the blocks in place (a tile of ``BLOCK_N``
+keys may span several blocks: each key looks its block up), masks positions past the
+sequence so nothing outside it is read, and accumulates in float32 with an online softmax in
+base 2 (``qk_mul`` folds the score scale and log2(e) together; with a soft-cap, ``qk_mul`` is
+``scale / cap`` and ``cap_mul`` is ``cap * log2(e)``, so ``tanh`` is applied to ``s / cap``).
+
+The query heads that share a KV head are packed as rows of one tile, so their keys are
+loaded once (GQA): decode rows are the group's heads, prefill rows are (token, head) pairs.
+``UPCAST`` turns the dot operands to float32 after they are loaded and rounded as on the GPU
+(exact for bfloat16): Triton's interpreter multiplies bfloat16 bit patterns in ``tl.dot``
+(triton-lang/triton#11584), so the wrapper sets it there and the GPU keeps half-precision dots.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+
+@triton.jit
+def decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    qk_mul, cap_mul, window, split_keys, num_splits, table_width,
+    stride_qb, stride_qh, stride_kh, stride_kblk, stride_kt, stride_vh, stride_vblk, stride_vt,
+    stride_tb, stride_tw, stride_lb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    DIRECT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One (sequence, KV head, split): the split's keys against the group's query heads.
+
+    With ``DIRECT`` (a single split) the normalised output is stored; otherwise the split's
+    unnormalised sum, running max and denominator go to the partial buffers for the reduction.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # A length past the table (bad input) is clamped so that no table entry past the row is read.
+    seq_len = tl.minimum(tl.load(lens_ptr + b.to(tl.int64) * stride_lb).to(tl.int32), table_width * PAGE)
+    lo = split * split_keys
+    hi = tl.minimum(lo + split_keys, seq_len)
+    first = 0
+    if WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+        lo = tl.maximum(lo, first // BLOCK_N * BLOCK_N)
+
+    table_row = tables_ptr + b.to(tl.int64) * stride_tb
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        inside = pos < hi
+        blk = tl.load(table_row + (pos // PAGE) * stride_tw, mask=inside, other=0).to(tl.int64)
+        row = pos % PAGE
+        kt = tl.load(k_head + (blk * stride_kblk + row * stride_kt)[None, :] + offs_d[:, None],
+                     mask=inside[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_mul
+        if SOFTCAP:
+            # tanh(x) = 1 - 2 / (e^2x + 1); e^2x is capped where tanh is 1 in float32 (no inf)
+            s = (1.0 - 2.0 / (tl.exp2(tl.minimum(s * 2.8853900817779268, 64.0)) + 1.0)) * cap_mul
+        seen = inside
+        if WINDOW:
+            seen = seen & (pos >= first)
+        s = tl.where(seen[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        vt = tl.load(v_head + (blk * stride_vblk + row * stride_vt)[:, None] + offs_d[None, :],
+                     mask=inside[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p.to(vt.dtype)
+        if UPCAST:
+            pv, vt = pv.to(tl.float32), vt.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=PRECISION)
+        m_i = m_new
+
+    if DIRECT:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # partials are [B, H, splits(, HEAD_DIM)] float32, contiguous
+        slot = (b.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        tl.store(part_m_ptr + slot, m_i, mask=g_ok)
+        tl.store(part_l_ptr + slot, l_i, mask=g_ok)
+        tl.store(part_acc_ptr + slot[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def decode_reduce_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One (sequence, query head): merge its splits' partial softmaxes into the output row."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0)
+    top = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(top == float("-inf"), 0.0, top))  # 0 for splits that saw no key
+    total = tl.sum(l * w, 0)
+    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, contexts_ptr, tables_ptr,
+    qk_mul, cap_mul, window, table_width,
+    stride_qt, stride_qh, stride_kh, stride_kblk, stride_kt, stride_vh, stride_vblk, stride_vt,
+    stride_tc, stride_tw, stride_sc, stride_lc, stride_cc, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One (query tile, chunk, KV head): ``BLOCK_Q`` of the chunk's tokens times the group's heads
+    as ``BLOCK_M`` rows, causal over the chunk's cached context and itself."""
+    tile = tl.program_id(0)
+    c = tl.program_id(1)
+    kvh = tl.program_id(2)
+    n = tl.load(lens_ptr + c * stride_lc).to(tl.int32)
+    if tile * BLOCK_Q >= n:
+        return
+    start = tl.load(starts_ptr + c * stride_sc).to(tl.int64)
+    ctx = tl.load(contexts_ptr + c * stride_cc).to(tl.int32)
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = tile * BLOCK_Q + rows // GROUP
+    heads = kvh * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < n)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (start + tok) * stride_qt + heads * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qpos = ctx + tok
+
+    # Keys up to the tile's last query (never past the table); with a window, from its first query's first key.
+    hi = tl.minimum(ctx + tl.minimum(tile * BLOCK_Q + BLOCK_Q, n), table_width * PAGE)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(ctx + tile * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+
+    table_row = tables_ptr + c.to(tl.int64) * stride_tc
+    k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for kstart in range(lo, hi, BLOCK_N):
+        pos = kstart + offs_n
+        inside = pos < hi
+        blk = tl.load(table_row + (pos // PAGE) * stride_tw, mask=inside, other=0).to(tl.int64)
+        row = pos % PAGE
+        kt = tl.load(k_head + (blk * stride_kblk + row * stride_kt)[None, :] + offs_d[:, None],
+                     mask=inside[None, :] & d_ok[:, None], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_mul
+        if SOFTCAP:
+            s = (1.0 - 2.0 / (tl.exp2(tl.minimum(s * 2.8853900817779268, 64.0)) + 1.0)) * cap_mul
+        seen = inside[None, :] & (pos[None, :] <= qpos[:, None])
+        if WINDOW:
+            seen = seen & (pos[None, :] > qpos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        vt = tl.load(v_head + (blk * stride_vblk + row * stride_vt)[:, None] + offs_d[None, :],
+                     mask=inside[:, None] & d_ok[None, :], other=0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pv = p.to(vt.dtype)
+        if UPCAST:
+            pv, vt = pv.to(tl.float32), vt.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_rows = (start + tok) * stride_ot + heads * stride_oh
+    tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def kv_write_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cblk, stride_ct, stride_slot,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One token: its keys and values, every KV head, to flat slot ``block * PAGE + row``
+    (skipped when the slot is negative); values that are not finite are stored as 0."""
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t.to(tl.int64) * stride_slot).to(tl.int64)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_h < KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    row = (slot // PAGE) * stride_cblk + (slot % PAGE) * stride_ct
+    dest = offs_h.to(tl.int64)[:, None] * stride_ch + row + offs_d[None, :]
+    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=ok)
+    tl.store(k_cache_ptr + dest, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=ok)
+    v = v.to(tl.float32)  # exact; and the interpreter compares bfloat16 as bit patterns
+    finite = (v == v) & (tl.abs(v) != float("inf"))
+    tl.store(v_cache_ptr + dest, tl.where(finite, v, 0.0).to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+# Whether @triton.jit made interpreted kernels (TRITON_INTERPRET=1 when triton was imported): they run on CPU tensors.
+INTERPRETED = not isinstance(decode_split_kernel, JITFunction)
