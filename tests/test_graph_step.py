@@ -122,3 +122,32 @@ def test_padding_rows_never_touch_a_request_s_blocks(tiny_models):
     for (k, _), before in zip(runner.kv_caches, k0):
         assert not torch.equal(k[:, trash], before[:, trash])  # padding wrote there
     assert runner.graphs.replays > 0
+
+
+def test_a_graph_captured_mid_run_keeps_the_step_s_inputs(tiny_models, monkeypatch):
+    """A tapped graph is captured when a step first needs it, after that step's inputs were copied
+    in: capturing runs on padding rows and must hand the step its own inputs back."""
+    from tapllm.engine.cuda_graphs import _Graph
+
+    folder = tiny_models["llama"]
+    plain, graphed = _llm(folder, False), _llm(folder, True)
+    runner = graphed.engine.runner.graphs
+    recorded = []
+
+    def record(b, tap):  # what capturing does to the buffers, without a GPU: a forward on padding rows
+        assert int(runner.inputs[2, 0]) == runner.trash_slot  # the rows are padding while capturing
+        runner._forward(b, tap)
+        recorded.append(b)
+        return _Graph(None, None)
+
+    monkeypatch.setattr(runner, "capture", True)
+    monkeypatch.setattr(runner, "_record", record)
+    spec = HiddenStatesSpec(layers=[0, 2], points="resid_post", positions="all")
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, hidden_states=spec)
+    prompts = random_prompts([6, 9], seed=8)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert recorded  # tapped graphs were captured during the run
+    for a, b in zip(want, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        _close(a.hidden_states["resid_post"], b.hidden_states["resid_post"])

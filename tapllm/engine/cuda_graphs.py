@@ -144,8 +144,17 @@ class GraphRunner:
         grid[4].fill_(self.tables.pad_row)
 
     def _capture(self, b: int, tap: GraphTap | None) -> _Graph:
+        """Capture the step of ``b`` rows; the inputs of a step that asked for it mid-run are kept."""
         t0 = time.perf_counter()
+        step = self.inputs[:, :b].clone()
         self._pad_inputs(b)
+        try:
+            return self._record(b, tap)
+        finally:
+            self.inputs[:, :b].copy_(step)
+            self.capture_seconds += time.perf_counter() - t0
+
+    def _record(self, b: int, tap: GraphTap | None) -> _Graph:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: kernel selection and first-use allocations outside the graph
@@ -157,7 +166,6 @@ class GraphRunner:
             logits = self._forward(b, tap)
         if self._pool is None:
             self._pool = graph.pool()
-        self.capture_seconds += time.perf_counter() - t0
         return _Graph(graph, logits)
 
     def _forward(self, b: int, tap: GraphTap | None) -> torch.Tensor:

@@ -78,7 +78,8 @@ class CopySink:
     def settle(self) -> None:
         """Wait for the copies started by :meth:`flush` and put their rows in the requests' buffers."""
         inflight, self._inflight = self._inflight, []
-        for _, done, scatter in inflight:
-            done.synchronize()
-            for dest, host in scatter:
-                dest.copy_(host)
+        with torch.inference_mode():  # buffers grown during a step are inference tensors
+            for _, done, scatter in inflight:
+                done.synchronize()
+                for dest, host in scatter:
+                    dest.copy_(host)
