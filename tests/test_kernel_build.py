@@ -1,6 +1,6 @@
 """The fused kernels must be on wherever a C++ compiler is (outside test_kernels.py, whose tests
-skip without kernels: a broken build must fail here, not skip there); the build generates the
-constants C++ shares with Python."""
+skip without kernels: a broken build must fail here, not skip there); the build compiles every
+source of csrc/ and generates the constants C++ shares with Python."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tapllm.kernels import constants, fused_kernels, kernels_status
-from tapllm.kernels.build import cache_dir, compiler, constants_header
+from tapllm.kernels.build import CSRC, HEADERS, SOURCES, cache_dir, compiler, constants_header
 
 
 def test_kernels_are_on_wherever_a_compiler_is():
@@ -17,6 +17,12 @@ def test_kernels_are_on_wherever_a_compiler_is():
         return
     assert fused_kernels() is not None, kernels_status()
     assert any(cache_dir().glob("*/libtapllm_*.so"))  # built once, into the cache
+
+
+def test_every_source_and_header_is_built_and_keyed():
+    assert set(SOURCES) == set(CSRC.glob("*.cpp"))  # a source left out would be neither compiled nor keyed
+    assert set(HEADERS) == set(CSRC.glob("*.h"))  # a header left out would not rebuild the kernels when edited
+    assert not (CSRC / "constants.h").exists()  # generated into each build, never kept beside the sources
 
 
 def test_the_generated_header_holds_the_python_table():
