@@ -76,6 +76,8 @@ def test_gemv_refuses_mismatched_inputs():
         gemv_ops.packed_linear(torch.randn(1, 96).to(torch.bfloat16), view, torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="oneDNN-packed"):
         gemv_ops.packed_view(torch.randn(64, 96).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=f"{gemv.MAX_ROWS + 1} rows, at most GEMV_MAX_ROWS = {gemv.MAX_ROWS}"):
+        gemv_ops.packed_linear(torch.randn(gemv.MAX_ROWS + 1, 96).to(torch.bfloat16), view, None)
 
 
 @needs_gemv

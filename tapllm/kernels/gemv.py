@@ -19,12 +19,11 @@ from typing import Any
 
 import torch
 
+from tapllm.kernels.constants import GEMV_MAX_ROWS
+
 logger = logging.getLogger("tapllm")
 
-# Measured, the default model's four linear shapes out of cache, 2 threads (ms per block, oneDNN ->
-# this kernel): 1 row 0.46-0.53 -> 0.30-0.32, 16 rows 0.57-0.62 -> 0.43, 64 rows 1.5-1.7 -> 1.35-1.39;
-# 96 rows 2.07 -> 2.08, 256 rows 4.98 -> 5.32: the cut is 64 rows.
-MAX_ROWS = 64
+MAX_ROWS = GEMV_MAX_ROWS  # the C++ kernel and the decoder runner read the same number (constants.py)
 
 _NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # the dtypes the kernel reads
 

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-RMS_LLAMA, RMS_FLOAT_SCALE, RMS_GEMMA = 0, 1, 2
-ACT_SILU, ACT_GELU_TANH = 0, 1
+from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU, RMS_FLOAT_SCALE, RMS_GEMMA, RMS_LLAMA
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tapllm.kernels.constants import DECODER_SLOTS
 from tapllm.layers.attention import AttentionMetadata
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNorm
@@ -86,14 +87,14 @@ class DecoderStack:
         if self._kv is not kv_caches:
             params = []
             for layer, runs, (k, v) in zip(self.layers, self.runs, kv_caches):
-                attn, mlp = layer.self_attn, layer.mlp
                 if not runs:
-                    params.append([None] * 16)  # never handed to the runner
+                    params.append([None] * len(DECODER_SLOTS))  # never handed to the runner
                     continue
-                params.append([layer.input_layernorm.weight, _weight(attn.qkv_proj), attn.qkv_proj.bias,
-                               _weight(attn.o_proj), attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                               _weight(mlp.gate_up_proj), mlp.gate_up_proj.bias, _weight(mlp.down_proj),
-                               mlp.down_proj.bias, k, v, *(getattr(m, "gemv", None) for m in _linears(layer))])
+                slots = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                         "k_cache": k, "v_cache": v}
+                for name, m in zip(("qkv", "o", "gate_up", "down"), _linears(layer)):
+                    slots.update({name: _weight(m), f"{name}_bias": m.bias, f"{name}_gemv": getattr(m, "gemv", None)})
+                params.append([slots[name] for name in DECODER_SLOTS])
             self._kv, self._params = kv_caches, params
         return self._params
 

@@ -1,53 +1,64 @@
-// The host functions of tapllm's fused CPU kernels (cpu_kernels.cpp), for the layer runner.
+// Every op of tapllm's CPU kernels, by family: the functions bindings.cpp registers as
+// torch.ops.tapllm_<variant>.<name> and the decoder runner calls directly. Their plain-PyTorch
+// definitions (what each must compute) are in tapllm/kernels/reference.py.
 #pragma once
 #include <ATen/ATen.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
-#include <type_traits>
+#include <cstdint>
+#include <optional>
 
 namespace tapllm {
 
-using Vec = at::vec::Vectorized<float>;
-
-// W elements of T widened to float32.
-template <typename T>
-inline Vec loadf(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    Vec out;
-    at::vec::load_to_float<T>(p, out);
-    return out;
-  }
-}
-
+// ---- norms.cpp: RMSNorm of rows [T, N] in the order `mode` names (constants.py's RMS_*) ----------
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, int64_t mode);
+// x += r (rounded to x's dtype), then rms_norm of the sum; x is updated in place.
 at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& r, const at::Tensor& w, double eps, int64_t mode);
+
+// ---- activation.cpp: act(gate) * up of rows [T, 2I] (gate first), act per constants.py's ACT_* ---
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t mode);
+
+// ---- rotary_kv.cpp ---------------------------------------------------------------------------
+// Rotate-half rotary on the first cos.size(1) dims of every head of q, k [T, heads, D], in place.
 void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+// Rows of k, v [T, Hkv, D] into the caches [Hkv, blocks, block_size, D] at flat slots (V made finite).
 void kv_write(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slots);
+
+// ---- decode_attention.cpp: one query per sequence over its cached keys, read in place ------------
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
                             double softcap);
 
-// Whether attention may multiply bfloat16 with AVX512-BF16 dot products (cpu_kernels.cpp): the
-// CPU runs vdpbf16ps and TAPLLM_BF16_DOT is not "0" (float32 products, for comparisons).
-bool bf16_dot_supported();
-
+// ---- prefill_attention.cpp: causal attention of prefill chunks over the paged cache ---------------
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& contexts,
                              const at::Tensor& block_tables, double scale, int64_t window, double softcap);
 
-// y = x W^T + b with W in quantized blocks (quant.cpp): uint8 [N, blocks, bytes per block].
-// act_bits 8: the activations are rounded to int8 per run of 32 inputs first (quant_a8.cpp).
+// ---- packed_gemv.cpp: y = x W^T + b for at most GEMV_MAX_ROWS rows on a oneDNN-prepacked weight ----
+// A plain tensor over the packed weight's bytes, read in place (no copy).
+at::Tensor packed_view(const at::Tensor& packed);
+// w is the weight's packed_view; x is bfloat16 or float32, as the weight.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+// Whether this build and CPU run packed_linear on bfloat16 (AVX512-BF16) or float32 (AVX512) weights.
+bool packed_gemv_supported();
+bool packed_gemv_f32_supported();
+
+// ---- quant.cpp, quant_a8.cpp: weights in quantized blocks, uint8 [N, blocks, bytes per block] ----
+// y = x W^T + b; act_bits 8: the activations are rounded to int8 per run of 32 inputs first.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                         int64_t act_bits = 0);
 at::Tensor quant_linear_a8(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+// The float weight [N, k] of dtype that the blocks w stand for.
+at::Tensor quant_dequantize(const at::Tensor& w, int64_t k, at::ScalarType dtype);
+// x as quant_linear's act_bits 8 sees it: rounded to int8 per run of 32 values, times the run's step.
+at::Tensor round_activations(const at::Tensor& x);
 
-// y = x W^T + b for a few bf16 rows on a oneDNN-prepacked weight read in place (packed_gemv.cpp):
-// w is the weight's packed_view.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+// ---- decoder.cpp: a run of pre-norm decoder blocks for a step of decodes, x [T, hidden] in place ---
+// params: per layer the constants.py DECODER_SLOTS, in that order; windows: per layer (0: none).
+at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor>>& params, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
+                          const at::Tensor& lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          double eps, double scale, at::IntArrayRef windows, int64_t act, bool packed,
+                          int64_t act_bits);
 
 }  // namespace tapllm

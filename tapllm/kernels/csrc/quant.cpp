@@ -16,7 +16,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -395,16 +394,3 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const std::opt
 }
 
 }  // namespace tapllm
-
-#define TAPLLM_QUANT_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define TAPLLM_QUANT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
-
-TAPLLM_QUANT_FRAGMENT(TAPLLM_NS, m) {
-  m.def("quant_linear(Tensor x, Tensor w, Tensor? bias, int act_bits=0) -> Tensor");
-  m.def("quant_dequantize(Tensor w, int k, ScalarType dtype) -> Tensor");
-}
-
-TAPLLM_QUANT_IMPL(TAPLLM_NS, CPU, m) {
-  m.impl("quant_linear", &tapllm::quant_linear);
-  m.impl("quant_dequantize", &tapllm::quant_dequantize);
-}

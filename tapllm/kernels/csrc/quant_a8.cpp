@@ -12,7 +12,6 @@
 // From 8 rows up the 4-bit kinds go to a GEMM with the columns in the vector lanes (quant_a8_gemm.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,9 +26,9 @@ using namespace quant;
 namespace {
 
 // From 8 rows the 4-bit kinds take the integer GEMM (quant_a8_gemm.cpp: per call it decodes the
-// weights once into a panel, which fewer rows do not repay; measured at 1B shapes, 1 thread: at 8
-// rows 0.55-1.15x the tiles' time, at 16 rows 0.33-0.73x). The other kinds take the tiles up to 16
-// rows, then the rounded x through quant.cpp's dequantize-then-GEMM path.
+// weights once into a panel, which fewer rows do not repay; at 8 rows it mostly beats the tiles,
+// from 16 clearly). The other kinds take the tiles up to 16 rows, then the rounded x through
+// quant.cpp's dequantize-then-GEMM path.
 constexpr int64_t kGemmRows = 8;
 constexpr int64_t kMaxIntRows = 16;
 
@@ -298,10 +297,3 @@ at::Tensor quant_linear_a8(const at::Tensor& x, const at::Tensor& w, const std::
 }
 
 }  // namespace tapllm
-
-#define TAPLLM_A8_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define TAPLLM_A8_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
-
-TAPLLM_A8_FRAGMENT(TAPLLM_NS, m) { m.def("round_activations(Tensor x) -> Tensor"); }
-
-TAPLLM_A8_IMPL(TAPLLM_NS, CPU, m) { m.impl("round_activations", &tapllm::round_activations); }

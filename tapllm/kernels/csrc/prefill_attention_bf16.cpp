@@ -1,0 +1,185 @@
+// The prefill attention task of bfloat16 rows with AVX512-BF16 dot products (vdpbf16ps: 32 products
+// summed pairwise into 16 float32 lanes per instruction, twice the FMA rate); the tiling and the
+// online softmax are prefill_attention.h's. Only the AVX512 build compiles it.
+//
+// Q.K sums pairs of dimensions: q^T is stored as [d/2][rows] pairs and a key's pair (adjacent in
+// the cache row) broadcast. P.V sums pairs of keys: the value tile is [KT/2][d] pairs of rows and
+// the probabilities are rounded to bfloat16 pairs first, as PyTorch's own bf16 attention does.
+// Scores, softmax and accumulators are float32.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "prefill_attention.h"
+#include "vec_math.h"
+
+#if defined(CPU_CAPABILITY_AVX512)
+namespace tapllm {
+namespace prefill {
+namespace {
+
+template <int R>
+TAPLLM_TARGET_AVX512BF16
+inline void scores_bf16(const uint32_t* qt, int64_t dh, const uint32_t* kt, float* s, TileRows& tr, int64_t j0) {
+  __m512 acc[J][R];
+  for (int j = 0; j < J; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < dh; ++e) {
+    __m512bh qv[R];
+    for (int r = 0; r < R; ++r) qv[r] = (__m512bh)_mm512_loadu_si512(qt + (r * dh + e) * 16);
+    for (int j = 0; j < J; ++j) {
+      const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(kt[j * dh + e]));
+      for (int r = 0; r < R; ++r) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], qv[r], kv);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    Vec mx = Vec::loadu(tr.mx[r]);
+    for (int j = 0; j < J; ++j) {
+      const Vec x = score(acc[j][r], tr, r, j0 + j);
+      x.store(s + (r * KT + j0 + j) * 16);
+      mx = at::vec::maximum(mx, x);
+    }
+    mx.store(tr.mx[r]);
+  }
+}
+
+// The probabilities of keys [js, je) as bfloat16 pairs pp[r][j / 2][rows]; m, l and alpha updated.
+template <bool Masked>
+TAPLLM_TARGET_AVX512BF16
+inline void softmax_bf16(const float* s, uint32_t* pp, int R, int64_t rv0, const TileRows& tr, int64_t js, int64_t je,
+                         float* m, float* l, float* alpha) {
+  // word 2i of a pair from lane i of the first key, word 2i + 1 from the second key
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int r = 0; r < R; ++r) {
+    const float* sr = s + r * KT * 16;
+    const Vec mc = rescale(tr, r, m + (rv0 + r) * 16, alpha + r * 16);
+    Vec sum0(0.f), sum1(0.f);
+    for (int64_t j = js; j < je; j += 2) {
+      const Vec e0 = exp2_neg<Masked>(at::vec::fmsub(Vec::loadu(sr + j * 16), Vec(tr.cscale), mc));
+      const Vec e1 = exp2_neg<Masked>(at::vec::fmsub(Vec::loadu(sr + (j + 1) * 16), Vec(tr.cscale), mc));
+      sum0 = sum0 + e0;
+      sum1 = sum1 + e1;
+      const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+      _mm512_storeu_si512(pp + (r * KT / 2 + j / 2) * 16, _mm512_permutexvar_epi16(inter, two));
+    }
+    float* lr = l + (rv0 + r) * 16;
+    at::vec::fmadd(Vec::loadu(lr), Vec::loadu(alpha + r * 16), sum0 + sum1).store(lr);
+  }
+}
+
+template <int R>
+TAPLLM_TARGET_AVX512BF16
+inline void values_bf16(const uint32_t* pp, const uint32_t* vt, int64_t d, int64_t jps, int64_t jpe, const float* alpha,
+                        float* ot) {
+  __m512 acc[J][R];
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_loadu_ps(alpha + r * 16);
+    for (int i = 0; i < J; ++i) acc[i][r] = _mm512_mul_ps(_mm512_loadu_ps(ot + (r * d + i) * 16), a);
+  }
+  for (int64_t jp = jps; jp < jpe; ++jp) {
+    __m512bh pv[R];
+    for (int r = 0; r < R; ++r) pv[r] = (__m512bh)_mm512_loadu_si512(pp + (r * KT / 2 + jp) * 16);
+    for (int i = 0; i < J; ++i) {
+      const __m512bh vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vt[jp * d + i]));
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], pv[r], vv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < J; ++i) _mm512_storeu_ps(ot + (r * d + i) * 16, acc[i][r]);
+}
+
+template <int R>
+TAPLLM_TARGET_AVX512BF16
+void bf16_rows(Scratch& b, const uint32_t* qt, const uint32_t* kt, const uint32_t* vt, int64_t d, int64_t rv0,
+               TileRows& tr, int64_t js, int64_t je) {
+  const int64_t dh = d / 2;
+  for (int64_t j0 = js; j0 < je; j0 += J)
+    scores_bf16<R>(qt + rv0 * dh * 16, dh, kt + j0 * dh, b.s.data(), tr, j0);
+  if (tr.masked) {
+    softmax_bf16<true>(b.s.data(), b.pp.data(), R, rv0, tr, js, je, b.m.data(), b.l.data(), b.alpha.data());
+  } else {
+    softmax_bf16<false>(b.s.data(), b.pp.data(), R, rv0, tr, js, je, b.m.data(), b.l.data(), b.alpha.data());
+  }
+  for (int64_t i0 = 0; i0 < d; i0 += J)
+    values_bf16<R>(b.pp.data(), vt + i0, d, js / 2, je / 2, b.alpha.data(), b.ot.data() + (rv0 * d + i0) * 16);
+}
+
+}  // namespace
+
+TAPLLM_TARGET_AVX512BF16
+void bf16_dot_task(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, uint16_t* out, const int64_t* table,
+                   int64_t qstart, const Rows& rows, int64_t heads, int64_t hk, int64_t d, int64_t block_size,
+                   int64_t q_row, int64_t q_head, float scale, int64_t window, float softcap, Scratch& b,
+                   std::vector<uint32_t>& qt, std::vector<uint32_t>& kt, std::vector<uint32_t>& vt) {
+  const int64_t group = rows.group, nrv = (rows.n + 15) / 16 * group, dh = d / 2;
+  qt.assign(nrv * dh * 16, 0u);
+  kt.resize(KT * dh);
+  vt.resize(KT / 2 * d);
+  b.ot.assign(nrv * d * 16, 0.f);
+  b.m.assign(nrv * 16, -std::numeric_limits<float>::infinity());
+  b.l.assign(nrv * 16, 0.f);
+  b.s.resize(RMAX * KT * 16);
+  b.pp.resize(RMAX * KT / 2 * 16);
+  b.alpha.resize(RMAX * 16);
+  for (int64_t rv = 0; rv < nrv; ++rv)  // pairs of bfloat16 moved as float32 bits
+    rows_to_lanes(reinterpret_cast<const float*>(q + (qstart + rows.first + rv / group * 16) * q_row +
+                                                 (hk * group + rv % group) * q_head),
+                  q_row / 2, rows.count(rv), dh, reinterpret_cast<float*>(qt.data()) + rv * dh * 16);
+  // value pairs: word 2i of a pair row from key 2jp, word 2i + 1 from key 2jp + 1
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const int64_t last_pos = rows.ctx + rows.first + rows.n - 1;
+  const int64_t first_key = window > 0 ? std::max<int64_t>(0, rows.ctx + rows.first - window + 1) : 0;
+  TileRows tr;
+  for (int64_t k0 = first_key; k0 <= last_pos; k0 += KT) {
+    const int64_t nk = std::min(KT, last_pos + 1 - k0);
+    for (int64_t j = 0; j < KT; j += 2) {
+      const uint16_t* vr[2];
+      for (int u = 0; u < 2; ++u) {
+        if (j + u < nk) {
+          const int64_t p = k0 + j + u;
+          const int64_t slot = table[p / block_size] * block_size + p % block_size;
+          std::memcpy(kt.data() + (j + u) * dh, kh + slot * d, d * 2);
+          vr[u] = vh + slot * d;
+        } else {
+          std::memset(kt.data() + (j + u) * dh, 0, d * 2);
+          vr[u] = nullptr;
+        }
+      }
+      uint32_t* vp = vt.data() + (j / 2) * d;
+      for (int64_t e = 0; e < d; e += 32) {
+        const __m512i a = vr[0] ? _mm512_loadu_si512(vr[0] + e) : _mm512_setzero_si512();
+        const __m512i c = vr[1] ? _mm512_loadu_si512(vr[1] + e) : _mm512_setzero_si512();
+        _mm512_storeu_si512(vp + e, _mm512_permutex2var_epi16(a, lo_idx, c));
+        _mm512_storeu_si512(vp + e + 16, _mm512_permutex2var_epi16(a, hi_idx, c));
+      }
+    }
+    for (int64_t rv0 = 0, R; rv0 < nrv; rv0 += R) {
+      R = row_block(nrv - rv0);
+      int64_t js, je;
+      tile_rows(tr, rows, rv0, R, k0, nk, window, scale, softcap, b.m.data(), js, je);
+      if (je <= js) continue;
+      if (R == 3) {
+        bf16_rows<3>(b, qt.data(), kt.data(), vt.data(), d, rv0, tr, js, je);
+      } else if (R == 2) {
+        bf16_rows<2>(b, qt.data(), kt.data(), vt.data(), d, rv0, tr, js, je);
+      } else {
+        bf16_rows<1>(b, qt.data(), kt.data(), vt.data(), d, rv0, tr, js, je);
+      }
+    }
+  }
+  for (int64_t rv = 0; rv < nrv; ++rv)
+    lanes_to_rows<at::BFloat16>(
+        b.ot.data() + rv * d * 16, b.l.data() + rv * 16, rows.count(rv), d,
+        reinterpret_cast<at::BFloat16*>(out) + ((qstart + rows.first + rv / group * 16) * heads + hk * group + rv % group) * d,
+        heads * d);
+}
+
+}  // namespace prefill
+}  // namespace tapllm
+#endif
