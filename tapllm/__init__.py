@@ -1,6 +1,6 @@
 """tapllm: generated text and hidden states from one call, at serving speed."""
 
-from tapllm._version import __version__
+from tapllm.utils.version import __version__
 from tapllm.hidden_states import HiddenStates, HiddenStatesSpec, register_reducer
 from tapllm.llm import LLM
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput

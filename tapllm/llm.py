@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tapllm._options import from_mapping
+from tapllm.utils.options import from_mapping
 from tapllm.config import EngineConfig
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.hidden_states.spec import HiddenStatesSpec

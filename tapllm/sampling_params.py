@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from tapllm._text import check_unicode
+from tapllm.utils.text import check_unicode
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.spec import Steer
 from tapllm.structured.params import StructuredOutputsParams

@@ -7,7 +7,7 @@ import torch
 
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.plan import CapturePlan, record_at
-from tapllm.hidden_states.selection import resolve
+from tapllm.hidden_states.resolved import resolve
 from tapllm.hidden_states.sink import CopySink
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.plan import SteeringPlan, _AddRows, _Op

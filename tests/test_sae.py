@@ -728,7 +728,7 @@ def test_cli_features_table_and_html(tiny_models, tmp_path, capsys):
 
 def test_server_sae_features_and_steering(tiny_models, tmp_path):
     from server_util import Server
-    from tapllm.hidden_states.wire import hidden_states_from_wire
+    from tapllm.hidden_states.json_codec import hidden_states_from_wire
 
     folder = write_saelens(tmp_path / "s", "jumprelu", hook="blocks.1.hook_resid_post")
     sae = SAE.load(folder)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tapllm.client import decode_hidden_states
-from tapllm.server import wire
+from tapllm.server import ipc
 
 from server_util import Server
 
@@ -38,7 +38,7 @@ def core_pid(server: Server) -> int:
 
 
 def segments(pid: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{wire.SHM_PREFIX}{pid}-")]
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{ipc.SHM_PREFIX}{pid}-")]
 
 
 def stream_events(server: Server, body: dict, first: threading.Event | None = None) -> list:

@@ -6,7 +6,7 @@ import torch
 
 from tapllm.engine.step_tap import StepTap
 from tapllm.hidden_states.capture import RequestCapture
-from tapllm.hidden_states.selection import resolve
+from tapllm.hidden_states.resolved import resolve
 from tapllm.hidden_states.sink import CopySink
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.layers.attention import AttentionOptions

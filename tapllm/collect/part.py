@@ -22,7 +22,7 @@ from tapllm.collect.sae_columns import feature_columns, sae_spec
 from tapllm.collect.sources import DatasetSource, ItemSource
 from tapllm.collect.writer import Manifest, ShardEntry, ShardWriter
 from tapllm.config import EngineConfig
-from tapllm.dtypes import dtype_from_name, dtype_name
+from tapllm.utils.dtypes import dtype_from_name, dtype_name
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
 from tapllm.hidden_states.spec import HEAD_POINTS, HIDDEN_POINTS, HiddenStatesSpec

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from tapllm._text import check_unicode
+from tapllm.utils.text import check_unicode
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.logits_processors import resolve_controls, tokenize_bad_words
 from tapllm.engine.request import Request
-from tapllm.hidden_states.selection import Selection, resolve
+from tapllm.hidden_states.resolved import Selection, resolve
 from tapllm.hidden_states.spec import PSEUDO_POINTS
 from tapllm.sae.features import DeviceSAEs, resolve_features
 from tapllm.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ from tapllm.steering.resolved import RequestSteering, ResolvedSteer, resolve_ste
 from tapllm.steering.spec import steering_digest
 from tapllm.structured.compiler import GrammarCompiler
 from tapllm.tap import PSEUDO_LAYER
-from tapllm.tokenizer import render_chat
+from tapllm.engine.tokenizer import render_chat
 
 
 class InputProcessor:

@@ -30,9 +30,9 @@ from tapllm.hidden_states.capture import RequestCapture
 from tapllm.loader import resolve_model, resolve_tokenizer
 from tapllm.models.shapes import point_shapes
 from tapllm.outputs import RequestOutput
-from tapllm.platform import resolve_device
+from tapllm.utils.platform import resolve_device
 from tapllm.sampling_params import SamplingParams
-from tapllm.tokenizer import load_chat_template, load_tokenizer
+from tapllm.engine.tokenizer import load_chat_template, load_tokenizer
 
 logger = logging.getLogger("tapllm")
 

@@ -17,7 +17,7 @@ from tapllm.config import ModelConfig
 from tapllm.engine.request import Request
 from tapllm.engine.stops import find_stop_string, held_back, keeps_text, primary_eos, token_stop
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
-from tapllm.tokenizer import IncrementalDetokenizer
+from tapllm.engine.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True, frozen=True)

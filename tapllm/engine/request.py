@@ -12,12 +12,12 @@ from tapllm.engine.logits_processors import LogitsControls
 from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.result import HiddenStates
-from tapllm.hidden_states.selection import Selection
+from tapllm.hidden_states.resolved import Selection
 from tapllm.outputs import Logprob
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.resolved import RequestSteering
 from tapllm.structured.compiler import GrammarMatcher
-from tapllm.tokenizer import IncrementalDetokenizer
+from tapllm.engine.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)

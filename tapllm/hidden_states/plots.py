@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tapllm._files import atomic_write
+from tapllm.utils.files import atomic_write
 from tapllm.hidden_states.lens import Lens
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tapllm.dtypes import DTYPES
+from tapllm.utils.dtypes import DTYPES
 from tapllm.sae.model import SAE
 
 MAX_TOP_FEATURES = 1024

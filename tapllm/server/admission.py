@@ -22,7 +22,7 @@ from tapllm.server.frontend import EngineFrontend
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.sampling_params import SamplingParams
 from tapllm.server.errors import APIError, check_text, param_of
-from tapllm.server.protocol import (
+from tapllm.server.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     HiddenStatesOnlyRequest,

@@ -24,7 +24,7 @@ from tapllm.server.runner import EngineRunner
 from tapllm.server.bodies import parse, until_disconnect
 from tapllm.server.errors import ERROR_STATUS, APIError
 from tapllm.server.metrics import ServerMetrics
-from tapllm.server.serving import Lifecycle
+from tapllm.server.launcher import Lifecycle
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.input_processor import InputProcessor
 from tapllm.engine.request import Request
 from tapllm.sampling_params import SamplingParams
-from tapllm.tokenizer import load_chat_template, load_tokenizer
+from tapllm.engine.tokenizer import load_chat_template, load_tokenizer
 
 
 def _no_salt(num_prompt: int) -> bytes:

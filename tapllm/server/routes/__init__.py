@@ -13,7 +13,7 @@ import pydantic
 from fastapi import APIRouter
 
 from tapllm.server.context import RouteContext
-from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, HiddenStatesOnlyRequest
+from tapllm.server.schema import ChatCompletionRequest, CompletionRequest, HiddenStatesOnlyRequest
 from tapllm.server.routes.chat import ChatRoute
 from tapllm.server.routes.completions import CompletionRoute
 from tapllm.server.routes.embeddings import EmbeddingRequest, EmbeddingRoute

@@ -7,7 +7,7 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from tapllm.server.protocol import ChatCompletionRequest
+from tapllm.server.schema import ChatCompletionRequest
 from tapllm.server.routes.responses import GenerationRoute
 
 

@@ -26,7 +26,7 @@ from tapllm.hidden_states.spec import HIDDEN_POINTS, PSEUDO_POINTS, HiddenStates
 from tapllm.server.bodies import json_response
 from tapllm.server.context import PostRoute
 from tapllm.server.errors import APIError
-from tapllm.server.protocol import PromptInput
+from tapllm.server.schema import PromptInput
 
 
 

@@ -23,7 +23,7 @@ from tapllm.server.runner import Update
 from tapllm.server.bodies import json_response
 from tapllm.server.context import PostRoute, RouteContext
 from tapllm.server.formatting import ChoiceFormat, sse, sse_error
-from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from tapllm.server.schema import ChatCompletionRequest, CompletionRequest, _Sampling
 from tapllm.server.routes.hidden_states import wire_states
 
 logger = logging.getLogger("tapllm")

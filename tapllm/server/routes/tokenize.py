@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 from tapllm.server.bodies import json_response, parse
 from tapllm.server.context import RouteContext
 from tapllm.server.errors import APIError, check_text
-from tapllm.server.protocol import ChatMessage
+from tapllm.server.schema import ChatMessage
 
 
 

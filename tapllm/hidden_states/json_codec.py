@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tapllm.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
+from tapllm.utils.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
 from tapllm.hidden_states.lens import Lens, LensResult
 from tapllm.hidden_states.result import HiddenStates
 from tapllm.sae.features import Features

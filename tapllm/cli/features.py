@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tapllm._files import atomic_write
+from tapllm.utils.files import atomic_write
 
 
 def add_parser(sub: argparse._SubParsersAction, add_engine_args: Any) -> None:

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tapllm import lens_cli
-from tapllm.sae import cli as features_cli
-from tapllm._files import atomic_write
+from tapllm.cli import lens as lens_cli
+from tapllm.cli import features as features_cli
+from tapllm.utils.files import atomic_write
 from tapllm.tap.points import POINTS
 
 
@@ -227,10 +227,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
+    from tapllm.collect.prompt_records import Item, read_jsonl, to_prompt
     from tapllm.config import EngineConfig
+    from tapllm.hidden_states.spec import HiddenStatesSpec
     from tapllm.hidden_states.summary import summarize
-    from tapllm.prompt_records import Item, read_jsonl, to_prompt
+    from tapllm.llm import LLM
+    from tapllm.sampling_params import SamplingParams
+    from tapllm.steering.spec import Steer
 
     encode = args.command == "encode"
     if (args.prompt is None) == (args.input is None):
@@ -375,7 +378,7 @@ def _api_server(sock: Any, addresses: list[str], pids: list[int], args: argparse
 def _serve_app(args: argparse.Namespace, engine: Any, name: str, api_key: str | None, sock: Any = None) -> int:
     """Serve ``engine`` (an ``LLMEngine``, or a ``CoreClient`` of an engine-core process) until a signal."""
     from tapllm.server import create_app
-    from tapllm.server.serving import Lifecycle, run
+    from tapllm.server.launcher import Lifecycle, run
 
     lifecycle = Lifecycle()
     app = create_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,

@@ -28,9 +28,10 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the lens, print the table, write the pictures."""
-    from tapllm import LLM, HiddenStatesSpec
     from tapllm.config import EngineConfig
     from tapllm.hidden_states.plots import lens_grid
+    from tapllm.hidden_states.spec import HiddenStatesSpec
+    from tapllm.llm import LLM
 
     layers = args.layers if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     spec = HiddenStatesSpec(layers=layers, points=[args.point], positions="prompt", lens=args.top)
