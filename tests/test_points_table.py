@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tapllm.cli.main import _SPEC_HELP as SPEC_HELP
+from tapllm.cli.args import SPEC_HELP
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.spec import Steer
 from tapllm.tap.points import HEAD_STEER_POINTS, POINTS, QUERY_HEAD_POINTS, STEER_POINTS, TABLE, row_shapes

@@ -6,13 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from tapllm.cli.args import add_engine_args
 from tapllm.tap.points import LENS_POINTS
 
 # "final" is what the LM head reads: its lens is the model's own prediction, not a layer's.
 _LENS_CHOICES = [p for p in LENS_POINTS if p != "final"]
 
 
-def add_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``lens`` subcommand."""
     p = sub.add_parser("lens", help="logit lens of a prompt: the top token at every layer and position")
     p.add_argument("prompt", help="prompt text")
