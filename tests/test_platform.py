@@ -19,8 +19,8 @@ import torch
 from conftest import random_prompts
 import tapllm.utils.platform as platform
 from tapllm import LLM, SamplingParams
-from tapllm.utils.files import current_umask
 from tapllm.layers.linear import Linear
+from tapllm.utils.files import current_umask
 from tapllm.utils.platform import CpuSupport, cpu_support
 
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}

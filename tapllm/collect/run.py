@@ -30,16 +30,16 @@ from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.distributed import run_with_ray
 from tapllm.collect.hf_input import DatasetSpec, open_dataset
 from tapllm.collect.hf_input import fingerprint as dataset_fingerprint
-from tapllm.collect.sources import DatasetSource, ItemSource, fingerprint, read_items
 from tapllm.collect.lock import LOCK_NAME, OutputLock
 from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
-from tapllm.collect.sae_columns import sae_identity
 from tapllm.collect.provenance import model_id, tokenizer_info, weights_sha256
+from tapllm.collect.sae_columns import sae_identity
 from tapllm.collect.shards import arrow_dtype_ok, write_file
+from tapllm.collect.sources import DatasetSource, ItemSource, fingerprint, read_items
 from tapllm.collect.writer import Manifest, ShardEntry, remove_temporaries
-from tapllm.utils.dtypes import dtype_from_name, dtype_name
 from tapllm.hidden_states.resolved import resolve
 from tapllm.models.shapes import config_point_shapes
+from tapllm.utils.dtypes import dtype_from_name, dtype_name
 
 __all__ = ["CollectConfig", "DatasetSpec", "collect"]
 

@@ -23,11 +23,11 @@ from tapllm.layers.linear import Linear
 from tapllm.loader.gguf_blocks import gguf_source, keep_gguf_blocks
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
-from tapllm.utils.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
 from tapllm.quant.embedding import quantize_embedding
 from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
 from tapllm.tap import RowSpan
+from tapllm.utils.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
 
 logger = logging.getLogger("tapllm")
 

@@ -8,7 +8,7 @@ Which mechanism: the public ``torch.utils.mkldnn.to_mkldnn`` (``MkldnnLinear``) 
 every input to and from oneDNN's tensor format and measured slower than plain ``F.linear``
 at decode sizes (16x576 @ 576x1536: 0.26 ms against 0.30 plain and 0.15 prepacked, fp32;
 0.23 / 0.16 / 0.10 ms in bf16), and torch.compile's freezing costs a compile per shape. So
-the private ``torch.ops.mkldnn`` packing ops are used, only where ``tapllm.utils.platform``'s probe
+the private ``torch.ops.mkldnn`` packing ops are used, only where ``tapllm.platform``'s probe
 packed and ran a trial linear in that dtype on this CPU (bf16 packing needs AVX512-BW/VL/DQ
 or AVX-NE-CONVERT); everywhere else the layer is a plain ``F.linear``.
 """

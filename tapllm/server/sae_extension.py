@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from tapllm.utils.dtypes import DTYPES
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.sae.features import registered_saes
+from tapllm.utils.dtypes import DTYPES
 
 DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
 

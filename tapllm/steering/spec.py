@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from tapllm.utils.options import from_mapping
 from tapllm.tap.points import HEAD_STEER_POINTS, STEER_POINTS
+from tapllm.utils.options import from_mapping
 
 OPS = ("add", "ablate", "clamp", "scale", "set")
 STEER_POSITIONS = ("all", "prompt", "generated")
