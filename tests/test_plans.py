@@ -28,7 +28,7 @@ def capture(num_prompt: int, max_positions: int, **spec: object) -> RequestCaptu
 
 
 def steering(num_prompt: int, *steers: Steer) -> RequestSteering:
-    resolved = resolve_steering(list(steers), LAYERS, HIDDEN, torch.float32, CPU, 8)
+    resolved = resolve_steering(list(steers), LAYERS, HIDDEN, torch.float32, 8)
     return RequestSteering(resolved, b"digest", num_prompt)
 
 

@@ -27,7 +27,7 @@ def capture(num_prompt: int, **spec: object) -> RequestCapture:
 
 
 def steering(num_prompt: int, *steers: Steer) -> RequestSteering:
-    return RequestSteering(resolve_steering(list(steers), LAYERS, HIDDEN, torch.float32, CPU, 8, SHAPES), b"d",
+    return RequestSteering(resolve_steering(list(steers), LAYERS, HIDDEN, torch.float32, 8, SHAPES), b"d",
                            num_prompt)
 
 

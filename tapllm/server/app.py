@@ -28,9 +28,9 @@ from tapllm.server.context import RouteContext
 from tapllm.server.core_client import CoreClient
 from tapllm.server.errors import APIError
 from tapllm.server.guard import Guard
+from tapllm.server.launcher import Lifecycle
 from tapllm.server.metrics import ServerMetrics
 from tapllm.server.routes import BODIES, add_routes
-from tapllm.server.launcher import Lifecycle
 
 logger = logging.getLogger("tapllm")
 
@@ -50,7 +50,7 @@ def create_app(engine: LLMEngine | CoreClient, served_model_name: str, api_key: 
     lifecycle.abort_inflight = runner.abort_all
     if isinstance(runner, CoreClient):
         runner.on_core_death = lambda why: lifecycle.fail(why)
-    admission = Admission(runner.engine, served_model_name, max_prompts_per_request)
+    admission = Admission(runner.engine.input_processor, served_model_name, max_prompts_per_request)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

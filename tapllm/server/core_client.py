@@ -25,8 +25,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.llm_engine import EngineStats
-from tapllm.engine.request import Request
 from tapllm.server import ipc
 from tapllm.server.frontend import EngineFrontend
 from tapllm.server.router import PrefixRouter
@@ -203,7 +203,7 @@ class CoreClient:
             self._release(rid, abort=not self._dead)
         return len(rids)
 
-    async def generate(self, request: Request) -> AsyncIterator[Update]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[Update]:
         """Send a request prepared by admission to a core and yield its updates until it finishes.
 
         Leaving the iteration early (client gone, task cancelled) aborts it in the core.
@@ -218,9 +218,7 @@ class CoreClient:
         queue: asyncio.Queue[Update] = asyncio.Queue()
         self._queues[rid] = queue
         replica = self._where[rid] = self.router.choose(request.prompt_token_ids)
-        prompt = request.prompt if isinstance(request.prompt, str) else None
-        self._send(replica, ipc.AddRequest(rid, prompt, list(request.prompt_token_ids), request.encode_only,
-                                            request.times.arrival), request.params)
+        self._send(replica, ipc.AddRequest(rid), request)
         finished = False
         try:
             while True:

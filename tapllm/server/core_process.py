@@ -5,10 +5,11 @@ socket: each API server is a DEALER with an identity of its own) whenever the en
 or between steps, runs a step while anything is in flight, and sends each API server one
 ``Outputs`` message per step with the updates of its requests (``tapllm.server.ipc``).
 
-Admission ran in the API server (refusals are its 400s); here the request is prepared again
-from its token ids (so specs, steers and grammars are resolved on this process's device) and
-scheduled. Stop strings are checked where tokens are sampled, so the text of each update is
-made here; the API server encodes everything else (states, logprobs, JSON, SSE).
+Admission ran in the API server (refusals are its 400s) and prepared each request once: what
+arrives here is its ``EngineCoreRequest``, which the engine's ``add`` only turns into device
+state (tensors and SAEs on this process's device, a grammar matcher) and schedules. Stop
+strings are checked where tokens are sampled, so the text of each update is made here; the
+API server encodes everything else (states, logprobs, JSON, SSE).
 
 The core ignores SIGINT and SIGTERM: the API server drains its requests on a signal and then
 sends :class:`~tapllm.server.ipc.Shutdown`. It also exits when its parent process is gone.
@@ -25,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
 from tapllm.server import ipc
@@ -121,12 +123,9 @@ class EngineCore:
             elif isinstance(msg, ipc.Shutdown):
                 self._stop = True
 
-    def _add(self, identity: bytes, msg: ipc.AddRequest, params: Any) -> None:
+    def _add(self, identity: bytes, msg: ipc.AddRequest, prepared: EngineCoreRequest) -> None:
         try:
-            req = self.engine.prepare(msg.prompt_token_ids, params, encode=msg.encode, request_id=msg.request_id)
-            req.prompt = msg.prompt
-            req.times.arrival = msg.arrival
-            self.engine.add(req)
+            req = self.engine.add(prepared)
         except Exception as exc:  # admitted by the API server, so this is unexpected; it fails alone
             logger.exception("could not add request %s", msg.request_id)
             kind = "invalid_request_error" if isinstance(exc, ValueError | TypeError) else "server_error"
