@@ -301,7 +301,7 @@ def print_model(name: str, rows: dict[str, Any], batches: list[int]) -> None:
 def capture_costs(args: argparse.Namespace, device: torch.device, root: Path, tokenizer: Path,
                   report: dict[str, Any]) -> None:
     from tapllm import HiddenStatesSpec, SamplingParams, Steer
-    from tapllm.sae.config import SAEConfig
+    from tapllm.sae.sae_config import SAEConfig
     from tapllm.sae.model import SAE
 
     name, config = next(iter(model_configs(args.smoke).items()))

@@ -32,9 +32,7 @@ CASES = {
 def _time_case(llm: LLM, prompts: list[list[int]], params: SamplingParams, steps: int, sample_times: list[float]
                ) -> tuple[float, float]:
     engine = llm.engine
-    reqs = [engine.prepare(p, params) for p in prompts]
-    for r in reqs:
-        engine.add(r)
+    reqs = [engine.add(engine.input_processor.prepare(p, params)) for p in prompts]
     engine.step()  # prefill
     engine.step()
     step_times = []

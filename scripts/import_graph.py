@@ -4,6 +4,8 @@ Every ``import`` of a tapllm module counts, wherever it is written: at module le
 function (lazy), or under ``if TYPE_CHECKING`` (type-only). Rules:
 
 - no circle: no module reaches itself through imports of any kind;
+- every package in one layer: :data:`LAYERS` lists each package (or top-level module) once, none
+  inside another, and every module of tapllm falls in one of them (or in :data:`TOP`);
 - no upward import: a module imports only from its own layer or lower ones (:data:`LAYERS`);
 - ``tapllm.tap`` is a leaf: it imports nothing else of tapllm.
 
@@ -21,18 +23,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "tapllm"
 
-# Lowest first. A module belongs to the layer of the longest prefix listed; the rest is top.
+# Lowest first: each package (or top-level module) in exactly one layer; a module belongs to the
+# layer of its package. Only the package itself (``tapllm``) and ``tapllm.__main__`` sit above.
 LAYERS: list[tuple[str, ...]] = [
-    ("tapllm.tap", "tapllm._text", "tapllm._options", "tapllm._files", "tapllm._version", "tapllm.dtypes"),
-    ("tapllm.platform", "tapllm.backends", "tapllm.layers", "tapllm.kernels", "tapllm.quant"),
-    ("tapllm.config", "tapllm.models", "tapllm.loader", "tapllm.sae"),
-    ("tapllm.outputs", "tapllm.hidden_states", "tapllm.steering", "tapllm.structured", "tapllm.sampling_params",
-     "tapllm.tokenizer", "tapllm.sae.serving"),
+    ("tapllm.tap", "tapllm.utils"),
+    ("tapllm.kernels", "tapllm.backends", "tapllm.quant", "tapllm.layers"),
+    ("tapllm.config",),
+    ("tapllm.models", "tapllm.loader", "tapllm.sae"),
+    ("tapllm.outputs", "tapllm.hidden_states", "tapllm.steering", "tapllm.structured"),
+    ("tapllm.sampling_params",),
     ("tapllm.engine",),
-    ("tapllm.llm", "tapllm.server", "tapllm.collect", "tapllm.prompt_records", "tapllm.datasets",
-     "tapllm.client", "tapllm.sae.cli"),
-    ("tapllm.serving",),
+    ("tapllm.llm", "tapllm.server", "tapllm.collect", "tapllm.datasets", "tapllm.client"),
+    ("tapllm.serving", "tapllm.cli"),
 ]
+TOP = ("tapllm", "tapllm.__main__")
 LEAVES = ("tapllm.tap",)
 
 
@@ -111,14 +115,24 @@ def build_graph(root: Path = ROOT) -> tuple[set[str], list[Edge]]:
     return modules, edges
 
 
-def layer_of(module: str) -> int:
-    """The index of ``module``'s layer in :data:`LAYERS` (``len(LAYERS)``: the top)."""
-    best, index = -1, len(LAYERS)
+def layer_of(module: str) -> int | None:
+    """The index of ``module``'s layer in :data:`LAYERS` (its package's; ``len(LAYERS)`` for :data:`TOP`;
+    None: in no layer)."""
+    if module in TOP:
+        return len(LAYERS)
     for i, prefixes in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, index = len(p), i
-    return index
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def layer_errors() -> list[str]:
+    """What is wrong with :data:`LAYERS` itself: a name listed twice, or inside another listed package."""
+    listed = [p for layer in LAYERS for p in layer]
+    out = [f"layers: {p} is listed twice" for p in sorted({p for p in listed if listed.count(p) > 1})]
+    out += [f"layers: {p} lies inside {q}, whose modules share its layer" for p in listed for q in listed
+            if p.startswith(q + ".")]
+    return out
 
 
 def circles(modules: set[str], edges: list[Edge]) -> list[list[str]]:
@@ -163,9 +177,11 @@ def circles(modules: set[str], edges: list[Edge]) -> list[list[str]]:
 def violations(root: Path = ROOT) -> list[str]:
     """Every broken rule, one line each (empty: the graph is in shape)."""
     modules, edges = build_graph(root)
-    out = [f"circle: {' <-> '.join(c)}" for c in circles(modules, edges)]
+    out = [f"circle: {' <-> '.join(c)}" for c in circles(modules, edges)] + layer_errors()
+    out += [f"unplaced: {m} is in no layer of LAYERS" for m in sorted(modules) if layer_of(m) is None]
     for e in edges:
-        if layer_of(e.target) > layer_of(e.source):
+        source, target = layer_of(e.source), layer_of(e.target)
+        if source is not None and target is not None and target > source:
             out.append(f"upward ({e.kind}): {e.source}:{e.line} imports {e.target}")
         leaf = next((p for p in LEAVES if e.source == p or e.source.startswith(p + ".")), None)
         if leaf and not (e.target == leaf or e.target.startswith(leaf + ".")):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tapllm.hidden_states.json_codec import hidden_states_from_wire
 from tapllm.hidden_states.result import HiddenStates
-from tapllm.hidden_states.wire import hidden_states_from_wire
 
 
 def decode_hidden_states(choice: Any) -> HiddenStates | None:

@@ -10,13 +10,26 @@ from typing import Any
 
 import torch
 
-from tapllm.models.registry import ARCHITECTURES
-
-from tapllm.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
 from tapllm.quant.schemes import Quantization, parse_quantization
+from tapllm.utils.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
 
 logger = logging.getLogger("tapllm")
 
+# The ``architectures`` entries of a checkpoint's config.json tapllm runs -> the class that
+# implements each ("module:class"). Plain data, so reading a config imports no model code;
+# ``tapllm.models.registry`` imports a family's module only when its model is built.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "tapllm.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "tapllm.models.qwen3:Qwen3ForCausalLM",
+    "GPT2LMHeadModel": "tapllm.models.gpt2:GPT2LMHeadModel",
+    "GPTNeoXForCausalLM": "tapllm.models.gpt_neox:GPTNeoXForCausalLM",
+    "Gemma2ForCausalLM": "tapllm.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "tapllm.models.gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "tapllm.models.phi3:Phi3ForCausalLM",
+    "Olmo2ForCausalLM": "tapllm.models.olmo2:Olmo2ForCausalLM",
+}
 
 
 @dataclass(slots=True)
@@ -114,7 +127,7 @@ def _on_cpu(device: torch.device | str | None) -> bool:
 
 
 def _auto_dtype(raw_config: dict[str, Any], device: torch.device | str | None) -> torch.dtype:
-    from tapllm.platform import cpu_support, fastest_cpu_dtype
+    from tapllm.utils.platform import cpu_support, fastest_cpu_dtype
 
     declared = dtype_from_name(str(raw_config.get("torch_dtype") or raw_config.get("dtype")))
     if not _on_cpu(device):
@@ -132,7 +145,7 @@ def _auto_dtype(raw_config: dict[str, Any], device: torch.device | str | None) -
 
 def _warn_if_slow(dtype: torch.dtype, device: torch.device | str | None) -> torch.dtype:
     if dtype in (torch.bfloat16, torch.float16) and _on_cpu(device):
-        from tapllm.platform import cpu_support
+        from tapllm.utils.platform import cpu_support
 
         support = cpu_support()
         if dtype == torch.bfloat16 and not support.native_bf16 or dtype == torch.float16 and dtype not in support.packable:

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tapllm._options import from_mapping
 from tapllm.config import EngineConfig
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.outputs import RequestOutput
 from tapllm.sampling_params import SamplingParams
+from tapllm.utils.options import from_mapping
 
 logger = logging.getLogger("tapllm")
 
@@ -114,20 +114,19 @@ class LLM:
         self, prompt_list: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool, encode: bool
     ) -> list[RequestOutput]:
         engine = self.engine
-        reqs = []
+        prepared = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             try:
-                reqs.append(engine.prepare(prompt, params, encode=encode))
+                prepared.append(engine.input_processor.prepare(prompt, params, encode=encode))
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"prompts[{i}]: {exc}") from None
-        added = []
+        reqs = []
         try:
-            for req in reqs:
-                engine.add(req)
-                added.append(req)
+            for p in prepared:
+                reqs.append(engine.add(p))
             self._run(len(reqs), use_tqdm, "encoding" if encode else "generating")
         except BaseException:
-            for req in added:  # e.g. Ctrl-C: leave the engine clean for the next call
+            for req in reqs:  # e.g. Ctrl-C: leave the engine clean for the next call
                 engine.abort(req.request_id)
             raise
         return [engine.make_output(r) for r in reqs]
@@ -160,9 +159,9 @@ class LLM:
                             continue_final_message: bool = False,
                             chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
         """Render a conversation to the prompt text the model expects (messages are checked first)."""
-        return self.engine.render_chat(conversation, add_generation_prompt,
-                                       continue_final_message=continue_final_message,
-                                       chat_template_kwargs=chat_template_kwargs)
+        return self.engine.input_processor.render_chat(conversation, add_generation_prompt,
+                                                       continue_final_message=continue_final_message,
+                                                       chat_template_kwargs=chat_template_kwargs)
 
     def _run(self, total: int, use_tqdm: bool, desc: str) -> None:
         bar = tqdm(total=total, desc=desc, unit="req", disable=not use_tqdm, dynamic_ncols=True)

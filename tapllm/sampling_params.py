@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from tapllm._text import check_unicode
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.spec import Steer
 from tapllm.structured.params import StructuredOutputsParams
+from tapllm.utils.text import check_unicode
 
 # Below this a temperature means greedy decoding, as in vLLM: dividing logits by it would
 # overflow float32 (1e-45 is a valid float but makes every logit infinite).

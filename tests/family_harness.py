@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from conftest import assert_matches_reference, hf_greedy, random_prompts
+from helpers import SteeringHooks
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
 from tapllm.hidden_states import HIDDEN_POINTS as POINTS
 
@@ -200,7 +201,7 @@ def check_situations(folder, model: nn.Module, prompts: list[list[int]], new: in
     assert tight.engine.scheduler.num_preemptions > 0
 
 
-class HFSteering:
+class HFSteering(SteeringHooks):
     """Hooks on a transformers model doing a list of steers at the same places as tapllm.
 
     ``resid_mid`` is steered through the attention output: with the block input x (after any
@@ -209,9 +210,7 @@ class HFSteering:
     """
 
     def __init__(self, model: nn.Module, layout: HFLayout, steers: list[Steer], num_prompt: int) -> None:
-        self.start = 0  # absolute position of the first row of the current forward
-        self.num_prompt = num_prompt
-        self.handles = []
+        super().__init__(num_prompt)
         blocks = layout.blocks(model)
         n = len(blocks)
         inputs: dict[int, torch.Tensor] = {}
@@ -243,23 +242,6 @@ class HFSteering:
     @staticmethod
     def _replace(o: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return (fn(o[0]),) + tuple(o[1:]) if isinstance(o, tuple) else fn(o)
-
-    def _op(self, s: Steer, v: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        def apply(x: torch.Tensor) -> torch.Tensor:
-            pos = torch.arange(self.start, self.start + x.shape[1], device=x.device)
-            mask = {"all": torch.ones_like(pos, dtype=torch.bool), "prompt": pos < self.num_prompt,
-                    "generated": pos >= self.num_prompt}[s.positions][None, :, None]
-            if s.op == "add":
-                new = x + s.scale * v.to(x.device, x.dtype)
-            else:
-                d = (v / v.norm()).to(x.device, x.dtype)
-                new = x - (x @ d)[..., None] * d
-            return torch.where(mask, new, x)
-        return apply
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def hf_steered_tokens(model: nn.Module, layout: HFLayout, prompt: list[int], steers: list[Steer], new: int

@@ -57,8 +57,8 @@ def test_cli_errors_are_clear(tiny_models, tmp_path):
 def test_one_jsonl_reader_for_generate_and_collect(tmp_path):
     import pytest
 
+    from tapllm.collect.prompt_records import Item, read_jsonl, to_prompt
     from tapllm.collect.sources import read_items
-    from tapllm.prompt_records import Item, read_jsonl, to_prompt
 
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(b'\xef\xbb\xbf{"prompt": "p", "text": "t"}\n\n{"messages": null, "prompt": "only"}\n'

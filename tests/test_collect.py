@@ -17,6 +17,7 @@ import torch
 
 import tapllm.datasets
 from conftest import random_prompts
+from helpers import assert_close
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 from tapllm.cli import main
 
@@ -66,11 +67,6 @@ def _rows_by_request(ds) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape
-    assert float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
-
-
 def _assert_same_dataset(a, b) -> None:
     assert len(a) == len(b) and a.metadata["num_requests"] == b.metadata["num_requests"]
     ra, rb = _rows_by_request(a), _rows_by_request(b)
@@ -80,7 +76,7 @@ def _assert_same_dataset(a, b) -> None:
             if k in ("token_id", "request_index", "position"):
                 assert torch.equal(ra[idx][k], rb[idx][k])
             else:
-                _close(ra[idx][k], rb[idx][k])
+                assert_close(ra[idx][k], rb[idx][k])
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "arrow"])
@@ -106,7 +102,7 @@ def test_prompt_dataset_equals_encode(fmt, tiny_models, tmp_path):
         assert r["position"].tolist() == list(range(len(ref.prompt_token_ids)))
         assert r["token_id"].tolist() == ref.prompt_token_ids
         for point in ("resid_post", "attn_out"):
-            _close(r[point], ref.hidden_states[point])
+            assert_close(r[point], ref.hidden_states[point])
     assert len(ds) == sum(len(r.prompt_token_ids) for r in refs)
     first = ds[0]
     assert first["resid_post"].shape == (2, 64) and int(first["request_index"]) == 0
@@ -117,7 +113,7 @@ def test_prompt_dataset_equals_encode(fmt, tiny_models, tmp_path):
         hf = datasets.load_from_disk(str(out))
         assert hf.num_rows == len(ds)
         hf.set_format("torch")
-        _close(hf[5]["resid_post"], ds[5]["resid_post"])
+        assert_close(hf[5]["resid_post"], ds[5]["resid_post"])
         assert int(hf[5]["position"]) == int(ds[5]["position"])
 
 
@@ -136,7 +132,7 @@ def test_generated_dataset_equals_generate(tiny_models, tmp_path):
     for i, ref in enumerate(refs):
         seq = ref.prompt_token_ids + ref.outputs[0].token_ids
         assert rows[i]["token_id"].tolist() == seq[: len(seq) - 1]
-        _close(rows[i]["resid_mid"], ref.hidden_states["resid_mid"])
+        assert_close(rows[i]["resid_mid"], ref.hidden_states["resid_mid"])
 
 
 def _slow_records(n: int) -> list[dict]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tapllm.datasets
+from helpers import assert_close
 from tapllm import LLM, HiddenStatesSpec
 from tapllm.cli import main
 
@@ -48,11 +49,6 @@ def _full(ds) -> dict[str, torch.Tensor]:
         for k, v in batch.items():
             cols.setdefault(k, []).append(v)
     return {k: torch.cat(v) for k, v in cols.items()}
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape
-    assert float((a.float() - b.float()).abs().max()) <= 1e-5 * max(1.0, float(b.float().abs().max()))
 
 
 def _packed_reference(tok, texts: list[str], size: int) -> list[list[int]]:
@@ -89,7 +85,7 @@ def test_packed_contexts_equal_encode_without_special_rows(tiny_models, tmp_path
         assert full["token_id"][m].tolist() == [t for t in ctx if t not in special]
         assert full["position"][m].tolist() == torch.arange(len(ctx))[keep].tolist()
         for point in ("resid_post", "attn_out"):
-            _close(full[point][m], ref.hidden_states[point][keep])
+            assert_close(full[point][m], ref.hidden_states[point][keep])
     # provenance
     meta = ds.metadata
     assert meta["model"] == str(model.resolve()) and len(meta["weights_sha256"]) == 64
@@ -119,7 +115,7 @@ def test_a_document_longer_than_the_model_is_chunked_not_refused(tiny_models, tm
     assert full["token_id"].tolist() == [t for c in contexts for t in c]
     assert full["position"].tolist() == [p for c in contexts for p in range(len(c))]
     refs = llm.encode(contexts, HiddenStatesSpec(layers=[1], points=["resid_post"]), use_tqdm=False)
-    _close(full["resid_post"], torch.cat([r.hidden_states["resid_post"] for r in refs]))
+    assert_close(full["resid_post"], torch.cat([r.hidden_states["resid_post"] for r in refs]))
 
 
 @pytest.mark.parametrize(("fmt", "dtype", "store"), [("safetensors", "float32", "bfloat16"),

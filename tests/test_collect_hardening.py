@@ -133,7 +133,7 @@ def test_files_follow_the_umask(tiny_models, tmp_path, umask, fmt):
 
 
 def test_atomic_folder_is_whole_or_absent(tmp_path):
-    from tapllm._files import atomic_path
+    from tapllm.utils.files import atomic_path
 
     old = os.umask(0o022)
     try:

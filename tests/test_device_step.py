@@ -77,7 +77,7 @@ class CopyWatch(TorchDispatchMode):
 def _watched_decode_step(llm: LLM, params: list[SamplingParams]):
     engine = llm.engine
     for i, (prompt, p) in enumerate(zip(random_prompts([9, 21, 16, 5], seed=3), params)):
-        engine.add(engine.prepare(prompt, p, request_id=f"r{i}"))
+        engine.add(engine.input_processor.prepare(prompt, p, request_id=f"r{i}"))
     engine.step()  # the prompts
     engine.step()  # a first decode (buffers sized)
     runner = engine.runner

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import random_prompts
+from helpers import greedy
 from tapllm import LLM, HiddenStates, HiddenStatesSpec, SamplingParams
 from tapllm.cli import main
 
@@ -15,10 +16,6 @@ from tapllm.cli import main
 @pytest.fixture(scope="module")
 def llm(tiny_models):
     return LLM(tiny_models["llama"], dtype="float32", hidden_states_max_bytes_per_request=20_000)
-
-
-def _params(spec, max_tokens: int = 4) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, hidden_states=spec)
 
 
 @pytest.mark.parametrize(
@@ -58,34 +55,35 @@ def test_bad_spec_is_refused_at_construction(spec, match):
 def test_bad_spec_for_this_model_is_refused_and_others_unaffected(llm, spec, match):
     good, bad = random_prompts([6, 10], seed=1)
     if match is None:
-        assert llm.generate([bad], _params(spec), use_tqdm=False)[0].hidden_states is not None
+        assert llm.generate([bad], greedy(4, hidden_states=spec), use_tqdm=False)[0].hidden_states is not None
         return
     # 10-token prompt, max_tokens 4: positions 0..12 can be computed
     with pytest.raises(ValueError, match=match):
-        llm.generate([good, bad], [_params(None), _params(spec)], use_tqdm=False)
+        llm.generate([good, bad], [greedy(4, hidden_states=None), greedy(4, hidden_states=spec)], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()  # nothing of the refused call was queued
-    out = llm.generate([good], _params(dict(layers=[0])), use_tqdm=False)[0]
+    out = llm.generate([good], greedy(4, hidden_states=dict(layers=[0])), use_tqdm=False)[0]
     assert out.hidden_states["resid_post"].shape == (6 + 4 - 1, 1, 64)
 
 
 def test_byte_limit_counts_what_was_asked(llm):
     p = random_prompts([10], seed=1)[0]
     # 3 layers x 2 points x 64 x 4 bytes x 13 positions = 19,968 bytes: just within 20,000
-    llm.generate([p], _params(dict(points=["resid_pre", "resid_post"])), use_tqdm=False)
+    llm.generate([p], greedy(4, hidden_states=dict(points=["resid_pre", "resid_post"])), use_tqdm=False)
     # the same at 200 generated tokens would be over; reduced, it is tiny
     with pytest.raises(ValueError, match="could capture up to"):
-        llm.generate([p], _params(dict(points=["resid_pre", "resid_post"]), max_tokens=200), use_tqdm=False)
-    llm.generate([p], _params(dict(points=["resid_pre", "resid_post"], reduce="mean"), max_tokens=200), use_tqdm=False)
+        llm.generate([p], greedy(200, hidden_states=dict(points=["resid_pre", "resid_post"])), use_tqdm=False)
+    llm.generate([p], greedy(200, hidden_states=dict(points=["resid_pre", "resid_post"], reduce="mean")),
+                 use_tqdm=False)
 
 
 def test_disabled_instance_refuses_states_but_serves_text(tiny_models):
     off = LLM(tiny_models["llama"], dtype="float32", enable_hidden_states=False)
     p = random_prompts([5], seed=2)[0]
     with pytest.raises(ValueError, match="enable_hidden_states=False"):
-        off.generate([p], _params(dict(layers=[0])), use_tqdm=False)
+        off.generate([p], greedy(4, hidden_states=dict(layers=[0])), use_tqdm=False)
     with pytest.raises(ValueError, match="enable_hidden_states=False"):
         off.encode([p], use_tqdm=False)
-    assert len(off.generate([p], _params(None), use_tqdm=False)[0].outputs[0].token_ids) == 4
+    assert len(off.generate([p], greedy(4, hidden_states=None), use_tqdm=False)[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="hidden_states_max_bytes_per_request must be"):
         LLM(tiny_models["llama"], hidden_states_max_bytes_per_request=0)
 
@@ -93,8 +91,8 @@ def test_disabled_instance_refuses_states_but_serves_text(tiny_models):
 def test_encode(llm):
     prompts = random_prompts([4, 9], seed=3)
     outs = llm.encode(prompts, dict(layers=[1], points=["resid_mid", "final"]), use_tqdm=False)
-    gen = llm.generate(prompts, _params(dict(layers=[1], points=["resid_mid", "final"], positions="prompt")),
-                       use_tqdm=False)
+    spec = dict(layers=[1], points=["resid_mid", "final"], positions="prompt")
+    gen = llm.generate(prompts, greedy(4, hidden_states=spec), use_tqdm=False)
     for p, e, g in zip(prompts, outs, gen):
         assert e.outputs == [] and e.finished
         assert e.hidden_states.positions.tolist() == list(range(len(p)))
@@ -142,7 +140,7 @@ def test_encode_stops_after_the_deepest_captured_block(tiny_models):
 def test_result_object_and_file_round_trip(llm, tmp_path):
     p = random_prompts([7], seed=9)[0]
     spec = HiddenStatesSpec(layers=[0, 2], points=["embed", "attn_out"], positions=(2, 9), dtype="bfloat16")
-    hs = llm.generate([p], _params(spec), use_tqdm=False)[0].hidden_states
+    hs = llm.generate([p], greedy(4, hidden_states=spec), use_tqdm=False)[0].hidden_states
     assert hs.points == ("embed", "attn_out") and hs.layers == [0, 2]
     assert hs["embed"].shape == (7, 1, 64) and hs["attn_out"].shape == (7, 2, 64)
     assert hs["attn_out"].dtype == torch.bfloat16 and hs.positions.tolist() == list(range(2, 9))

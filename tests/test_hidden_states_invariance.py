@@ -5,14 +5,11 @@ from __future__ import annotations
 import pytest
 
 from conftest import random_prompts
+from helpers import greedy
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 
 NEW = 8
 TARGET = HiddenStatesSpec(layers=[0, -1], points=["resid_pre", "attn_out", "mlp_out", "final"], positions="all")
-
-
-def _params(spec) -> SamplingParams:
-    return SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, hidden_states=spec)
 
 
 def _others(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -29,7 +26,7 @@ def _others(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
         HiddenStatesSpec(layers=[2], points=["k", "mlp_post"], positions="all", reduce="mean"),
     ]
     prompts = random_prompts([5 + 7 * i for i in range(n)], seed=11)
-    return prompts, [_params(specs[i % len(specs)]) for i in range(n)]
+    return prompts, [greedy(NEW, hidden_states=specs[i % len(specs)]) for i in range(n)]
 
 
 def _assert_same(a, b, what: str) -> None:
@@ -53,30 +50,32 @@ def _assert_same(a, b, what: str) -> None:
 def test_same_states_in_every_situation(arch, tiny_models):
     path = tiny_models[arch]
     target = random_prompts([45], seed=5)[0]
-    alone = LLM(path, dtype="float32").generate([target], _params(TARGET), use_tqdm=False)[0]
+    alone = LLM(path, dtype="float32").generate([target], greedy(NEW, hidden_states=TARGET), use_tqdm=False)[0]
     assert alone.hidden_states["resid_pre"].shape == (45 + NEW - 1, 2, 64)
 
     # a batch of 16, the target in the middle, with companions capturing other things or nothing
     prompts, params = _others(15)
     batch = LLM(path, dtype="float32").generate(
-        prompts[:7] + [target] + prompts[7:], params[:7] + [_params(TARGET)] + params[7:], use_tqdm=False
+        prompts[:7] + [target] + prompts[7:], params[:7] + [greedy(NEW, hidden_states=TARGET)] + params[7:],
+        use_tqdm=False
     )
     _assert_same(alone, batch[7], "batch of 16")
     assert batch[0].hidden_states is None and batch[4].hidden_states is None
 
     # chunked prefill under a 7-token budget
     chunked = LLM(path, dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
-    _assert_same(alone, chunked.generate([target], _params(TARGET), use_tqdm=False)[0], "chunked prefill")
+    _assert_same(alone, chunked.generate([target], greedy(NEW, hidden_states=TARGET), use_tqdm=False)[0],
+                 "chunked prefill")
 
     # preemption: a cache too small for everything, the target admitted last so it is the victim
     small = LLM(path, dtype="float32", kv_cache_blocks=12, block_size=8, enable_prefix_caching=False)
-    outs = small.generate(prompts[:3] + [target], params[:3] + [_params(TARGET)], use_tqdm=False)
+    outs = small.generate(prompts[:3] + [target], params[:3] + [greedy(NEW, hidden_states=TARGET)], use_tqdm=False)
     assert outs[-1].metrics["num_preemptions"] > 0
     _assert_same(alone, outs[-1], "preempted and recomputed")
 
     # preemption with chunking and prefix caching at once
     mixed = LLM(path, dtype="float32", kv_cache_blocks=10, block_size=8, max_num_batched_tokens=9)
-    outs = mixed.generate(prompts[:5] + [target], params[:5] + [_params(TARGET)], use_tqdm=False)
+    outs = mixed.generate(prompts[:5] + [target], params[:5] + [greedy(NEW, hidden_states=TARGET)], use_tqdm=False)
     assert outs[-1].metrics["num_preemptions"] > 0
     assert outs[3].metrics["num_preemptions"] > 0  # a companion with a position window
     _assert_same(alone, outs[-1], "preempted, chunked, cached")
@@ -88,7 +87,8 @@ def test_same_states_in_every_situation(arch, tiny_models):
     staged = LLM(path, dtype="float32")
     staged.engine.runner.capture_sink.staged = True
     outs = staged.generate(
-        prompts[:7] + [target] + prompts[7:], params[:7] + [_params(TARGET)] + params[7:], use_tqdm=False
+        prompts[:7] + [target] + prompts[7:], params[:7] + [greedy(NEW, hidden_states=TARGET)] + params[7:],
+        use_tqdm=False
     )
     _assert_same(alone, outs[7], "staged copies")
     for a, b in zip(outs, batch):
@@ -101,13 +101,13 @@ def test_prefix_cache_hit_still_gives_complete_prompt_states(tiny_models):
     shared = random_prompts([40], seed=7)[0]
     target = shared + random_prompts([9], seed=8)[0]
     alone = LLM(path, dtype="float32", enable_prefix_caching=False).generate(
-        [target], _params(TARGET), use_tqdm=False
+        [target], greedy(NEW, hidden_states=TARGET), use_tqdm=False
     )[0]
 
     llm = LLM(path, dtype="float32", block_size=8)
     llm.generate([shared + [5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # warm cache
     plain, capturing = llm.generate([target, target], [SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True),
-                                                       _params(TARGET)], use_tqdm=False)
+                                                       greedy(NEW, hidden_states=TARGET)], use_tqdm=False)
     assert plain.metrics["num_cached_tokens"] == 40  # others keep their hits
     assert capturing.metrics["num_cached_tokens"] == 0  # prompt positions are recomputed for it
     _assert_same(alone, capturing, "after a prefix-cache hit")
@@ -116,9 +116,9 @@ def test_prefix_cache_hit_still_gives_complete_prompt_states(tiny_models):
     # a request that captures only generated positions keeps its cache hits
     gen_spec = HiddenStatesSpec(layers=[0, -1], points=["resid_post"], positions="generated")
     ref = LLM(path, dtype="float32", enable_prefix_caching=False).generate(
-        [target], _params(gen_spec), use_tqdm=False
+        [target], greedy(NEW, hidden_states=gen_spec), use_tqdm=False
     )[0]
-    hit = llm.generate([target], _params(gen_spec), use_tqdm=False)[0]
+    hit = llm.generate([target], greedy(NEW, hidden_states=gen_spec), use_tqdm=False)[0]
     assert hit.metrics["num_cached_tokens"] == 48
     _assert_same(ref, hit, "generated positions after a cache hit")
 
@@ -128,7 +128,7 @@ def test_states_belong_to_their_request(tiny_models):
     llm = LLM(tiny_models["qwen3"], dtype="float32", max_num_batched_tokens=32)
     prompts = random_prompts([3, 17, 30, 8, 12, 25], seed=21)
     spec = HiddenStatesSpec(layers="all", points="resid_post", positions="prompt")
-    outs = llm.generate(prompts, _params(spec), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(NEW, hidden_states=spec), use_tqdm=False)
     enc = llm.encode(prompts, spec, use_tqdm=False)
     for p, o, e in zip(prompts, outs, enc):
         assert e.outputs == [] and e.hidden_states["resid_post"].shape == (len(p), 3, 64)
@@ -154,7 +154,7 @@ def test_head_points_are_the_same_in_every_situation(arch, tiny_models, tmp_path
         cfg["sliding_window"] = 8
         (path / "config.json").write_text(json.dumps(cfg))
     target = random_prompts([29], seed=6)[0]
-    alone = LLM(path, dtype="float32").generate([target], _params(HEADS), use_tqdm=False)[0]
+    alone = LLM(path, dtype="float32").generate([target], greedy(NEW, hidden_states=HEADS), use_tqdm=False)[0]
     hs = alone.hidden_states
     n = 29 + NEW - 1
     assert hs["attn_pattern"].shape == (n, 2, 2, n) and hs["q"].shape == (n, 2, 2, 16)
@@ -166,11 +166,11 @@ def test_head_points_are_the_same_in_every_situation(arch, tiny_models, tmp_path
         "preempted": LLM(path, dtype="float32", block_size=4, kv_cache_blocks=40, enable_prefix_caching=False),
     }
     for what, llm in situations.items():
-        out = llm.generate(prompts[:4] + [target] + prompts[4:], params[:4] + [_params(HEADS)] + params[4:],
-                           use_tqdm=False)[4]
+        out = llm.generate(prompts[:4] + [target] + prompts[4:],
+                           params[:4] + [greedy(NEW, hidden_states=HEADS)] + params[4:], use_tqdm=False)[4]
         _assert_same(out, alone, what)
     assert situations["preempted"].engine.scheduler.num_preemptions > 0
     cached = LLM(path, dtype="float32", block_size=4)
-    cached.generate([target], _params(None), use_tqdm=False)
-    hit = cached.generate([target], _params(HEADS), use_tqdm=False)[0]
+    cached.generate([target], greedy(NEW, hidden_states=None), use_tqdm=False)
+    hit = cached.generate([target], greedy(NEW, hidden_states=HEADS), use_tqdm=False)[0]
     _assert_same(hit, alone, "after a prefix-cache hit")

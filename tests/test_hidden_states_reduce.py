@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import random_prompts
+from helpers import assert_close
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, register_reducer
 from tapllm.hidden_states import available_reducers
 
@@ -28,11 +29,6 @@ def _run(llm: LLM, prompts, **spec) -> list:
     return [o.hidden_states for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.shape == b.shape
-    assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(b.abs().max()))
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_models):
     llm = LLM(tiny_models["llama"], dtype="float32")
@@ -49,7 +45,7 @@ def test_builtin_reduction_equals_torch_on_full_states(name, setup):
         for hs, ref in zip(_run(engine, prompts, **BASE, reduce=name), full):
             assert hs.reduce == name and hs.positions.tolist() == ref.positions.tolist()
             for point in ("resid_post", "final"):
-                _close(hs[point], TORCH_REDUCE[name](ref[point]))
+                assert_close(hs[point], TORCH_REDUCE[name](ref[point]))
 
 
 def test_reduction_over_windows_and_numpy(setup):
@@ -58,15 +54,15 @@ def test_reduction_over_windows_and_numpy(setup):
     prompt_only = _run(llm, [p], **{**BASE, "positions": "prompt"})[0]
     for engine in (llm, chunked):
         hs = _run(engine, [p], **{**BASE, "positions": "prompt", "reduce": "mean"})[0]
-        _close(hs["resid_post"], torch.from_numpy(prompt_only["resid_post"].numpy().mean(axis=0)))
+        assert_close(hs["resid_post"], torch.from_numpy(prompt_only["resid_post"].numpy().mean(axis=0)))
         win = _run(engine, [p], **{**BASE, "positions": (4, 31), "reduce": "max"})[0]
         assert win.positions.tolist() == list(range(4, 31))
         gen = _run(llm, [p], **{**BASE, "positions": "all"})[0]
-        _close(win["final"], gen["final"][4:31].amax(0))
+        assert_close(win["final"], gen["final"][4:31].amax(0))
     last = _run(llm, [p], **{**BASE, "positions": "last"})[0]
     assert last.positions.tolist() == [len(p) + NEW - 2] and last["final"].shape == (1, 1, 64)
     last_prompt = _run(llm, [p], **{**BASE, "positions": "last_prompt", "reduce": "first"})[0]
-    _close(last_prompt["final"], prompt_only["final"][-1])
+    assert_close(last_prompt["final"], prompt_only["final"][-1])
 
 
 def test_projection_equals_states_times_directions(setup):
@@ -75,9 +71,9 @@ def test_projection_equals_states_times_directions(setup):
     for hs, ref in zip(_run(chunked, prompts, **BASE, project=dirs), full):
         assert hs["resid_post"].shape == (ref["resid_post"].shape[0], 3, 4)
         for point in ("resid_post", "final"):
-            _close(hs[point], ref[point] @ dirs.T)
+            assert_close(hs[point], ref[point] @ dirs.T)
     for hs, ref in zip(_run(llm, prompts, **BASE, project=dirs, reduce="mean"), full):
-        _close(hs["resid_post"], (ref["resid_post"] @ dirs.T).mean(0))
+        assert_close(hs["resid_post"], (ref["resid_post"] @ dirs.T).mean(0))
     # a list of lists works too (as a server would send it), and dtype applies to the result
     hs = _run(llm, prompts[:1], **BASE, project=dirs.tolist(), dtype="bfloat16")[0]
     assert hs["final"].dtype == torch.bfloat16 and hs["final"].shape[-1] == 4
@@ -103,7 +99,7 @@ def test_reducer_registered_in_code(setup):
     register_reducer("test-rms", RmsReducer)
     for engine in (llm, chunked):
         for hs, ref in zip(_run(engine, prompts, **BASE, reduce="test-rms"), full):
-            _close(hs["resid_post"], ref["resid_post"].pow(2).mean(0).sqrt())
+            assert_close(hs["resid_post"], ref["resid_post"].pow(2).mean(0).sqrt())
     with pytest.raises(ValueError, match="built-in"):
         register_reducer("mean", RmsReducer)
 
@@ -135,4 +131,4 @@ def test_plugin_discovered_through_entry_point(setup, tmp_path, monkeypatch):
     assert "absmax" in available_reducers()
     for engine in (llm, chunked):
         for hs, ref in zip(_run(engine, prompts, **BASE, reduce="absmax"), full):
-            _close(hs["final"], ref["final"].abs().amax(0))
+            assert_close(hs["final"], ref["final"].abs().amax(0))

@@ -24,17 +24,27 @@ def test_no_circle_no_upward_import_and_a_leaf_tap_package():
     assert _import_graph().violations() == []
 
 
-def test_the_checker_sees_circles_upward_imports_and_leaf_breaches(tmp_path):
+def test_the_checker_sees_circles_upward_imports_leaf_breaches_and_unplaced_modules(tmp_path):
     graph = _import_graph()
     pkg = tmp_path / "tapllm"
     for name, text in {"__init__.py": "", "tap/__init__.py": "from tapllm.engine import x\n",
-                       "engine/__init__.py": "from tapllm import llm\n", "llm.py": "import tapllm.engine\n"}.items():
+                       "engine/__init__.py": "from tapllm import llm\n", "llm.py": "import tapllm.engine\n",
+                       "stray.py": ""}.items():
         (pkg / name).parent.mkdir(parents=True, exist_ok=True)
         (pkg / name).write_text(text)
     found = graph.violations(pkg)
     assert any(v.startswith("circle: tapllm.engine <-> tapllm.llm") for v in found)
     assert any(v.startswith("upward (run): tapllm.engine:1 imports tapllm.llm") for v in found)
     assert any(v.startswith("leaf: tapllm.tap:1 imports tapllm.engine") for v in found)
+    assert "unplaced: tapllm.stray is in no layer of LAYERS" in found
+
+
+def test_layers_list_each_package_once_and_none_inside_another(monkeypatch):
+    graph = _import_graph()
+    assert graph.layer_errors() == []
+    monkeypatch.setattr(graph, "LAYERS", [("tapllm.tap",), ("tapllm.sae", "tapllm.tap"), ("tapllm.sae.cli",)])
+    assert graph.layer_errors() == ["layers: tapllm.tap is listed twice",
+                                    "layers: tapllm.sae.cli lies inside tapllm.sae, whose modules share its layer"]
 
 
 def test_no_engine_file_is_over_400_lines():

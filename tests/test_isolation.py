@@ -129,15 +129,13 @@ def test_bad_values_are_refused_and_the_good_requests_are_unharmed(llm, solo, kw
         llm.generate(GOOD + [GOOD[0]], [_good_params()] * len(GOOD) + [params], use_tqdm=False)
     assert not engine.has_unfinished_requests()
     # As a server does it: the good requests are in flight when the bad one arrives and is refused.
-    reqs = [engine.prepare(p, _good_params()) for p in GOOD]
-    for req in reqs[:4]:
-        engine.add(req)
+    prepared = [engine.input_processor.prepare(p, _good_params()) for p in GOOD]
+    reqs = [engine.add(p) for p in prepared[:4]]
     engine.step()
     with pytest.raises(ValueError, match=message):
         params = SamplingParams(**{"max_tokens": 6, "temperature": 1.0, **kwargs})
-        engine.prepare(GOOD[0], params)
-    for req in reqs[4:]:
-        engine.add(req)
+        engine.input_processor.prepare(GOOD[0], params)
+    reqs += [engine.add(p) for p in prepared[4:]]
     while engine.has_unfinished_requests():
         engine.step()
     _assert_unchanged([engine.make_output(r) for r in reqs], solo)

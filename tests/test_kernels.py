@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler here: the k
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+def _close_in_dtype(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
@@ -34,12 +34,12 @@ def test_norms(dtype, rows, width):
     x = (torch.randn(rows, width, generator=g) * 3).to(dtype)
     w = torch.randn(width, generator=g).to(dtype)
     for mode in (reference.RMS_LLAMA, reference.RMS_FLOAT_SCALE, reference.RMS_GEMMA):
-        _close(ops.rms_norm(x, w, 1e-6, mode), reference.rms_norm(x, w, 1e-6, mode), dtype)
+        _close_in_dtype(ops.rms_norm(x, w, 1e-6, mode), reference.rms_norm(x, w, 1e-6, mode), dtype)
     r = torch.randn(rows, width, generator=g).to(dtype)
     x2 = x.clone()
     normed = ops.add_rms_norm_(x2, r, w, 1e-6, reference.RMS_LLAMA)
     assert torch.equal(x2, x + r)  # the residual add is exact, as the eager add
-    _close(normed, reference.rms_norm(x + r, w, 1e-6, reference.RMS_LLAMA), dtype)
+    _close_in_dtype(normed, reference.rms_norm(x + r, w, 1e-6, reference.RMS_LLAMA), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -48,9 +48,9 @@ def test_gated_activations(dtype, rows, inter):
     g = torch.Generator().manual_seed(inter)
     gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
     for mode in (reference.ACT_SILU, reference.ACT_GELU_TANH):
-        _close(ops.gated_act(gate_up, mode), reference.gated_act(gate_up, mode), dtype)
+        _close_in_dtype(ops.gated_act(gate_up, mode), reference.gated_act(gate_up, mode), dtype)
     strided = torch.randn(rows, 2 * inter + 8, generator=g).to(dtype)[:, : 2 * inter]  # rows with a gap
-    _close(ops.gated_act(strided, 0), reference.gated_act(strided, 0), dtype)
+    _close_in_dtype(ops.gated_act(strided, 0), reference.gated_act(strided, 0), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -67,8 +67,8 @@ def test_rotary_on_views_of_the_fused_projection(dtype, heads, kv_heads, dim, rd
         want_q, want_k = reference.rotary(q, k, c, s)
         q2, k2 = q.clone(), k.clone()
         ops.rotary_(q2, k2, c, s)
-        _close(q2, want_q, dtype)
-        _close(k2, want_k, dtype)
+        _close_in_dtype(q2, want_q, dtype)
+        _close_in_dtype(k2, want_k, dtype)
 
 
 def _cache(dtype: torch.dtype, kv_heads: int, blocks: int, bs: int, dim: int, g: torch.Generator):
@@ -89,7 +89,7 @@ def test_decode_attention_reads_scattered_blocks(dtype, heads, kv_heads, dim):
     for window, softcap in ((0, 0.0), (5, 0.0), (0, 30.0), (3, 2.0), (100, 0.0)):
         got = ops.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, softcap)
         want = reference.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, softcap)
-        _close(got, want, dtype)
+        _close_in_dtype(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,7 +105,7 @@ def test_decode_attention_over_long_scattered_contexts(dtype, heads, kv_heads, d
     for window, softcap in ((0, 0.0), (77, 0.0), (0, 20.0)):
         got = ops.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, softcap)
         want = reference.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, softcap)
-        _close(got, want, dtype)
+        _close_in_dtype(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -215,7 +215,7 @@ def test_prefill_attention_of_chunks_with_cached_context(dtype, heads, kv_heads,
         got = ops.prefill_attention(q, k_cache, v_cache, starts, lens, contexts, tables, dim**-0.5, window, softcap)
         want = reference.prefill_attention(q, k_cache, v_cache, starts, lens, contexts, tables, dim**-0.5, window,
                                            softcap)
-        _close(got, want, dtype)
+        _close_in_dtype(got, want, dtype)
 
 
 def test_prefill_attention_refuses_a_block_table_too_short():

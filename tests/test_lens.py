@@ -12,7 +12,7 @@ import torch
 from conftest import random_prompts
 from family_harness import hf_points
 from tapllm import LLM, HiddenStates, HiddenStatesSpec, SamplingParams
-from tapllm.hidden_states.wire import hidden_states_from_wire, hidden_states_to_wire
+from tapllm.hidden_states.json_codec import hidden_states_from_wire, hidden_states_to_wire
 from test_family_llama import LAYOUT
 
 K = 4

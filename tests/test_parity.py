@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_matches_reference, hf_greedy, random_prompts
+from helpers import greedy
 from tapllm import LLM, SamplingParams
 
 LENGTHS = [1, 3, 9, 16, 17, 34, 61, 97]
@@ -30,10 +31,6 @@ def references(tiny_models):
     return prompts, prefixed, refs
 
 
-def _params() -> SamplingParams:
-    return SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_every_situation(arch, tiny_models, references):
     prompts, prefixed, refs = references
@@ -44,30 +41,31 @@ def test_parity_every_situation(arch, tiny_models, references):
 
     llm = LLM(path, dtype="float32")
     # (a) one at a time
-    assert_matches_reference([llm.generate([p], _params(), use_tqdm=False)[0] for p in prompts], ref)
+    assert_matches_reference([llm.generate([p], greedy(NEW, logprobs=0), use_tqdm=False)[0] for p in prompts], ref)
     # (b) all together
-    assert_matches_reference(llm.generate(prompts, _params(), use_tqdm=False), ref)
+    assert_matches_reference(llm.generate(prompts, greedy(NEW, logprobs=0), use_tqdm=False), ref)
 
     # (c) a token budget that forces chunked prefill (and mixes chunks with decodes)
     chunked = LLM(path, dtype="float32", max_num_batched_tokens=8, enable_prefix_caching=False)
-    assert_matches_reference(chunked.generate(prompts, _params(), use_tqdm=False), ref)
+    assert_matches_reference(chunked.generate(prompts, greedy(NEW, logprobs=0), use_tqdm=False), ref)
 
     # (d) prefix-cache hits: a shared 40-token prefix, run twice
     cached = LLM(path, dtype="float32", block_size=8)
-    first = cached.generate(prefixed, _params(), use_tqdm=False)
-    second = cached.generate(prefixed, _params(), use_tqdm=False)
+    first = cached.generate(prefixed, greedy(NEW, logprobs=0), use_tqdm=False)
+    second = cached.generate(prefixed, greedy(NEW, logprobs=0), use_tqdm=False)
     assert_matches_reference(first, refs[arch]["prefixed"])
     assert_matches_reference(second, refs[arch]["prefixed"])
     assert all(o.metrics["num_cached_tokens"] >= 40 for o in second)
 
     # (e) a KV cache small enough to force preemption
     small = LLM(path, dtype="float32", block_size=8, kv_cache_blocks=20, enable_prefix_caching=False)
-    assert_matches_reference(small.generate(prompts, _params(), use_tqdm=False), ref)
+    assert_matches_reference(small.generate(prompts, greedy(NEW, logprobs=0), use_tqdm=False), ref)
     assert small.engine.scheduler.num_preemptions > 0
 
     # (e') preemption together with prefix caching and chunking
     mixed = LLM(path, dtype="float32", block_size=8, kv_cache_blocks=20, max_num_batched_tokens=24)
-    assert_matches_reference(mixed.generate(prompts + prompts[:3], _params(), use_tqdm=False), ref + ref[:3])
+    assert_matches_reference(mixed.generate(prompts + prompts[:3], greedy(NEW, logprobs=0), use_tqdm=False),
+                             ref + ref[:3])
     assert mixed.engine.scheduler.num_preemptions > 0
 
 

@@ -7,7 +7,7 @@ import torch
 
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.plan import CapturePlan, record_at
-from tapllm.hidden_states.selection import resolve
+from tapllm.hidden_states.resolved import resolve
 from tapllm.hidden_states.sink import CopySink
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.plan import SteeringPlan, _AddRows, _Op
@@ -28,7 +28,7 @@ def capture(num_prompt: int, max_positions: int, **spec: object) -> RequestCaptu
 
 
 def steering(num_prompt: int, *steers: Steer) -> RequestSteering:
-    resolved = resolve_steering(list(steers), LAYERS, HIDDEN, torch.float32, CPU, 8)
+    resolved = resolve_steering(list(steers), LAYERS, HIDDEN, torch.float32, 8)
     return RequestSteering(resolved, b"digest", num_prompt)
 
 

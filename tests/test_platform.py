@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from conftest import random_prompts
-import tapllm.platform as platform
+import tapllm.utils.platform as platform
 from tapllm import LLM, SamplingParams
-from tapllm._files import current_umask
 from tapllm.layers.linear import Linear
-from tapllm.platform import CpuSupport, cpu_support
+from tapllm.utils.files import current_umask
+from tapllm.utils.platform import CpuSupport, cpu_support
 
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tapllm.cli import _SPEC_HELP
+from tapllm.cli.args import SPEC_HELP
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.spec import Steer
 from tapllm.tap.points import HEAD_STEER_POINTS, POINTS, QUERY_HEAD_POINTS, STEER_POINTS, TABLE, row_shapes
@@ -37,4 +37,4 @@ def test_every_point_is_capturable_and_only_the_steerable_ones_steer(point):
     else:
         with pytest.raises(ValueError, match="unknown point"):
             Steer(layers=[0], point=point, op="scale", scale=2.0)
-    assert point in _SPEC_HELP
+    assert point in SPEC_HELP

@@ -43,7 +43,8 @@ CAPTURES = [
 ]
 
 
-def _params(steers: list[Steer], max_tokens: int, capture: int | bool, seed: int | None = None) -> SamplingParams:
+def _call_params(steers: list[Steer], max_tokens: int, capture: int | bool, seed: int | None = None
+                 ) -> SamplingParams:
     hs = CAPTURES[int(capture)]
     sampling = dict(temperature=0.9, top_p=0.95, top_k=50, seed=seed) if seed is not None else dict(temperature=0)
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, steering=steers or None, hidden_states=hs,
@@ -89,7 +90,7 @@ def run_fuzz(model, seed: int, rounds: int, per_round: int) -> tuple[int, int, l
     history: list[tuple[list[int], int]] = []
     for _ in range(rounds):
         call = _next_call(rng, history, len(pool), per_round)
-        params = [_params(pool[s], n, cap, seed) for _, s, n, cap, seed in call]
+        params = [_call_params(pool[s], n, cap, seed) for _, s, n, cap, seed in call]
         outs = cached.generate([p for p, *_ in call], params, use_tqdm=False)
         for (prompt, s, n, cap, seed), p, out in zip(call, params, outs):
             ref = solo.generate([prompt], p, use_tqdm=False)[0]
@@ -123,7 +124,7 @@ def test_continuation_of_a_prompt_steered_reply_does_not_reuse_its_blocks(tiny_m
     solo = LLM(tiny_models["llama"], dtype="float32", block_size=4, enable_prefix_caching=False)
     steer = _steer_pool()[2]  # positions="prompt"
     first = random_prompts([6])[0]
-    params = _params(steer, 10, capture=0)
+    params = _call_params(steer, 10, capture=0)
     out = llm.generate([first], params, use_tqdm=False)[0]
     continuation = first + out.outputs[0].token_ids  # positions 6..15 were not steered before; now they are
     got = llm.generate([continuation], params, use_tqdm=False)[0]
@@ -136,5 +137,5 @@ def test_unsteered_blocks_stay_shared_with_a_generated_only_steer(tiny_models):
     llm = LLM(tiny_models["llama"], dtype="float32", block_size=4)
     prompt = random_prompts([13])[0]
     llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
-    steered = llm.generate([prompt], _params(_steer_pool()[3], 4, capture=0), use_tqdm=False)[0]
+    steered = llm.generate([prompt], _call_params(_steer_pool()[3], 4, capture=0), use_tqdm=False)[0]
     assert steered.metrics["num_cached_tokens"] == 12  # every full prompt block came from the cache

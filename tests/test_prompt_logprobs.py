@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import random_prompts
+from helpers import greedy
 from tapllm import LLM, SamplingParams
 
 TOP = 3
@@ -48,10 +49,6 @@ def setup(tiny_models):
     return prompts, refs
 
 
-def _params(**kw) -> SamplingParams:
-    return SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=TOP, **kw)
-
-
 @pytest.mark.parametrize("engine_kwargs", [
     {},  # batched
     {"max_num_batched_tokens": 7},  # chunked prefill
@@ -60,12 +57,12 @@ def _params(**kw) -> SamplingParams:
 def test_prompt_logprobs_match_transformers(tiny_models, setup, engine_kwargs):
     prompts, refs = setup
     llm = LLM(tiny_models["qwen2"], dtype="float32", **engine_kwargs)
-    outs = llm.generate(prompts, _params(), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(4, prompt_logprobs=TOP), use_tqdm=False)
     for p, out, ref in zip(prompts, outs, refs):
         _check(out, ref, p)
     if "kv_cache_blocks" in engine_kwargs:
         assert llm.engine.scheduler.num_preemptions > 0
-    single = llm.generate([prompts[2]], _params(), use_tqdm=False)[0]  # alone
+    single = llm.generate([prompts[2]], greedy(4, prompt_logprobs=TOP), use_tqdm=False)[0]  # alone
     _check(single, refs[2], prompts[2])
 
 
@@ -76,7 +73,7 @@ def test_prompt_logprobs_after_a_prefix_cache_hit(tiny_models, setup):
     llm.generate(prompts, plain, use_tqdm=False)
     again = llm.generate(prompts, plain, use_tqdm=False)
     assert any(o.metrics["num_cached_tokens"] > 0 for o in again)  # others keep their hits
-    outs = llm.generate(prompts, _params(), use_tqdm=False)  # these recompute the cached positions
+    outs = llm.generate(prompts, greedy(4, prompt_logprobs=TOP), use_tqdm=False)  # these recompute the cached positions
     for p, out, ref in zip(prompts, outs, refs):
         _check(out, ref, p)
 

@@ -218,8 +218,8 @@ def test_quantized_model_equals_its_dequantized_reference(tiny_models, tmp_path,
 
 
 def test_quantized_states_save_and_wire_name_the_quantization(tiny_models, tmp_path):
+    from tapllm.hidden_states.json_codec import hidden_states_from_wire, hidden_states_to_wire
     from tapllm.hidden_states.result import HiddenStates
-    from tapllm.hidden_states.wire import hidden_states_from_wire, hidden_states_to_wire
 
     llm = LLM(tiny_models["llama"], dtype="float32", block_size=4, quantization="int8")
     out = llm.encode([random_prompts([6])[0]], HiddenStatesSpec(points="resid_post", layers=[0]))[0]

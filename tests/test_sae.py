@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import hf_greedy, random_prompts
+from helpers import assert_close
 from tapllm import LLM, SAE, HiddenStates, HiddenStatesSpec, SamplingParams, Steer
 from tapllm.sae.model import SAEConfig
 
@@ -123,11 +124,6 @@ def ref_gemma_scope(file: Path, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return z, z @ p["W_dec"] + p["b_dec"]
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert float((a.float() - b.float()).abs().max()) <= tol * max(1.0, float(b.abs().max()))
-
-
 # ---- formats ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["standard", "topk", "jumprelu", "gated"])
 def test_saelens_architectures(arch, tmp_path):
@@ -138,8 +134,8 @@ def test_saelens_architectures(arch, tmp_path):
     x = _rand(7, D, seed=99, scale=2.0)
     z_ref, y_ref = ref_saelens(folder, x)
     z = sae.encode(x)
-    _close(z, z_ref)
-    _close(sae.decode(z), y_ref)
+    assert_close(z, z_ref)
+    assert_close(sae.decode(z), y_ref)
     assert 0 < int((z > 0).sum()) < z.numel()
     if arch == "topk":
         assert int((z > 0).sum(-1).max()) <= 9
@@ -168,8 +164,8 @@ def test_saelens_normalizations(tmp_path):
             mu, std = x.mean(-1, keepdim=True), (x - x.mean(-1, keepdim=True)).std(-1, keepdim=True)
             xn, undo = (x - mu) / (std + 1e-5), lambda y, mu=mu, std=std: y * std + mu
         pre = (xn - sae.b_dec) @ sae.W_enc + sae.b_enc
-        _close(sae.encode(x), torch.relu(pre))
-        _close(sae.decode(sae.encode(x), x), undo(torch.relu(pre) @ sae.W_dec + sae.b_dec))
+        assert_close(sae.encode(x), torch.relu(pre))
+        assert_close(sae.decode(sae.encode(x), x), undo(torch.relu(pre) @ sae.W_dec + sae.b_dec))
         with pytest.raises(ValueError, match="decode\\(z, x\\)"):
             sae.decode(sae.encode(x))
 
@@ -184,8 +180,8 @@ def test_sparsify_layout(kind, tmp_path):
     sae = SAE.load(root, hookpoint="layers.1")
     x = _rand(6, D, seed=5, scale=2.0)
     z_ref, y_ref = ref_sparsify(root / "layers.1", x)
-    _close(sae.encode(x), z_ref)
-    _close(sae.decode(sae.encode(x), x), y_ref)
+    assert_close(sae.encode(x), z_ref)
+    assert_close(sae.decode(sae.encode(x), x), y_ref)
     if kind == "sae":
         assert (sae.point, sae.layer, sae.cfg.k) == ("resid_post", 1, 12)
     else:
@@ -202,12 +198,12 @@ def test_gemma_scope_layout(tmp_path):
                                                                                           False)
     x = _rand(6, D, seed=8, scale=2.0)
     z_ref, y_ref = ref_gemma_scope(file, x)
-    _close(sae.encode(x), z_ref)
-    _close(sae.decode(sae.encode(x)), y_ref)
+    assert_close(sae.encode(x), z_ref)
+    assert_close(sae.decode(sae.encode(x)), y_ref)
     assert SAE.load(write_gemma_scope(tmp_path, layer=0, kind="mlp")).point == "mlp_out"
     att = SAE.load(write_gemma_scope(tmp_path, layer=1, kind="att"))
     assert att.point == "z"
-    _close(att.encode(x.view(6, 4, 16)), att.encode(x))  # per-head rows are flattened, as hook_z is
+    assert_close(att.encode(x.view(6, 4, 16)), att.encode(x))  # per-head rows are flattened, as hook_z is
 
 
 @pytest.mark.parametrize("write, match", [
@@ -344,12 +340,12 @@ def test_sparse_latents_decode_by_gathering(arch):
         sae.cfg.normalize_activations = norm
         z, y = fm.encode_and_reconstruct(sae, x)
         assert 0 < int(z.count_nonzero()) * fm.SPARSE_DECODE_DENSITY < z.numel()  # the gathering path
-        _close(z, sae.encode(x))
-        _close(y, sae.decode(z, x))
-        _close(fm.sparse_decode(z, sae.W_dec), z @ sae.W_dec)
+        assert_close(z, sae.encode(x))
+        assert_close(y, sae.decode(z, x))
+        assert_close(fm.sparse_decode(z, sae.W_dec), z @ sae.W_dec)
         if arch != "gated" and norm == "none":
             assert int(z[3].count_nonzero()) == 0
-            _close(y[3], sae.b_dec)
+            assert_close(y[3], sae.b_dec)
 
 
 @pytest.fixture(scope="module")
@@ -364,17 +360,17 @@ def _check_features(out, sae: SAE, mode: str, k: int = 8) -> None:
     z = sae.encode(x)
     f = hs.features
     assert torch.equal(f.positions, hs.positions)
-    _close(f.error_norm, (x.flatten(1) - sae.decode(z)).norm(dim=-1))
+    assert_close(f.error_norm, (x.flatten(1) - sae.decode(z)).norm(dim=-1))
     if mode == "topk":
         v, i = torch.topk(z, k, dim=-1)
-        _close(f.values, v)
+        assert_close(f.values, v)
         active = v > 1e-4  # where a value is clearly nonzero its id is determined
         assert torch.equal(f.ids.long()[active], i[active])
         assert f.ids.dtype == torch.int32 and f.values.dtype == torch.float32
     elif mode == "all":
-        _close(f.dense, z)
+        assert_close(f.dense, z)
     else:
-        _close(f.dense, z[:, f.feature_ids])
+        assert_close(f.dense, z[:, f.feature_ids])
 
 
 @pytest.mark.parametrize("arch", ["standard", "topk", "jumprelu", "gated"])
@@ -412,8 +408,8 @@ def test_features_only_mixed_batch_chunked_cached_preempted(tiny_models, llm):
         assert torch.equal(raw.hidden_states.positions, out.hidden_states.features.positions)
         z = sae.encode(raw.hidden_states[sae.point][:, 0])
         f = out.hidden_states.features
-        _close(f.error_norm, (raw.hidden_states[sae.point][:, 0] - sae.decode(z)).norm(dim=-1))
-        _close(f.values if f.values is not None else f.dense,
+        assert_close(f.error_norm, (raw.hidden_states[sae.point][:, 0] - sae.decode(z)).norm(dim=-1))
+        assert_close(f.values if f.values is not None else f.dense,
                torch.topk(z, f.values.shape[1]).values if f.values is not None else
                (z if f.feature_ids is None else z[:, f.feature_ids]))
 
@@ -425,7 +421,7 @@ def test_features_only_mixed_batch_chunked_cached_preempted(tiny_models, llm):
             for name, t in fb.tensors().items():
                 if name == "ids":
                     continue  # near-ties may swap ids under other batchings; values pin the result
-                _close(fa.tensors()[name], t, 1e-4)
+                assert_close(fa.tensors()[name], t, 1e-4)
 
     same(llm.generate(prompts, params, use_tqdm=False))  # mixed batch
     chunked = LLM(path, dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
@@ -468,8 +464,8 @@ def test_features_of_per_head_and_neuron_points(llm):
                   torch.zeros(96), torch.randn(96, width, generator=g) * 0.1, torch.zeros(width))
         out = llm.encode(p, HiddenStatesSpec(points=[point], layers=[2], sae=sae, features="all"), use_tqdm=False)[0]
         x = out.hidden_states[point][:, 0].flatten(1)
-        _close(out.hidden_states.features.dense, sae.encode(x))
-        _close(out.hidden_states.features.error_norm, (x - sae.decode(sae.encode(x))).norm(dim=-1))
+        assert_close(out.hidden_states.features.dense, sae.encode(x))
+        assert_close(out.hidden_states.features.error_norm, (x - sae.decode(sae.encode(x))).norm(dim=-1))
 
 
 def test_features_of_several_samples(llm):
@@ -588,7 +584,7 @@ def test_feature_steering_matches_transformers_hooks(tiny_models):
                                                           steering=s, hidden_states=spec), use_tqdm=False)[0]
                  for s in ([steers["clamp"]], None))
     want = refs["clamp"](base.hidden_states["resid_post"][:, 0])
-    _close(got.hidden_states["resid_post"][:, 0], want, 1e-4)
+    assert_close(got.hidden_states["resid_post"][:, 0], want, 1e-4)
     _check_features(got, sae, "ids")
 
 
@@ -632,10 +628,10 @@ def _same_run(a, b, what: str) -> None:
     assert a.outputs[0].token_ids == b.outputs[0].token_ids, what
     ha, hb = a.hidden_states, b.hidden_states
     assert torch.equal(ha.positions, hb.positions) and ha.layers == hb.layers, what
-    _close(ha["resid_post"], hb["resid_post"])
+    assert_close(ha["resid_post"], hb["resid_post"])
     for name, t in hb.features.tensors().items():
         if name != "ids":  # near-ties may swap ids under other batchings; values pin the result
-            _close(ha.features.tensors()[name], t, 1e-4)
+            assert_close(ha.features.tensors()[name], t, 1e-4)
 
 
 def test_feature_steering_preempted_and_chunked_with_a_cache_hit(tiny_models):
@@ -728,7 +724,7 @@ def test_cli_features_table_and_html(tiny_models, tmp_path, capsys):
 
 def test_server_sae_features_and_steering(tiny_models, tmp_path):
     from server_util import Server
-    from tapllm.hidden_states.wire import hidden_states_from_wire
+    from tapllm.hidden_states.json_codec import hidden_states_from_wire
 
     folder = write_saelens(tmp_path / "s", "jumprelu", hook="blocks.1.hook_resid_post")
     sae = SAE.load(folder)
@@ -746,14 +742,14 @@ def test_server_sae_features_and_steering(tiny_models, tmp_path):
         ref = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, hidden_states=HiddenStatesSpec(
             sae=sae, features="topk:5")), use_tqdm=False)[0].hidden_states.features
         assert torch.equal(got.positions, ref.positions) and torch.equal(got.ids, ref.ids)
-        _close(got.values, ref.values, 1e-5)
+        assert_close(got.values, ref.values, 1e-5)
         # with raw states too, listed features, list encoding
         body["hidden_states"] = {"layers": [1], "points": ["resid_post"], "encoding": "list"}
         body["sae_features"] = {"sae": "res1", "features": [1, 2, 3]}
         status, resp = server.post("/v1/completions", body)
         assert status == 200, resp
         hs = hidden_states_from_wire(resp["choices"][0]["hidden_states"])
-        _close(hs.features.dense, sae.encode(hs["resid_post"][:, 0])[:, [1, 2, 3]], 1e-4)
+        assert_close(hs.features.dense, sae.encode(hs["resid_post"][:, 0])[:, [1, 2, 3]], 1e-4)
         # steering by a served SAE equals the offline steer
         steer = {"op": "clamp", "sae": "res1", "features": {"3": 12.0}}
         status, resp = server.post("/v1/completions", {"model": "tiny_llama", "prompt": prompt, "max_tokens": 6,
@@ -798,13 +794,13 @@ def test_collect_stores_sparse_top_latents(fmt, tiny_models, tmp_path):
     for ref in refs:
         n = len(ref.prompt_token_ids)
         f = ref.hidden_states.features
-        _close(batch["sae_values"][row : row + n, 0], f.values)
-        _close(batch["sae_error_norm"][row : row + n], f.error_norm)
+        assert_close(batch["sae_values"][row : row + n, 0], f.values)
+        assert_close(batch["sae_error_norm"][row : row + n], f.error_norm)
         # the sparse row is the dense latents' top: scattering it back gives encode's largest values
         dense = torch.zeros(n, sae.d_sae).scatter(1, batch["sae_ids"][row : row + n, 0].long(),
                                                   batch["sae_values"][row : row + n, 0])
         z = sae.encode(ref.hidden_states["resid_post"][:, 0])
-        _close(dense.topk(6).values, z.topk(6).values)
+        assert_close(dense.topk(6).values, z.topk(6).values)
         row += n
 
 
@@ -829,4 +825,4 @@ def test_tiny_sae_training_script_learns_and_saves_saelens(tmp_path):
     fvu = float((x - sae(x)).pow(2).sum() / (x - x.mean(0)).pow(2).sum())
     assert fvu < 0.4, fvu  # from about 0.75 at the start
     back = SAE.load(save_saelens(sae, tmp_path / "sae"))
-    _close(back.encode(x[:50]), sae.encode(x[:50]))
+    assert_close(back.encode(x[:50]), sae.encode(x[:50]))

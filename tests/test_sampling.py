@@ -91,7 +91,7 @@ def test_incremental_detokenization_handles_split_characters(llm):
     text = "héllo 日本語 🙂 naïve — ok"
     ids = tok.encode(text)
     assert any(tok.decode([i]).endswith("\ufffd") for i in ids)  # some character spans tokens
-    from tapllm.tokenizer import IncrementalDetokenizer
+    from tapllm.engine.tokenizer import IncrementalDetokenizer
 
     det = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
     assert "".join(det.step(i) for i in ids) == text

@@ -186,8 +186,8 @@ def test_n_samples_share_the_prompt_blocks_and_copy_the_last_on_write(llm):
     bs = engine.blocks.block_size
     prompt = random_prompts([2 * bs + 5], seed=17)[0]  # two full blocks and a partial one
     free0 = engine.blocks.num_free_blocks
-    req = engine.prepare(prompt, SamplingParams(n=4, max_tokens=6, temperature=0.7, seed=1, ignore_eos=True))
-    engine.add(req)
+    req = engine.add(engine.input_processor.prepare(prompt, SamplingParams(n=4, max_tokens=6, temperature=0.7, seed=1,
+                                                                            ignore_eos=True)))
     engine.step()  # the prompt runs once; four first tokens are drawn and the samples fork
     group = req.group
     assert len(group) == 4 and all(s.num_computed_tokens == len(prompt) for s in group)

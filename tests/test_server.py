@@ -219,7 +219,7 @@ def test_metrics_prefix_cache(server):
 
 def test_steering_extension(server, plain_server, reference):
     from tapllm import Steer
-    from tapllm.hidden_states.wire import tensor_to_wire
+    from tapllm.hidden_states.json_codec import tensor_to_wire
 
     v = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 2
     steer = Steer(layers=[0, 2], point="resid_post", vector=v, scale=3.0)

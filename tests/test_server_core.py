@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tapllm.client import decode_hidden_states
-from tapllm.server import wire
+from tapllm.server import ipc
 
 from server_util import Server
 
@@ -38,7 +38,7 @@ def core_pid(server: Server) -> int:
 
 
 def segments(pid: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{wire.SHM_PREFIX}{pid}-")]
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{ipc.SHM_PREFIX}{pid}-")]
 
 
 def stream_events(server: Server, body: dict, first: threading.Event | None = None) -> list:
@@ -212,3 +212,78 @@ def test_router_prefers_the_prefix_holder_unless_it_is_much_busier():
     ra_load, rb_load = before[-1]
     assert len(before) > 1 and ra_load > rb_load + 2 and ra_load > 2 * rb_load  # "much busier" at slack=2
     assert before[-2][0] <= before[-2][1] + 2 or before[-2][0] <= 2 * before[-2][1]
+
+
+# Imported first in every process of the server (PYTHONPATH): counts InputProcessor.prepare calls,
+# one line "pid request_id" each, in the file named by $TAPLLM_PREPARE_LOG.
+_COUNTING_SITECUSTOMIZE = '''
+import importlib.abc, importlib.machinery, os, sys
+
+LOG, TARGET = os.environ["TAPLLM_PREPARE_LOG"], "tapllm.engine.input_processor"
+
+
+def _patch(module):
+    original = module.InputProcessor.prepare
+
+    def prepare(self, *args, **kwargs):
+        with open(LOG, "a") as f:
+            f.write(f"{os.getpid()} {kwargs.get('request_id')}\\n")
+        return original(self, *args, **kwargs)
+
+    module.InputProcessor.prepare = prepare
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())
+'''
+
+
+@pytest.mark.parametrize("mode", ["core process", "in process"])
+def test_each_prompt_is_prepared_once_across_the_process_boundary(tiny_models, tmp_path, mode):
+    """The API server prepares each prompt once (InputProcessor.prepare); the engine core only adds
+    what it receives. Counted in every process of the server, over a spec with a steer, parallel
+    samples of two prompts, a structured output and a refused request."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_COUNTING_SITECUSTOMIZE)
+    log = tmp_path / "prepare.log"
+    args = ["--enable-hidden-states", "--enable-steering"] + (["--no-engine-process"] if mode == "in process" else [])
+    server = Server(tiny_models["llama"], *args, env={"TAPLLM_PREPARE_LOG": str(log)},
+                    pythonpath=[str(tmp_path / "site")])
+    try:
+        steer = {"layers": [0], "point": "resid_post", "vector": [0.5] * 64}
+        bodies = [("/v1/completions", {"prompt": "the cat sat on", "max_tokens": 4, "hidden_states": SPEC,
+                                       "steering": [steer]}, 1),
+                  ("/v1/completions", {"prompt": ["one two", "three four five"], "max_tokens": 3, "n": 2,
+                                       "temperature": 0.8, "seed": 1}, 2),
+                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": "yes or no?"}], "max_tokens": 4,
+                                            "structured_outputs": {"choice": ["yes", "no"]}}, 1)]
+        for path, body, prompts in bodies:
+            code, resp = server.post(path, body)
+            assert code == 200, resp
+            lines = [line.split() for line in log.read_text().splitlines()]
+            mine = [(pid, rid) for pid, rid in lines if rid.startswith(resp["id"] + "-")]
+            assert sorted(rid for _, rid in mine) == [f"{resp['id']}-{i}" for i in range(prompts)]  # once each
+            assert {int(pid) for pid, _ in mine} == {server.proc.pid}  # in the API server, never in the core
+        before = len(log.read_text().splitlines())
+        code, resp = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2,
+                                                     "steering": [{**steer, "layers": [9]}]})
+        assert code == 400 and "layer 9 is out of range" in resp["error"]["message"], resp
+        assert len(log.read_text().splitlines()) == before + 1  # refused where it was prepared, once
+        if mode == "core process":
+            assert core_pid(server) != server.proc.pid
+    finally:
+        server.stop()

@@ -623,7 +623,8 @@ def test_shutdown_under_load(tiny_models, second_signal):
 
 
 def test_api_key_sources(tmp_path, monkeypatch):
-    from tapllm.cli import _api_key, build_parser
+    from tapllm.cli import build_parser
+    from tapllm.cli.serve import _api_key
 
     def key(*argv: str) -> str | None:
         return _api_key(build_parser().parse_args(["serve", *argv]))

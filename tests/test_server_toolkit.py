@@ -9,7 +9,7 @@ from conftest import random_prompts
 from server_util import serving
 from tapllm import LLM, SamplingParams
 from tapllm.client import decode_hidden_states
-from tapllm.hidden_states.wire import tensor_to_wire
+from tapllm.hidden_states.json_codec import tensor_to_wire
 
 
 @pytest.fixture(scope="module")

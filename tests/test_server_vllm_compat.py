@@ -114,12 +114,12 @@ def test_json_schema_objects_are_closed_unless_asked(reference):
     extra = tok.encode('{"a": 1, "b": 2}', add_special_tokens=False)
 
     def refused(**kw):
-        m = compiler.matcher(StructuredOutputsParams(json=schema, **kw))
+        m = compiler.matcher(compiler.compile(StructuredOutputsParams(json=schema, **kw)))
         return any(m.accept(t) is not None for t in extra)
 
     assert refused() and not refused(disable_additional_properties=False)
     open_schema = {**schema, "additionalProperties": True}
-    m = compiler.matcher(StructuredOutputsParams(json=open_schema))
+    m = compiler.matcher(compiler.compile(StructuredOutputsParams(json=open_schema)))
     assert all(m.accept(t) is None for t in extra)  # an explicit additionalProperties is honoured
     nested = {"type": "object", "properties": {"x": {"properties": {"y": {}}}, "z": {"type": "array", "items": {
         "type": "object"}}}, "$defs": {"d": {"type": ["object", "null"]}}}

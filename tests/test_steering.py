@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import random_prompts
+from helpers import SteeringHooks, assert_close
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
 
 ARCHS = ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3"]
@@ -27,14 +28,12 @@ def _steers(hidden: int = 64) -> list[Steer]:
     ]
 
 
-class HFSteering:
+class HFSteering(SteeringHooks):
     """Forward hooks on a transformers model applying the same steers at the same places."""
 
     def __init__(self, model, steers: list[Steer], num_prompt: int) -> None:
-        self.start = 0  # absolute position of the first row of the current forward
-        self.num_prompt = num_prompt
+        super().__init__(num_prompt)
         n = model.config.num_hidden_layers
-        self.handles = []
         for s in steers:
             for layer in s.layers:
                 block = model.model.layers[layer % n]
@@ -54,23 +53,6 @@ class HFSteering:
                         lambda m, i, o, fn=fn: (fn(o[0]),) + tuple(o[1:])))
                 else:
                     self.handles.append(block.mlp.register_forward_hook(lambda m, i, o, fn=fn: fn(o)))
-
-    def _op(self, s: Steer, v: torch.Tensor):
-        def apply(x: torch.Tensor) -> torch.Tensor:
-            pos = torch.arange(self.start, self.start + x.shape[1])
-            mask = {"all": torch.ones_like(pos, dtype=torch.bool), "prompt": pos < self.num_prompt,
-                    "generated": pos >= self.num_prompt}[s.positions][None, :, None]
-            if s.op == "add":
-                new = x + s.scale * v.to(x.dtype)
-            else:
-                d = (v / v.norm()).to(x.dtype)
-                new = x - (x @ d)[..., None] * d
-            return torch.where(mask, new, x)
-        return apply
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def hf_steered(model, prompt: list[int], steers: list[Steer], new: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -103,11 +85,6 @@ def hf_steered(model, prompt: list[int], steers: list[Steer], new: int) -> tuple
     return tokens, list(seen)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> None:
-    assert a.shape == b.shape
-    assert float((a - b).abs().max()) <= tol * max(1.0, float(b.abs().max()))
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_steering_matches_transformers_hooks(arch, tiny_models):
     from transformers import AutoModelForCausalLM
@@ -125,8 +102,8 @@ def test_steering_matches_transformers_hooks(arch, tiny_models):
         assert out.outputs[0].token_ids == tokens
         changed += tokens != base.outputs[0].token_ids
         n = model.config.num_hidden_layers
-        _close(out.hidden_states["resid_pre"], torch.stack(hs[:n], 1))
-        _close(out.hidden_states["final"], hs[n][:, None])
+        assert_close(out.hidden_states["resid_pre"], torch.stack(hs[:n], 1), 1e-4)
+        assert_close(out.hidden_states["final"], hs[n][:, None], 1e-4)
     assert changed, "the steering should change what the model generates"
 
 
@@ -143,7 +120,7 @@ def test_default_model_steering_matches_transformers(default_model_folder):
                                                 hidden_states={"points": "final"}), use_tqdm=False)[0]
     tokens, hs = hf_steered(model, prompt, steers, NEW)
     assert out.outputs[0].token_ids == tokens
-    _close(out.hidden_states["final"], hs[-1][:, None])
+    assert_close(out.hidden_states["final"], hs[-1][:, None], 1e-4)
 
 
 def test_mixed_batch_and_prefix_cache(tiny_models):
@@ -161,7 +138,7 @@ def test_mixed_batch_and_prefix_cache(tiny_models):
     mixed = llm.generate([a, a, b], [steered, plain, plain], use_tqdm=False)
     for out, name in ((mixed[0], "steered"), (mixed[1], "plain")):
         assert out.outputs[0].token_ids == solo[name].outputs[0].token_ids
-        _close(out.hidden_states["resid_post"], solo[name].hidden_states["resid_post"], 1e-5)
+        assert_close(out.hidden_states["resid_post"], solo[name].hidden_states["resid_post"], 1e-5)
     assert mixed[0].outputs[0].token_ids != mixed[1].outputs[0].token_ids
 
     # The same long prefix (these requests capture nothing, so the cache is theirs to use):
@@ -285,7 +262,7 @@ def test_resid_mid_steering_matches_transformers_hooks(arch, tiny_models):
         assert out.outputs[0].token_ids == tokens
         states = out.hidden_states
         for layer in range(model.config.num_hidden_layers):
-            _close(states["resid_pre"][:, layer], hs[layer])
-        _close(states["final"][:, 0], hs[-1])
+            assert_close(states["resid_pre"][:, layer], hs[layer], 1e-4)
+        assert_close(states["final"][:, 0], hs[-1], 1e-4)
         n = min(len(states.positions), len(base.hidden_states.positions))
         assert not torch.allclose(states["final"][:n], base.hidden_states["final"][:n])  # the steer did something

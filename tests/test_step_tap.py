@@ -6,7 +6,7 @@ import torch
 
 from tapllm.engine.step_tap import StepTap
 from tapllm.hidden_states.capture import RequestCapture
-from tapllm.hidden_states.selection import resolve
+from tapllm.hidden_states.resolved import resolve
 from tapllm.hidden_states.sink import CopySink
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.layers.attention import AttentionOptions
@@ -27,7 +27,7 @@ def capture(num_prompt: int, **spec: object) -> RequestCapture:
 
 
 def steering(num_prompt: int, *steers: Steer) -> RequestSteering:
-    return RequestSteering(resolve_steering(list(steers), LAYERS, HIDDEN, torch.float32, CPU, 8, SHAPES), b"d",
+    return RequestSteering(resolve_steering(list(steers), LAYERS, HIDDEN, torch.float32, 8, SHAPES), b"d",
                            num_prompt)
 
 

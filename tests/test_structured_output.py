@@ -166,17 +166,16 @@ def test_bad_specs_fail_alone_at_admission(llm):
            ({"regex": "a", "choice": ["b"]}, "exactly one")]
     for spec, field in bad:
         with pytest.raises((ValueError, TypeError), match=re.escape(field)):
-            engine.prepare("Hi", SamplingParams(max_tokens=8, structured_outputs=spec))
+            engine.input_processor.prepare("Hi", SamplingParams(max_tokens=8, structured_outputs=spec))
     # Good requests around the refused ones run to completion; the cache compiled each spec once.
-    good = [engine.prepare("Hi", SamplingParams(max_tokens=30, temperature=1.0, seed=s,
-                                                structured_outputs={"choice": ["yes", "no"]})) for s in range(3)]
-    for req in good:
-        engine.add(req)
+    prepared = [engine.input_processor.prepare("Hi", SamplingParams(max_tokens=30, temperature=1.0, seed=s,
+                                               structured_outputs={"choice": ["yes", "no"]})) for s in range(3)]
+    good = [engine.add(p) for p in prepared]
     while engine.has_unfinished_requests():
         engine.step()
     assert all(r.finish_reason == "stop" and r.text in ("yes", "no") for r in good)
-    cache = engine.grammars._cache  # compiled once for the three
-    assert list(cache).count(good[0].params.structured_outputs.cache_key()) == 1
+    assert prepared[0].grammar is prepared[1].grammar is prepared[2].grammar  # one spec, checked once
+    assert list(engine.grammars._cache).count(prepared[0].grammar.text) == 1  # compiled once for the three
     assert good[0].grammar.matcher is not good[1].grammar.matcher
 
 
@@ -185,10 +184,8 @@ def test_a_failing_row_fails_alone_in_the_step(llm):
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, structured_outputs={"choice": ["on", "off"]})
               for s in range(4)]
     engine = llm.engine
-    reqs = [engine.prepare("Switch:", p) for p in params]
+    reqs = [engine.add(engine.input_processor.prepare("Switch:", p)) for p in params]
     reqs[1].grammar.matcher.consume_token(0)  # a token the grammar refuses: the matcher is in error now
-    for r in reqs:
-        engine.add(r)
     while engine.has_unfinished_requests():
         engine.step()
     assert reqs[1].finish_reason == "error" and "structured_outputs.choice" in reqs[1].error

@@ -28,9 +28,9 @@ from tqdm import tqdm
 from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.dataset_parts import open_part
 from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
+from tapllm.collect.prompt_records import Item
 from tapllm.collect.sources import DatasetSource, ItemSource
 from tapllm.collect.writer import Manifest
-from tapllm.prompt_records import Item
 
 logger = logging.getLogger("tapllm")
 MAX_RESTARTS = 2

@@ -22,11 +22,11 @@ from tapllm.collect.sae_columns import feature_columns, sae_spec
 from tapllm.collect.sources import DatasetSource, ItemSource
 from tapllm.collect.writer import Manifest, ShardEntry, ShardWriter
 from tapllm.config import EngineConfig
-from tapllm.dtypes import dtype_from_name, dtype_name
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.llm_engine import LLMEngine
-from tapllm.engine.request import Request
 from tapllm.hidden_states.spec import HEAD_POINTS, HIDDEN_POINTS, HiddenStatesSpec
 from tapllm.sampling_params import SamplingParams
+from tapllm.utils.dtypes import dtype_from_name, dtype_name
 
 
 @dataclass(slots=True)
@@ -160,7 +160,7 @@ Source = ItemSource | DatasetSource
 
 
 def plan_groups(engine: LLMEngine, cfg: CollectConfig, source: Source, first: int, cursor: list[int] | None
-                ) -> Iterator[tuple[int, int, list[Request], list[int] | None]]:
+                ) -> Iterator[tuple[int, int, list[EngineCoreRequest], list[int] | None]]:
     """The groups of the source's prompts from index ``first`` on (``cursor`` locates it in a
     stream) as ``(first, end, [prepared request, ...], cursor after the group)``, lazily.
 
@@ -173,11 +173,12 @@ def plan_groups(engine: LLMEngine, cfg: CollectConfig, source: Source, first: in
     params, encode = cfg.params(), cfg.max_tokens == 0
     extra = cfg.max_tokens - 1 if cfg.max_tokens > 0 and cfg.spec().positions == "all" else 0
     where = "--input record" if isinstance(source, ItemSource) else "--dataset context"
-    group: list[Request] = []
+    group: list[EngineCoreRequest] = []
     g0, rows, last = first, 0, first
-    for i, prompt, after in source.prompts(first, cursor, engine.render_chat, engine.tokenizer):
+    processor = engine.input_processor
+    for i, prompt, after in source.prompts(first, cursor, processor.render_chat, engine.tokenizer):
         try:
-            req = engine.prepare(prompt, params, encode=encode, request_id=f"collect-{i}")
+            req = processor.prepare(prompt, params, encode=encode, request_id=f"collect-{i}")
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where} {i}: {exc}") from None
         group.append(req)

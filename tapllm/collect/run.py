@@ -30,16 +30,16 @@ from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.distributed import run_with_ray
 from tapllm.collect.hf_input import DatasetSpec, open_dataset
 from tapllm.collect.hf_input import fingerprint as dataset_fingerprint
-from tapllm.collect.sources import DatasetSource, ItemSource, fingerprint, read_items
 from tapllm.collect.lock import LOCK_NAME, OutputLock
 from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
-from tapllm.collect.sae_columns import sae_identity
 from tapllm.collect.provenance import model_id, tokenizer_info, weights_sha256
+from tapllm.collect.sae_columns import sae_identity
 from tapllm.collect.shards import arrow_dtype_ok, write_file
+from tapllm.collect.sources import DatasetSource, ItemSource, fingerprint, read_items
 from tapllm.collect.writer import Manifest, ShardEntry, remove_temporaries
-from tapllm.dtypes import dtype_from_name, dtype_name
-from tapllm.hidden_states.selection import resolve
+from tapllm.hidden_states.resolved import resolve
 from tapllm.models.shapes import config_point_shapes
+from tapllm.utils.dtypes import dtype_from_name, dtype_name
 
 __all__ = ["CollectConfig", "DatasetSpec", "collect"]
 
@@ -198,7 +198,7 @@ def finalize(out: Path, run: dict[str, Any], parts: list[tuple[int, int]], num_i
 
     ``num_items``: the records the manifests must cover (``None`` for a stream, whose length
     is what its manifest reached)."""
-    from tapllm._version import __version__
+    from tapllm.utils.version import __version__
 
     shards: list[ShardEntry] = []
     for part in range(len(parts)):
@@ -255,7 +255,7 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
                                               cfg.engine.download_dir)
     ds = settings = tokenizer = None
     if cfg.dataset is not None:
-        from tapllm.tokenizer import load_tokenizer
+        from tapllm.engine.tokenizer import load_tokenizer
 
         ds = open_dataset(cfg.dataset)
         tokenizer = load_tokenizer(mc.tokenizer_path or folder)

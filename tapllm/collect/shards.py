@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tapllm._files import atomic_write
-from tapllm.dtypes import ARROW_DTYPES
+from tapllm.utils.dtypes import ARROW_DTYPES
+from tapllm.utils.files import atomic_write
 
 INDEX_COLUMNS = ("token_id", "request_index", "position", "sae_error_norm")  # one number a row
 SUFFIX = {"safetensors": ".safetensors", "arrow": ".arrow"}

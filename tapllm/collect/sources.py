@@ -2,7 +2,7 @@
 
 ``--input`` (:class:`ItemSource`): JSONL, Parquet, or a Hugging Face ``datasets`` folder, read
 whole; each record needs one of ``text`` (or ``prompt``), ``messages`` (a chat, rendered with
-the model's chat template) or ``prompt_token_ids``; see :mod:`tapllm.prompt_records` for which
+the model's chat template) or ``prompt_token_ids``; see :mod:`tapllm.collect.prompt_records` for which
 wins.
 
 ``--dataset`` (:class:`DatasetSource`): any ``datasets`` dataset streamed through the context
@@ -18,7 +18,7 @@ from typing import Any
 
 from tapllm.collect.contexts import ContextSettings, Cursor, build_contexts
 from tapllm.collect.hf_input import DatasetSpec, documents, tokenize_fn
-from tapllm.prompt_records import FIELDS, Item, read_jsonl, record_item, to_prompt
+from tapllm.collect.prompt_records import FIELDS, Item, read_jsonl, record_item, to_prompt
 
 
 def read_items(path: Path) -> list[Item]:

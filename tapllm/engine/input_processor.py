@@ -1,10 +1,12 @@
-"""Admission: turns a prompt and its parameters into a ready ``Request``, or refuses it.
+"""Admission: turns a prompt and its parameters into an ``EngineCoreRequest``, or refuses it.
 
 Everything that can be refused is refused here, with a ``ValueError`` (``TypeError`` for a
 wrong type) naming the field and its limit: the prompt, the sampling values, the
 hidden-state spec and the steers against the model and the instance's policy. Specs,
-steering vectors, logits controls and grammars are resolved (and moved to the device) once,
-here; nothing is scheduled until the engine's ``add``.
+steering vectors, logits controls and grammars are resolved once, here, into plain data
+(``engine/core_request.py``) that needs no model: an API server process prepares requests
+with the model's configuration and point shapes alone. Nothing is scheduled, and nothing is
+put on the engine's device, until the engine's ``add``.
 """
 
 from __future__ import annotations
@@ -13,47 +15,42 @@ import dataclasses
 import itertools
 import operator
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from tapllm._text import check_unicode
 from tapllm.config import EngineConfig, ModelConfig
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.logits_processors import resolve_controls, tokenize_bad_words
-from tapllm.engine.request import Request
-from tapllm.hidden_states.selection import Selection, resolve
+from tapllm.engine.tokenizer import render_chat
+from tapllm.hidden_states.resolved import Selection, resolve
 from tapllm.hidden_states.spec import PSEUDO_POINTS
-from tapllm.sae.features import DeviceSAEs, resolve_features
+from tapllm.sae.features import resolve_features
 from tapllm.sampling_params import SamplingParams
-from tapllm.steering.resolved import RequestSteering, ResolvedSteer, resolve_steering
+from tapllm.steering.resolved import ResolvedSteer, resolve_steering
 from tapllm.steering.spec import steering_digest
 from tapllm.structured.compiler import GrammarCompiler
 from tapllm.tap import PSEUDO_LAYER
-from tapllm.tokenizer import render_chat
+from tapllm.utils.text import check_unicode
 
 
 class InputProcessor:
-    """Prepares requests for one engine: its model, its instance policy, its tokenizer.
+    """Prepares requests for one engine: its model's configuration, its instance policy, its tokenizer.
 
-    ``prompt_salt(num_prompt)`` is the model's part of a prompt's prefix-cache salt;
-    ``point_shapes`` the row shapes of the points inside attention and the MLP, read off the
+    ``point_shapes`` are the row shapes of the points inside attention and the MLP, read off the
     model's modules; ``context_limited_by_cache`` says that ``max_model_len`` was capped to the
     KV cache (error messages say so).
     """
 
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, tokenizer: Any, device: torch.device,
-                 prompt_salt: Callable[[int], bytes], point_shapes: dict[str, tuple[int, ...]],
-                 context_limited_by_cache: bool = False) -> None:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, tokenizer: Any,
+                 point_shapes: dict[str, tuple[int, ...]], context_limited_by_cache: bool = False) -> None:
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer
-        self.device = device
-        self.prompt_salt = prompt_salt
         self.point_shapes = point_shapes
         self.context_limited_by_cache = context_limited_by_cache
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
-        self.saes = DeviceSAEs(device)  # SAEs of features and SAE steers, on the device
         self._ids = itertools.count()
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
@@ -70,14 +67,14 @@ class InputProcessor:
         *,
         encode: bool = False,
         request_id: str | None = None,
-    ) -> Request:
-        """Tokenize, check and resolve one request; nothing is scheduled until :meth:`add`.
+    ) -> EngineCoreRequest:
+        """Tokenize, check and resolve one request; ``LLMEngine.add`` schedules the result.
 
         Everything that can be refused is refused here, with a ``ValueError`` (``TypeError``
         for a wrong type) naming the field and its limit: the prompt, the sampling values as
         the sampler will use them, the hidden-state spec and the steers against the model and
-        the instance's policy. Specs and steering vectors are resolved (and moved to the
-        device) once, here. ``encode`` runs the prompt for its hidden states only.
+        the instance's policy, a structured-output grammar (compiled once to check it). Each
+        is resolved once, here. ``encode`` runs the prompt for its hidden states only.
         """
         text, token_ids = self._tokenize(prompt)
         params.validate()
@@ -91,16 +88,15 @@ class InputProcessor:
         rid = request_id if request_id is not None else str(next(self._ids))
         room = self.model_config.max_model_len - len(token_ids)
         max_tokens = 1 if encode else (params.max_tokens if params.max_tokens is not None else room)
-        req = Request(rid, -1, text, token_ids, params, None, encode_only=encode, max_tokens=max_tokens,
-                      cache_salt=self.prompt_salt(len(token_ids)))
+        req = EngineCoreRequest(rid, text, token_ids, params, encode_only=encode, max_tokens=max_tokens)
         if params.skip_reading_prefix_cache:  # a salt no other request has: nothing cached matches it
-            req.cache_salt += b"|uncached=" + f"{rid}@{time.monotonic_ns()}".encode()
+            req.salt += b"|uncached=" + f"{rid}@{time.monotonic_ns()}".encode()
         if params.hidden_states is not None:
             req.selection = self._selection(token_ids, params, encode, max_tokens)
             if encode and params.prompt_logprobs is None:
                 req.depth = self._depth(req.selection)
                 if req.depth is not None:  # blocks past it hold no KV: never shared with a full forward
-                    req.cache_salt += b"|depth=%d" % req.depth
+                    req.salt += b"|depth=%d" % req.depth
         if not encode:
             mc = self.model_config
             bad_words = tokenize_bad_words(self.tokenizer, params.bad_words or ())
@@ -109,9 +105,10 @@ class InputProcessor:
         if params.steering:
             # KV computed under a steer is shared only with requests under the same steers at the
             # same positions (Request.block_salt); unsteered blocks stay shareable with everyone.
-            req.steering = RequestSteering(self._steering(params), steering_digest(params.steering), len(token_ids))
+            req.steers = self._steering(params)
+            req.steering_digest = steering_digest(params.steering)
         if params.structured_outputs is not None and not encode:
-            req.grammar = self.grammars.matcher(params.structured_outputs)  # compiled here, once per spec
+            req.grammar = self.grammars.compile(params.structured_outputs)  # compiled here, once per spec
         return req
 
     def _whole_vocab_logprobs(self, params: SamplingParams) -> SamplingParams:
@@ -182,8 +179,8 @@ class InputProcessor:
         if not self.config.enable_steering:
             raise ValueError("steering: this instance was started with enable_steering=False")
         mc = self.model_config
-        return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype, self.device,
-                                self.config.max_steers_per_request, self.point_shapes, saes=self.saes)
+        return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype,
+                                self.config.max_steers_per_request, self.point_shapes)
 
     def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool, max_tokens: int) -> Selection:
         """Resolve the request's hidden-state spec and apply the instance policy."""
@@ -200,10 +197,10 @@ class InputProcessor:
             num_prompt=p, max_positions=end, encode=encode, vocab_size=mc.vocab_size,
             point_shapes=self.point_shapes,
         )
-        if params.hidden_states.sae is not None:  # SAE features: the SAE moves to the device once per engine
+        if params.hidden_states.sae is not None:  # SAE features (the engine moves the SAE to its device)
             sel.features = resolve_features(params.hidden_states, num_layers=mc.num_layers,
                                             hidden_size=mc.hidden_size, point_shapes=self.point_shapes,
-                                            saes=self.saes, pseudo_layer=PSEUDO_LAYER)
+                                            pseudo_layer=PSEUDO_LAYER)
         limit = self.config.hidden_states_max_bytes_per_request
         samples = 1 if encode else params.num_samples
         if limit is not None and sel.max_bytes * samples > limit:

@@ -1,7 +1,8 @@
 """The engine's core: add, step, fork and abort requests over the scheduler and the model runner.
 
-Admission is the input processor's (``engine/input_processor.py``); stops, detokenization
-and outputs are the output processor's (``engine/output_processor.py``).
+Admission is the input processor's (``engine/input_processor.py``: a prompt becomes an
+``EngineCoreRequest``, prepared once); stops, detokenization and outputs are the output
+processor's (``engine/output_processor.py``).
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.block_manager import BlockManager
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.input_processor import InputProcessor
 from tapllm.engine.model_runner import ModelRunner, StepResult
 from tapllm.engine.output_processor import OutputProcessor
@@ -26,13 +26,14 @@ from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem, Scheduler
+from tapllm.engine.tokenizer import load_chat_template, load_tokenizer
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.loader import resolve_model, resolve_tokenizer
 from tapllm.models.shapes import point_shapes
 from tapllm.outputs import RequestOutput
-from tapllm.platform import resolve_device
-from tapllm.sampling_params import SamplingParams
-from tapllm.tokenizer import load_chat_template, load_tokenizer
+from tapllm.sae.features import DeviceSAEs
+from tapllm.structured.compiler import Grammar
+from tapllm.utils.platform import resolve_device
 
 logger = logging.getLogger("tapllm")
 
@@ -41,9 +42,10 @@ class LLMEngine:
     """Runs requests to completion with continuous batching over a paged KV cache.
 
     The public surface, used by ``LLM``, the server and ``tapllm collect`` alike:
-    :meth:`prepare` (tokenize, check and resolve one request; raises naming the field; the
-    input processor's), :meth:`add` (schedule it), :meth:`step`, :meth:`abort`,
-    :meth:`make_output` (the output processor's), :meth:`render_chat` and :meth:`stats`.
+    ``input_processor.prepare`` (tokenize, check and resolve one request into an
+    ``EngineCoreRequest``; raises naming the field), :meth:`add` (turn it into a ``Request`` and
+    schedule it), :meth:`step`, :meth:`abort`, :meth:`make_output` (the output processor's) and
+    :meth:`stats`.
     """
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device) -> None:
@@ -61,19 +63,18 @@ class LLMEngine:
         )
         self._fit_context_to_cache()
         self.scheduler = Scheduler(engine_config, self.blocks)
-        self.input_processor = InputProcessor(model_config, engine_config, self.tokenizer, device,
-                                              self.runner.model.prompt_salt, point_shapes(self.runner.model),
-                                              self.context_limited_by_cache)
+        self.input_processor = InputProcessor(model_config, engine_config, self.tokenizer,
+                                              point_shapes(self.runner.model), self.context_limited_by_cache)
         self.output_processor = OutputProcessor(self.tokenizer, model_config)
-        self.grammars = self.input_processor.grammars
-        self.saes = self.input_processor.saes  # SAEs of features and SAE steers, on the device
+        self.grammars = self.input_processor.grammars  # checks grammars at admission, makes matchers at add
+        self.saes = DeviceSAEs(device)  # SAEs of features and SAE steers, on the device
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(engine_config.seed)
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
         self.last_step_tokens = 0  # tokens the latest step ran (prompt chunks and decodes): a metric
-        # The loaded model, tokenizer and grammar tables are long-lived: moved out of the collector's
-        # generations, full collections stop walking them (they took ~5% of a b16 x 512 run's CPU).
+        # The loaded model, tokenizer and grammar tables are long-lived: frozen out of the collector's
+        # generations, they are no longer walked by every full collection of the step loop.
         gc.collect()
         gc.freeze()
 
@@ -114,31 +115,19 @@ class LLMEngine:
             )
             mc.max_model_len = cache_tokens
 
-    # ---- admission (the input processor's) and output (the output processor's) --------
-    def prepare(self, prompt: str | Sequence[int], params: SamplingParams, *, encode: bool = False,
-                request_id: str | None = None) -> Request:
-        """Tokenize, check and resolve one request (see ``InputProcessor.prepare``); :meth:`add` schedules it."""
-        return self.input_processor.prepare(prompt, params, encode=encode, request_id=request_id)
-
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
-                    continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None
-                    ) -> str:
-        """A conversation rendered with the chat template (see ``InputProcessor.render_chat``)."""
-        return self.input_processor.render_chat(messages, add_generation_prompt,
-                                                continue_final_message=continue_final_message,
-                                                chat_template_kwargs=chat_template_kwargs)
-
+    # ---- output (the output processor's) --------------------------------------------
     def make_output(self, req: Request) -> RequestOutput:
         """The user-facing result of a request (see ``OutputProcessor.make_output``)."""
         return self.output_processor.make_output(req)
 
     # ---- the core --------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        """Schedule a request made by :meth:`prepare`."""
-        if req.arrival >= 0:
-            raise ValueError(f"request {req.request_id} was already added")
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+    def add(self, prepared: EngineCoreRequest) -> Request:
+        """Schedule a request prepared by ``input_processor.prepare`` (in this process or an API
+        server's); returns the engine's ``Request``, which carries its state and output."""
+        if prepared.request_id in self.requests:
+            raise ValueError(f"request_id {prepared.request_id!r} is already in flight")
+        req = prepared.to_request(self.device, self.saes, self.grammars,
+                                  self.runner.model.prompt_salt(prepared.num_prompt_tokens))
         params = req.params
         req.arrival = next(self._arrivals)
         times = req.times
@@ -153,7 +142,7 @@ class LLMEngine:
             req.generator = torch.Generator().manual_seed(seed)
         req.detokenizer = self.output_processor.detokenizer(req)
         if not req.encode_only:
-            req.samples = [self._new_sample(req, i, seed) for i in range(1, params.num_samples)]
+            req.samples = [self._new_sample(req, i, seed, prepared.grammar) for i in range(1, params.num_samples)]
             req.forks = list(req.samples)
             for sample in req.group:
                 if sample.controls is not None and sample.controls.penalized:
@@ -168,10 +157,11 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                 self._fail(req, f"hidden_states: starting the capture failed: {type(exc).__name__}: {exc}",
                            "server_error")
-                return
+                return req
         self.scheduler.add(req)
+        return req
 
-    def _new_sample(self, req: Request, index: int, seed: int | None) -> Request:
+    def _new_sample(self, req: Request, index: int, seed: int | None, grammar: Grammar | None) -> Request:
         """Sample ``index`` of ``req``'s prompt, waiting to fork from it once the prompt is computed."""
         sample = Request(f"{req.request_id}#{index}", req.arrival, req.prompt, req.prompt_token_ids, req.params,
                          None if seed is None else torch.Generator().manual_seed(sample_seed(seed, index)),
@@ -179,8 +169,8 @@ class LLMEngine:
                          steering=req.steering, max_tokens=req.max_tokens,
                          controls=req.controls, track_cumulative=req.track_cumulative, sample_index=index,
                          parent=req)
-        if req.grammar is not None:  # each sample walks the grammar on its own (compiled once, cached)
-            sample.grammar = self.grammars.matcher(req.params.structured_outputs)
+        if grammar is not None:  # each sample walks the grammar on its own (compiled once, cached)
+            sample.grammar = self.grammars.matcher(grammar)
         sample.detokenizer = self.output_processor.detokenizer(req)
         return sample
 

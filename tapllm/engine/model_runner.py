@@ -29,11 +29,11 @@ from tapllm.loader.dummy import fill_dummy_weights
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
 from tapllm.models.shapes import point_shapes
-from tapllm.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
 from tapllm.quant.embedding import quantize_embedding
 from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
 from tapllm.tap.points import HIDDEN_POINTS
+from tapllm.utils.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
 
 logger = logging.getLogger("tapllm")
 

@@ -16,8 +16,8 @@ from typing import Any
 from tapllm.config import ModelConfig
 from tapllm.engine.request import Request
 from tapllm.engine.stops import find_stop_string, held_back, keeps_text, primary_eos, token_stop
+from tapllm.engine.tokenizer import IncrementalDetokenizer
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
-from tapllm.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,14 +10,14 @@ import torch
 
 from tapllm.engine.logits_processors import LogitsControls
 from tapllm.engine.prompt_logprobs import PromptLogprobs
+from tapllm.engine.tokenizer import IncrementalDetokenizer
 from tapllm.hidden_states.capture import RequestCapture
+from tapllm.hidden_states.resolved import Selection
 from tapllm.hidden_states.result import HiddenStates
-from tapllm.hidden_states.selection import Selection
 from tapllm.outputs import Logprob
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.resolved import RequestSteering
 from tapllm.structured.compiler import GrammarMatcher
-from tapllm.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
@@ -91,7 +91,7 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     detokenizer: IncrementalDetokenizer | None = None
-    selection: Selection | None = None  # the resolved hidden-state spec (see InputProcessor.prepare)
+    selection: Selection | None = None  # the resolved hidden-state spec (see EngineCoreRequest)
     capture: RequestCapture | None = None
     prompt_lp: PromptLogprobs | None = None  # prompt logprobs being gathered (params.prompt_logprobs)
     prompt_logprobs: list | None = None  # their result, made when the request finishes
@@ -102,7 +102,7 @@ class Request:
     error: str | None = None  # why this request alone failed (finish_reason "error")
     error_type: str | None = None  # "invalid_request_error" | "server_error"
     times: RequestTimes = field(default_factory=RequestTimes)  # stage timestamps, for latency metrics
-    controls: LogitsControls | None = None  # logits controls, resolved (see InputProcessor.prepare)
+    controls: LogitsControls | None = None  # logits controls, resolved (see EngineCoreRequest)
     counts_slot: int = -1  # its row in the runner's TokenCounts (penalties only)
     track_cumulative: bool = False  # sum chosen-token logprobs even without logprobs (best_of > n)
     # Parallel samples (n / best_of > 1): sample 0 is the request itself and runs the prompt; the
@@ -140,11 +140,6 @@ class Request:
     def position_features(self) -> list[PositionFeature]:
         """The features that read this request's positions as they run (capture, prompt logprobs)."""
         return [f for f in (self.capture, self.prompt_lp) if f is not None]
-
-    @property
-    def max_hidden_states_bytes(self) -> int:
-        """Upper bound on the bytes of hidden states this request (all its samples) can return (0: none asked)."""
-        return self.selection.max_bytes * self.params.num_samples if self.selection is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

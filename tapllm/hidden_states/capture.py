@@ -14,8 +14,8 @@ import torch
 
 from tapllm.hidden_states.lens import LensBuffers, LensFn
 from tapllm.hidden_states.reducers import Reducer, get_reducer
+from tapllm.hidden_states.resolved import Selection
 from tapllm.hidden_states.result import HiddenStates
-from tapllm.hidden_states.selection import Selection
 from tapllm.hidden_states.sink import CopySink
 from tapllm.hidden_states.spec import QUERY_HEAD_POINTS, HiddenStatesSpec
 from tapllm.sae.features import FeatureBuffers

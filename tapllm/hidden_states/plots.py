@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
-from tapllm._files import atomic_write
 from tapllm.hidden_states.lens import Lens
+from tapllm.utils.files import atomic_write
 
 
 class HiddenStates(Protocol):

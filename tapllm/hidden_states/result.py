@@ -12,10 +12,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tapllm._files import atomic_write
 from tapllm.hidden_states.lens import Lens, LensResult
 from tapllm.sae.features import Features
-from tapllm.dtypes import dtype_name
+from tapllm.utils.dtypes import dtype_name
+from tapllm.utils.files import atomic_write
 
 FORMAT = "tapllm.hidden_states"
 VERSION = "1"

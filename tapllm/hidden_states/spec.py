@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from tapllm._options import from_mapping
-from tapllm.dtypes import DTYPES  # re-exported: selection.py reads it from here
 from tapllm.hidden_states.reducers import get_reducer
+from tapllm.utils.dtypes import DTYPES  # re-exported: resolved.py reads it from here
+from tapllm.utils.options import from_mapping
 # The point names live in the one table (tapllm.tap.points); re-exported for this package's users.
 from tapllm.tap.points import (BLOCK_POINTS, HEAD_POINTS, HIDDEN_POINTS, LENS_POINTS, POINTS,  # noqa: F401
                                PSEUDO_POINTS, QUERY_HEAD_POINTS, RESIDUAL_POINTS)

@@ -6,9 +6,9 @@ import textwrap
 
 import torch
 
-from tapllm.dtypes import dtype_name
 from tapllm.hidden_states.result import HiddenStates
 from tapllm.hidden_states.spec import PSEUDO_POINTS
+from tapllm.utils.dtypes import dtype_name
 
 
 def summarize(hs: HiddenStates) -> str:

@@ -51,7 +51,7 @@ def packed_gemv_status(ops: Any, dtype: torch.dtype) -> str:
 
 
 def _probe(ops: Any, dtype: torch.dtype) -> tuple[bool, str]:
-    from tapllm.platform import cpu_support
+    from tapllm.utils.platform import cpu_support
 
     if os.environ.get("TAPLLM_PACKED_GEMV", "1") == "0":
         return False, "off (TAPLLM_PACKED_GEMV=0): oneDNN's call"

@@ -5,7 +5,7 @@ small row counts of decoding that dominates, so weights are reordered once at lo
 torch.compile's CPU freezing does). The public ``torch.utils.mkldnn.to_mkldnn``
 (``MkldnnLinear``) converts every input to and from oneDNN's tensor format, which costs more
 than it saves at decode sizes, and torch.compile's freezing costs a compile per shape; so the
-private ``torch.ops.mkldnn`` packing ops are used, only where ``tapllm.platform``'s probe
+private ``torch.ops.mkldnn`` packing ops are used, only where ``tapllm.utils.platform``'s probe
 packed and ran a trial linear in that dtype on this CPU (bf16 packing needs AVX512-BW/VL/DQ
 or AVX-NE-CONVERT); everywhere else the layer is a plain ``F.linear``. With the CPU backend,
 steps of at most ``Backend.gemv_rows`` rows read the packed weight in place with tapllm's GEMV
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapllm.backends.ops import GemvOps
-from tapllm.platform import cpu_support
+from tapllm.utils.platform import cpu_support
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from tapllm._files import atomic_path
+from tapllm.utils.files import atomic_path
 
 logger = logging.getLogger("tapllm")
 

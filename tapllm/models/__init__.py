@@ -1,10 +1,11 @@
-"""Model families, selected by the checkpoint's ``architectures`` entry (see ``registry.py``)."""
+"""Model families, selected by the checkpoint's ``architectures`` entry (``tapllm.config.ARCHITECTURES``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tapllm.models.registry import ARCHITECTURES, model_class
+from tapllm.config import ARCHITECTURES
+from tapllm.models.registry import model_class
 
 if TYPE_CHECKING:
     from torch import nn

@@ -61,7 +61,7 @@ def fill_rows(blocks: torch.Tensor, k: int, quant: Quantization, offset: int | N
         raise ValueError(f"{kind} blocks come from a GGUF file as stored; float rows cannot be packed into them")
     quantize = quantizers[kind]
     # small chunks straight into place: no packed copy of the whole tensor is held, and the float
-    # temporaries stay a few MB (the heap keeps its high-water mark, see tapllm.platform)
+    # temporaries stay a few MB (the heap keeps its high-water mark, see tapllm.utils.platform)
     for i in range(0, value.shape[0], _FILL_ROWS):
         chunk = value[i : i + _FILL_ROWS]
         blocks[start + i : start + i + chunk.shape[0]] = quantize(chunk, group)

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tapllm.dtypes import DTYPES
 from tapllm.sae.model import SAE
+from tapllm.utils.dtypes import DTYPES
 
 MAX_TOP_FEATURES = 1024
 PSEUDO_POINTS = ("embed", "final")
@@ -138,16 +138,25 @@ def features_to_text(parsed: tuple[str, int, list[int] | None]) -> str | list[in
 # ---- resolved per request ---------------------------------------------------------------------
 @dataclass(slots=True)
 class FeatureSelection:
-    """A request's features, resolved: the SAE on the engine's device, where it reads, what is kept."""
+    """A request's features, resolved: the SAE, where it reads, what is kept.
+
+    As the input processor resolves it, ``sae`` is the spec's own SAE and ``ids`` a CPU tensor;
+    :meth:`on_device` gives the engine's copy, with the SAE and ids on its device.
+    """
 
     sae: SAE
     point: str
     key: int  # the layer key of ``point`` (block index, or the pseudo-layer)
     mode: str  # "topk", "ids" or "all"
     k: int
-    ids: torch.Tensor | None  # the listed features (device, int64)
+    ids: torch.Tensor | None  # the listed features (int64)
     dtype: torch.dtype  # of values / dense
     out: tuple[str, int] | None = None  # a transcoder's target (point, key)
+
+    def on_device(self, saes: DeviceSAEs) -> FeatureSelection:
+        """This selection with the SAE (moved once per engine) and the ids on ``saes``' device."""
+        ids = self.ids.to(saes.device) if self.ids is not None else None
+        return replace(self, sae=saes.get(self.sae), ids=ids)
 
     @property
     def width(self) -> int:
@@ -188,8 +197,8 @@ class DeviceSAEs:
 
 
 def resolve_features(spec: Any, *, num_layers: int, hidden_size: int, point_shapes: dict[str, tuple[int, ...]],
-                     saes: DeviceSAEs, pseudo_layer: int) -> FeatureSelection:
-    """Check the spec's SAE against the model; ``ValueError`` names the field."""
+                     pseudo_layer: int) -> FeatureSelection:
+    """Check the spec's SAE against the model; ``ValueError`` names the field (nothing moves to a device)."""
     sae: SAE = spec.sae
     mode, k, ids = spec.features
     c = sae.cfg
@@ -204,10 +213,9 @@ def resolve_features(spec: Any, *, num_layers: int, hidden_size: int, point_shap
         raise ValueError(f"hidden_states.features: top-{k} of an SAE with {c.d_sae} features")
     if mode == "ids" and max(ids) >= c.d_sae:
         raise ValueError(f"hidden_states.features: feature id {max(ids)} is out of range for d_sae={c.d_sae}")
-    dev = saes.get(sae)
-    ids_t = torch.tensor(ids, device=saes.device) if ids is not None else None
+    ids_t = torch.tensor(ids) if ids is not None else None
     dtype = DTYPES[spec.dtype] if spec.dtype else torch.float32
-    return FeatureSelection(dev, c.point, key, mode, k, ids_t, dtype, out)
+    return FeatureSelection(sae, c.point, key, mode, k, ids_t, dtype, out)
 
 
 def _key(point: str, layer: int | None, num_layers: int, pseudo_layer: int) -> int:

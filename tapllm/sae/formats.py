@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tapllm.sae.config import SAEConfig
+from tapllm.sae.sae_config import SAEConfig
 from tapllm.tap import POINTS
 
 SAEParts = tuple[SAEConfig, dict[str, torch.Tensor | None]]  # SAE(config, **weights)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tapllm.sae.config import SAEConfig
+from tapllm.sae.sae_config import SAEConfig
 
 ARCHITECTURES = ("standard", "topk", "jumprelu", "gated")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")

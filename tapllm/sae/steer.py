@@ -102,27 +102,29 @@ def sae_steer_digest(steer: Any) -> bytes:
 
 @dataclass(slots=True)
 class SaeEdit:
-    """A resolved clamp/set/ablate: the SAE on the device and the latents to set."""
+    """A resolved clamp/set/ablate: the SAE and the latents to set (:meth:`on_device` for the step)."""
 
     sae: SAE
     ids: torch.Tensor  # int64 [m]
     values: torch.Tensor  # float32 [m]
+
+    def on_device(self, saes: DeviceSAEs) -> SaeEdit:
+        """This edit with the SAE (moved once per engine) and the latents on ``saes``' device."""
+        return SaeEdit(saes.get(self.sae), self.ids.to(saes.device), self.values.to(saes.device))
 
     def op(self, rows: slice | torch.Tensor) -> SaeEditOp:
         """The operation on batch ``rows`` of one step."""
         return SaeEditOp(self, rows)
 
 
-def resolve_sae_edit(steer: Any, saes: DeviceSAEs | None, device: torch.device, hidden_size: int,
-                     where: str) -> SaeEdit:
-    """Check an SAE clamp/set/ablate against the model and put it on the device."""
+def resolve_sae_edit(steer: Any, hidden_size: int, where: str) -> SaeEdit:
+    """Check an SAE clamp/set/ablate against the model (``ValueError`` names ``where``); CPU tensors."""
     sae: SAE = steer.sae
     if sae.d_in != hidden_size:
         raise ValueError(f"{where}.sae has d_in={sae.d_in}, but the model's hidden size is {hidden_size}")
-    dev = saes.get(sae) if saes is not None else sae.to(device, torch.float32)
-    ids = torch.tensor(list(steer.features), dtype=torch.long, device=device)
-    values = torch.tensor(list(steer.features.values()), dtype=torch.float32, device=device)
-    return SaeEdit(dev, ids, values)
+    ids = torch.tensor(list(steer.features), dtype=torch.long)
+    values = torch.tensor(list(steer.features.values()), dtype=torch.float32)
+    return SaeEdit(sae, ids, values)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """Admission: an HTTP request's prompts checked and prepared for the engine (runs in a worker thread).
 
-Each prompt becomes a ``Request`` through ``LLMEngine.prepare``, which refuses what the
-engine cannot serve with an error naming the field. Around it the server adds its own
+Each prompt becomes an ``EngineCoreRequest`` through ``InputProcessor.prepare``, once (with an
+engine core process too: what it receives is this request, not the prompt), which refuses
+what the engine cannot serve with an error naming the field. Around it the server adds its own
 bounds: a string prompt whose UTF-8 length could not fit the context even at the
 vocabulary's longest token is refused without tokenizing it; ``max_tokens`` must fit the
 context with the prompt; and the hidden states of all the prompts of one HTTP request
@@ -16,13 +17,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from tapllm.engine.llm_engine import LLMEngine
-from tapllm.engine.request import Request
-from tapllm.server.frontend import EngineFrontend
+from tapllm.engine.core_request import EngineCoreRequest
+from tapllm.engine.input_processor import InputProcessor
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.sampling_params import SamplingParams
 from tapllm.server.errors import APIError, check_text, param_of
-from tapllm.server.protocol import (
+from tapllm.server.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     HiddenStatesOnlyRequest,
@@ -42,19 +42,20 @@ _STRUCTURED_FIELD = re.compile(r"\b(?:response_format|structured_outputs|guided_
 
 
 class Admission:
-    """Turns parsed bodies into prepared ``Request`` objects named ``{request_id}-{i}``."""
+    """Turns parsed bodies into ``EngineCoreRequest`` objects named ``{request_id}-{i}`` with the
+    engine's input processor (the ``LLMEngine``'s, or an API server's ``EngineFrontend``'s)."""
 
-    def __init__(self, engine: LLMEngine | EngineFrontend, served_model_name: str, max_prompts_per_request: int) -> None:
-        self.engine = engine
+    def __init__(self, processor: InputProcessor, served_model_name: str, max_prompts_per_request: int) -> None:
+        self.processor = processor
         self.served_model_name = served_model_name
         self.max_prompts_per_request = max_prompts_per_request
-        self.max_len = engine.model_config.max_model_len
-        self.longest_token, self.text_limit = _text_limit(engine.tokenizer, self.max_len)
+        self.max_len = processor.model_config.max_model_len
+        self.longest_token, self.text_limit = _text_limit(processor.tokenizer, self.max_len)
         logger.info("prompts over %s bytes of UTF-8 are refused before tokenizing (%d tokens x %d bytes, the "
                     "longest token)", f"{self.text_limit:,}", self.max_len, self.longest_token)
 
     # ---- the three bodies ------------------------------------------------------------------
-    def completion(self, body: CompletionRequest, request_id: str) -> list[Request]:
+    def completion(self, body: CompletionRequest, request_id: str) -> list[EngineCoreRequest]:
         """The prompts of a ``/v1/completions`` body."""
         self._check_common(body)
         self._check_logprobs(body.logprobs, "logprobs")
@@ -64,7 +65,7 @@ class Admission:
         params = self._params(body, max_tokens)  # None: the rest of each prompt's context
         return self._prepare_all(prompts, params, False, "prompt", request_id, body.add_special_tokens)
 
-    def chat(self, body: ChatCompletionRequest, request_id: str) -> Request:
+    def chat(self, body: ChatCompletionRequest, request_id: str) -> EngineCoreRequest:
         """The conversation of a ``/v1/chat/completions`` body, rendered and tokenized once."""
         self._check_common(body)
         if body.logprobs:
@@ -72,23 +73,23 @@ class Admission:
         text = self.render_chat(body)
         self._check_prompt_text(text, "messages")
         max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
-        prompt = text if body.add_special_tokens else self.engine.tokenizer.encode(text, add_special_tokens=False)
+        prompt = text if body.add_special_tokens else self.processor.tokenizer.encode(text, add_special_tokens=False)
         return self._prepare(prompt, self._params(body, max_tokens), False, f"{request_id}-0", "")
 
     def render_chat(self, body: Any) -> str:
         """A chat body's conversation as prompt text (``messages``, ``add_generation_prompt``,
         ``continue_final_message``, ``chat_template_kwargs``); ``APIError`` names the field."""
         try:
-            return self.engine.render_chat(_conversation(body), body.add_generation_prompt,
-                                           continue_final_message=body.continue_final_message,
-                                           chat_template_kwargs=body.chat_template_kwargs)
+            return self.processor.render_chat(_conversation(body), body.add_generation_prompt,
+                                              continue_final_message=body.continue_final_message,
+                                              chat_template_kwargs=body.chat_template_kwargs)
         except (ValueError, TypeError) as exc:  # the template refused these messages or options
             msg = str(exc)
             param = next((f for f in ("chat_template_kwargs", "continue_final_message") if msg.startswith(f)),
                          "messages")
             raise APIError(400, msg, param=param) from None
 
-    def hidden_states(self, body: HiddenStatesOnlyRequest, request_id: str) -> list[Request]:
+    def hidden_states(self, body: HiddenStatesOnlyRequest, request_id: str) -> list[EngineCoreRequest]:
         """The prompts of a ``/v1/hidden_states`` body (prompt-only, like ``LLM.encode``)."""
         self._check_common(body)
         prompts = _prompt_list(body.input, "input", self.max_prompts_per_request)
@@ -106,9 +107,9 @@ class Admission:
                            f"{self.served_model_name!r}", param="model")
 
     def encode_prompts(self, prompts: PromptInput, spec: HiddenStatesSpec, field: str, request_id: str,
-                       add_special_tokens: bool = True) -> list[Request]:
+                       add_special_tokens: bool = True) -> list[EngineCoreRequest]:
         """Prompt-only requests capturing ``spec`` (like ``LLM.encode``), e.g. the embeddings'."""
-        if not self.engine.config.enable_hidden_states:
+        if not self.processor.config.enable_hidden_states:
             raise APIError(400, "this server does not serve hidden states or embeddings (start it with "
                            "--enable-hidden-states)", param=field)
         params = SamplingParams.encode(spec)
@@ -117,7 +118,7 @@ class Admission:
 
     def _check_common(self, body: _Sampling | HiddenStatesOnlyRequest) -> None:
         self.check_model(body.model)
-        config = self.engine.config
+        config = self.processor.config
         if isinstance(body, _Sampling) and (problem := body.unsupported()):
             raise APIError(400, problem, param=_param(problem))
         wants_states = isinstance(body, HiddenStatesOnlyRequest) or body.hidden_states is not None \
@@ -136,7 +137,7 @@ class Admission:
     def _check_logprobs(self, value: int | None, field: str) -> None:
         if value is None:
             return
-        limit = self.engine.config.max_logprobs
+        limit = self.processor.config.max_logprobs
         if value < 0:
             raise APIError(400, f"{field} must be >= 0, got {value}", param=field)
         if limit != -1 and value > limit:
@@ -163,10 +164,10 @@ class Admission:
         check_text(prompt, name)
 
     def _prepare(self, prompt: str | list[int], params: SamplingParams, encode: bool, request_id: str,
-                 prefix: str) -> Request:
-        """``LLMEngine.prepare``, then max_tokens against the context; errors start with ``prefix``."""
+                 prefix: str) -> EngineCoreRequest:
+        """``InputProcessor.prepare``, then max_tokens against the context; errors start with ``prefix``."""
         try:
-            req = self.engine.prepare(prompt, params, encode=encode, request_id=request_id)
+            req = self.processor.prepare(prompt, params, encode=encode, request_id=request_id)
         except (ValueError, TypeError) as exc:
             raise APIError(400, f"{prefix}{exc}", param=_param(str(exc))) from None
         n = req.num_prompt_tokens
@@ -177,7 +178,7 @@ class Admission:
         return req
 
     def _prepare_all(self, prompts: Sequence[str | list[int]], params: SamplingParams, encode: bool, field: str,
-                     request_id: str, add_special_tokens: bool = True) -> list[Request]:
+                     request_id: str, add_special_tokens: bool = True) -> list[EngineCoreRequest]:
         """Every prompt of one HTTP request; their hidden states together must fit the server's limit."""
         many = len(prompts) > 1
         reqs = []
@@ -186,10 +187,10 @@ class Admission:
             if isinstance(prompt, str):
                 self._check_prompt_text(prompt, name)
                 if not add_special_tokens:
-                    prompt = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+                    prompt = self.processor.tokenizer.encode(prompt, add_special_tokens=False)
             reqs.append(self._prepare(prompt, params, encode, f"{request_id}-{i}", f"{name}: " if many else ""))
         total = sum(r.max_hidden_states_bytes for r in reqs)
-        limit = self.engine.config.hidden_states_max_bytes_per_request
+        limit = self.processor.config.hidden_states_max_bytes_per_request
         if limit is not None and total > limit:
             raise APIError(400, f"hidden_states: the {len(reqs)} prompts of this request could capture up to "
                            f"{total:,} bytes together, over this server's limit of {limit:,} bytes a request "

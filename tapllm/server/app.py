@@ -28,9 +28,9 @@ from tapllm.server.context import RouteContext
 from tapllm.server.core_client import CoreClient
 from tapllm.server.errors import APIError
 from tapllm.server.guard import Guard
+from tapllm.server.launcher import Lifecycle
 from tapllm.server.metrics import ServerMetrics
 from tapllm.server.routes import BODIES, add_routes
-from tapllm.server.serving import Lifecycle
 
 logger = logging.getLogger("tapllm")
 
@@ -42,7 +42,7 @@ def create_app(engine: LLMEngine | CoreClient, served_model_name: str, api_key: 
 
     ``engine`` is an ``LLMEngine`` (run on a thread of this process: ``AsyncEngine``) or a
     ``CoreClient`` connected to an engine-core process. ``lifecycle`` is shared with the
-    uvicorn server (``tapllm.server.serving``) for shutdown.
+    uvicorn server (``tapllm.server.launcher``) for shutdown.
     """
     runner: AsyncEngine | CoreClient = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
     metrics = ServerMetrics(runner)
@@ -50,7 +50,7 @@ def create_app(engine: LLMEngine | CoreClient, served_model_name: str, api_key: 
     lifecycle.abort_inflight = runner.abort_all
     if isinstance(runner, CoreClient):
         runner.on_core_death = lambda why: lifecycle.fail(why)
-    admission = Admission(runner.engine, served_model_name, max_prompts_per_request)
+    admission = Admission(runner.engine.input_processor, served_model_name, max_prompts_per_request)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

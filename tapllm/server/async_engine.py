@@ -1,6 +1,6 @@
 """The engine loop of the server: one background thread steps the engine; asyncio handlers await updates.
 
-Handlers prepare a request (``LLMEngine.prepare``, off the event loop), then hand it to the
+Handlers prepare a request (``InputProcessor.prepare``, off the event loop), then hand it to the
 engine thread through a queue. The thread adds it, steps the engine while anything is in flight,
 and after each step pushes every request's new tokens and text to that request's asyncio
 queue (``call_soon_threadsafe``). Aborts (a client gone) travel the same queue.
@@ -21,6 +21,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
 from tapllm.server.runner import LoopStats, Publisher, RequestObserver, Update, failed
@@ -30,18 +31,19 @@ logger = logging.getLogger("tapllm")
 
 @dataclass(slots=True)
 class _Stream:
-    """A prepared request on its way through the engine, and where its updates go."""
+    """A prepared request on its way through the engine (``request`` once added), and where its updates go."""
 
-    request: Request
+    prepared: EngineCoreRequest
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     publisher: Publisher = field(default_factory=Publisher)  # what each sample has sent so far
+    request: Request | None = None
 
 
 class AsyncEngine:
     """Runs an ``LLMEngine`` on a background thread for concurrent asyncio clients.
 
-    The inbox carries a ``_Stream`` (a prepared ``Request`` to add) or a request id to abort.
+    The inbox carries a ``_Stream`` (an ``EngineCoreRequest`` to add) or a request id to abort.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -92,8 +94,8 @@ class AsyncEngine:
         self._wake.set()
         return aborted
 
-    async def generate(self, request: Request) -> AsyncIterator[Update]:
-        """Add a request made by ``LLMEngine.prepare`` and yield its updates until it finishes.
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[Update]:
+        """Add a request prepared by the input processor and yield its updates until it finishes.
 
         Leaving the iteration early (client gone, task cancelled) aborts the request, which
         frees its KV blocks and capture buffers.
@@ -158,11 +160,10 @@ class AsyncEngine:
                 self._add(item)
 
     def _add(self, stream: _Stream) -> None:
-        req = stream.request
         try:
-            self.engine.add(req)
-        except Exception as exc:  # prepared before, so this is unexpected
-            logger.exception("could not add request %s", req.request_id)
+            req = stream.request = self.engine.add(stream.prepared)
+        except Exception as exc:  # prepared before, so this is unexpected; it fails alone
+            logger.exception("could not add request %s", stream.prepared.request_id)
             kind = "invalid_request_error" if isinstance(exc, ValueError | TypeError) else "server_error"
             self._push(stream, failed(str(exc), kind))
             return
@@ -179,6 +180,7 @@ class AsyncEngine:
     def _publish(self, stream: _Stream) -> None:
         """Push what the request produced since its last update (see ``Publisher.updates``)."""
         req = stream.request
+        assert req is not None
         for update in stream.publisher.updates(self.engine, req, self.observer):
             if update.finished:
                 del self._streams[req.request_id]

@@ -17,14 +17,14 @@ from typing import Any, ClassVar
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tapllm.engine.request import Request as EngineRequest
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.outputs import RequestOutput
 from tapllm.server.admission import Admission
-from tapllm.server.runner import EngineRunner
 from tapllm.server.bodies import parse, until_disconnect
 from tapllm.server.errors import ERROR_STATUS, APIError
+from tapllm.server.launcher import Lifecycle
 from tapllm.server.metrics import ServerMetrics
-from tapllm.server.serving import Lifecycle
+from tapllm.server.runner import EngineRunner
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class RouteContext:
     served_model_name: str
     tokenizer: Any  # decodes logprob tokens
 
-    async def run_all(self, request: Request, reqs: list[EngineRequest]) -> list[RequestOutput]:
+    async def run_all(self, request: Request, reqs: list[EngineCoreRequest]) -> list[RequestOutput]:
         """All of a request's prompts; the first to fail ends the others (and the client leaving, all)."""
         tasks = [asyncio.ensure_future(self._result(r)) for r in reqs]
         try:
@@ -49,7 +49,7 @@ class RouteContext:
         self.count_tokens(outputs)
         return outputs
 
-    async def _result(self, req: EngineRequest) -> RequestOutput:
+    async def _result(self, req: EngineCoreRequest) -> RequestOutput:
         last = None
         async for update in self.engine.generate(req):
             last = update
@@ -67,10 +67,10 @@ class RouteContext:
                 self.metrics.generation_tokens.inc(len(c.token_ids))
 
 
-def arrived(reqs: list[EngineRequest], arrival: float) -> list[EngineRequest]:
+def arrived(reqs: list[EngineCoreRequest], arrival: float) -> list[EngineCoreRequest]:
     """``reqs`` stamped with when their HTTP request came in (latency metrics start there)."""
     for r in reqs:
-        r.times.arrival = arrival
+        r.arrival = arrival
     return reqs
 
 
@@ -94,8 +94,8 @@ class PostRoute:
         """Answer one request."""
         raise NotImplementedError
 
-    async def admit(self, request: Request, body_type: Any, admit: Callable[[Any, str], list[EngineRequest]],
-                    prefix: str) -> tuple[Any, str, list[EngineRequest]]:
+    async def admit(self, request: Request, body_type: Any, admit: Callable[[Any, str], list[EngineCoreRequest]],
+                    prefix: str) -> tuple[Any, str, list[EngineCoreRequest]]:
         """Parse the body, admit its prompts off the event loop (``admit(body, request_id)``) and stamp
         when they arrived; returns the body, the request id (``prefix-<hex>``) and the prepared requests."""
         arrival = time.monotonic()

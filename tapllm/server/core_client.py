@@ -25,9 +25,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.llm_engine import EngineStats
-from tapllm.engine.request import Request
-from tapllm.server import wire
+from tapllm.server import ipc
 from tapllm.server.frontend import EngineFrontend
 from tapllm.server.router import PrefixRouter
 from tapllm.server.runner import LoopStats, RequestObserver, Update, failed
@@ -79,14 +79,14 @@ class CoreProcess:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 500)
             sock.connect(self.address)
-            sock.send_multipart(wire.pack(wire.Shutdown()))
+            sock.send_multipart(ipc.pack(ipc.Shutdown()))
             self.proc.join(timeout)
             sock.close()
             if self.proc.is_alive():
                 logger.warning("the engine core did not stop in %.0f s: killing it", timeout)
                 self.proc.kill()
                 self.proc.join(5)
-        wire.unlink_leftovers(self.pid)
+        ipc.unlink_leftovers(self.pid)
         shutil.rmtree(self.folder, ignore_errors=True)
         return self.proc.exitcode
 
@@ -104,7 +104,7 @@ def connect(addresses: list[str], core_pids: list[int], config: Any, timeout: fl
         sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
-        sock.send_multipart(wire.pack(wire.Hello()))
+        sock.send_multipart(ipc.pack(ipc.Hello()))
         socks.append(sock)
     deadline = time.monotonic() + timeout
     readies = []
@@ -119,9 +119,9 @@ def connect(addresses: list[str], core_pids: list[int], config: Any, timeout: fl
                 raise RuntimeError(f"the engine core process {pid} exited while loading the model (its error is "
                                    "in the log above)")
         frames = sock.recv_multipart(copy=False)
-        ready = wire.decode_outbound(frames[0].buffer)
-        assert isinstance(ready, wire.Ready), ready
-        readies.append((ready, wire.unpack_payload(frames)))
+        ready = ipc.decode_outbound(frames[0].buffer)
+        assert isinstance(ready, ipc.Ready), ready
+        readies.append((ready, ipc.unpack_payload(frames)))
     ready, model_config = readies[0]
     shapes = {k: tuple(v) for k, v in ready.point_shapes.items()}
     frontend = EngineFrontend(config, model_config, shapes, ready.context_limited_by_cache)
@@ -203,7 +203,7 @@ class CoreClient:
             self._release(rid, abort=not self._dead)
         return len(rids)
 
-    async def generate(self, request: Request) -> AsyncIterator[Update]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[Update]:
         """Send a request prepared by admission to a core and yield its updates until it finishes.
 
         Leaving the iteration early (client gone, task cancelled) aborts it in the core.
@@ -218,9 +218,7 @@ class CoreClient:
         queue: asyncio.Queue[Update] = asyncio.Queue()
         self._queues[rid] = queue
         replica = self._where[rid] = self.router.choose(request.prompt_token_ids)
-        prompt = request.prompt if isinstance(request.prompt, str) else None
-        self._send(replica, wire.AddRequest(rid, prompt, list(request.prompt_token_ids), request.encode_only,
-                                            request.times.arrival), request.params)
+        self._send(replica, ipc.AddRequest(rid), request)
         finished = False
         try:
             while True:
@@ -240,12 +238,12 @@ class CoreClient:
             return
         self.router.done(replica)
         if abort:
-            self._send(replica, wire.Abort([rid]))
+            self._send(replica, ipc.Abort([rid]))
 
     def _send(self, replica: int, header: Any, payload: Any = None) -> None:
         sock = self.replicas[replica].sock
         assert sock is not None
-        sock.send_multipart(wire.pack(header, payload), copy=False)
+        sock.send_multipart(ipc.pack(header, payload), copy=False)
 
     async def _read(self, replica: int) -> None:
         sock = self.replicas[replica].sock
@@ -258,15 +256,15 @@ class CoreClient:
                 logger.exception("could not read a message of the engine core")
 
     def _dispatch(self, replica: int, frames: list[Any]) -> None:
-        msg = wire.decode_outbound(frames[0].buffer)
-        if not isinstance(msg, wire.Outputs):
+        msg = ipc.decode_outbound(frames[0].buffer)
+        if not isinstance(msg, ipc.Outputs):
             return
         r = self.replicas[replica]
         r.stats, r.requests_aborted, r.step_errors = msg.stats, msg.requests_aborted, msg.step_errors
         self._sum_stats()
         if msg.observed is not None and self.observer is not None:
             self._observe(msg.observed)
-        payload = iter(wire.unpack_payload(frames) or ())
+        payload = iter(ipc.unpack_payload(frames) or ())
         for u in msg.updates:
             logprobs, output = next(payload) if u.has_payload else (None, None)
             queue = self._queues.get(u.request_id)
@@ -288,7 +286,7 @@ class CoreClient:
         self.stats.requests_aborted = sum(r.requests_aborted for r in rs)
         self.stats.step_errors = sum(r.step_errors for r in rs)
 
-    def _observe(self, observed: wire.Observed) -> None:
+    def _observe(self, observed: ipc.Observed) -> None:
         observer = self.observer
         assert observer is not None
         try:

@@ -3,15 +3,16 @@
 One ``LLMEngine`` runs here, in a loop that reads the API servers' messages (a ZMQ ROUTER
 socket: each API server is a DEALER with an identity of its own) whenever the engine is idle
 or between steps, runs a step while anything is in flight, and sends each API server one
-``Outputs`` message per step with the updates of its requests (``tapllm.server.wire``).
+``Outputs`` message per step with the updates of its requests (``tapllm.server.ipc``).
 
-Admission ran in the API server (refusals are its 400s); here the request is prepared again
-from its token ids (so specs, steers and grammars are resolved on this process's device) and
-scheduled. Stop strings are checked where tokens are sampled, so the text of each update is
-made here; the API server encodes everything else (states, logprobs, JSON, SSE).
+Admission ran in the API server (refusals are its 400s) and prepared each request once: what
+arrives here is its ``EngineCoreRequest``, which the engine's ``add`` only turns into device
+state (tensors and SAEs on this process's device, a grammar matcher) and schedules. Stop
+strings are checked where tokens are sampled, so the text of each update is made here; the
+API server encodes everything else (states, logprobs, JSON, SSE).
 
 The core ignores SIGINT and SIGTERM: the API server drains its requests on a signal and then
-sends :class:`~tapllm.server.wire.Shutdown`. It also exits when its parent process is gone.
+sends :class:`~tapllm.server.ipc.Shutdown`. It also exits when its parent process is gone.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import Any
 
 import zmq
 
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
-from tapllm.server import wire
+from tapllm.server import ipc
 from tapllm.server.records import FinishedRecord
 from tapllm.server.runner import Publisher, Update
 
@@ -49,7 +51,7 @@ class _Observer:
     """Collects what the latency metrics of one API server are to be told (``RequestObserver``)."""
 
     def __init__(self) -> None:
-        self.observed = wire.Observed([], [], [])
+        self.observed = ipc.Observed([], [], [])
 
     def inter_token(self, seconds: float, count: int) -> None:
         self.observed.inter_token.append((seconds, count))
@@ -95,7 +97,7 @@ class EngineCore:
         finally:
             self.sock.close()
             self.ctx.term()
-            wire.unlink_leftovers(os.getpid())
+            ipc.unlink_leftovers(os.getpid())
 
     def _orphaned(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid
@@ -107,26 +109,23 @@ class EngineCore:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity, msg = frames[0].bytes, wire.decode_inbound(frames[1].buffer)
-            if isinstance(msg, wire.AddRequest):
-                self._add(identity, msg, wire.unpack_payload(frames[1:]))
-            elif isinstance(msg, wire.Abort):
+            identity, msg = frames[0].bytes, ipc.decode_inbound(frames[1].buffer)
+            if isinstance(msg, ipc.AddRequest):
+                self._add(identity, msg, ipc.unpack_payload(frames[1:]))
+            elif isinstance(msg, ipc.Abort):
                 for rid in msg.request_ids:
                     self._abort(rid)
-            elif isinstance(msg, wire.Hello):
+            elif isinstance(msg, ipc.Hello):
                 self.clients.add(identity)
-                self._send(identity, wire.Ready(self.engine.blocks.num_blocks, self.engine.context_limited_by_cache,
+                self._send(identity, ipc.Ready(self.engine.blocks.num_blocks, self.engine.context_limited_by_cache,
                                                 {k: list(v) for k, v in self.engine.input_processor.point_shapes.items()}),
                            self.engine.model_config)
-            elif isinstance(msg, wire.Shutdown):
+            elif isinstance(msg, ipc.Shutdown):
                 self._stop = True
 
-    def _add(self, identity: bytes, msg: wire.AddRequest, params: Any) -> None:
+    def _add(self, identity: bytes, msg: ipc.AddRequest, prepared: EngineCoreRequest) -> None:
         try:
-            req = self.engine.prepare(msg.prompt_token_ids, params, encode=msg.encode, request_id=msg.request_id)
-            req.prompt = msg.prompt
-            req.times.arrival = msg.arrival
-            self.engine.add(req)
+            req = self.engine.add(prepared)
         except Exception as exc:  # admitted by the API server, so this is unexpected; it fails alone
             logger.exception("could not add request %s", msg.request_id)
             kind = "invalid_request_error" if isinstance(exc, ValueError | TypeError) else "server_error"
@@ -183,24 +182,24 @@ class EngineCore:
             msgs, payload = [], []
             for rid, u in out.get(identity, []):
                 heavy = u.logprobs is not None or u.output is not None
-                msgs.append(wire.UpdateMsg(rid, u.text, u.token_ids, u.index, u.finished, u.error, u.error_type,
+                msgs.append(ipc.UpdateMsg(rid, u.text, u.token_ids, u.index, u.finished, u.error, u.error_type,
                                            heavy))
                 if heavy:
                     payload.append((u.logprobs, u.output))
             obs = observers.get(identity)
-            header = wire.Outputs(msgs, stats, self.requests_aborted, self.step_errors,
+            header = ipc.Outputs(msgs, stats, self.requests_aborted, self.step_errors,
                                   obs.observed if obs is not None else None)
             self._send(identity, header, payload or None)
 
     def _send_figures(self) -> None:
         stats = self.engine.stats()
         for identity in self.clients:
-            self._send(identity, wire.Outputs([], stats, self.requests_aborted, self.step_errors))
+            self._send(identity, ipc.Outputs([], stats, self.requests_aborted, self.step_errors))
 
     def _send(self, identity: bytes, header: Any, payload: Any = None) -> None:
         self._last_sent = time.monotonic()
         try:
-            self.sock.send_multipart([identity, *wire.pack(header, payload)], copy=False)
+            self.sock.send_multipart([identity, *ipc.pack(header, payload)], copy=False)
         except zmq.ZMQError as exc:  # an API server gone: its requests are aborted when it says so, or at exit
             logger.warning("could not send to an API server: %s", exc)
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
-from tapllm._text import check_unicode
+from tapllm.utils.text import check_unicode
 
 logger = logging.getLogger("tapllm")
 
@@ -100,7 +100,7 @@ class APIError(Exception):
 def check_text(text: str, field: str) -> None:
     """``APIError`` 400 naming ``field`` if ``text`` is not valid Unicode (holds a lone surrogate).
 
-    JSON can carry ``"\\ud800"`` escapes that no UTF-8 text has (``tapllm._text.check_unicode``).
+    JSON can carry ``"\\ud800"`` escapes that no UTF-8 text has (``tapllm.utils.text.check_unicode``).
     """
     try:
         check_unicode(text, field)

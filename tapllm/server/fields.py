@@ -1,6 +1,6 @@
 """Which request-body fields the server refuses, and how: nothing sent is ignored silently.
 
-A body's fields are those of its pydantic model (``protocol``). Any other key is refused
+A body's fields are those of its pydantic model (``schema``). Any other key is refused
 with a 400 naming it, before the body is validated:
 
 - a field of the OpenAI or vLLM API that tapllm does not implement (``UNSUPPORTED``): "X is

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tapllm.hidden_states.wire import hidden_states_to_wire
+from tapllm.hidden_states.json_codec import hidden_states_to_wire
 from tapllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tapllm.server.errors import ERROR_STATUS, dumps, error_body, finite_or_none
 

@@ -26,9 +26,9 @@ from typing import Any
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tapllm.platform import release_free_memory
 from tapllm.server.errors import encode, error_body
-from tapllm.server.serving import Lifecycle
+from tapllm.server.launcher import Lifecycle
+from tapllm.utils.platform import release_free_memory
 
 UNMATCHED = "unmatched"
 LARGE_BODY = 1 << 20

@@ -1,7 +1,7 @@
 """What the latency metrics need of a finished request, as a small value that can cross a process boundary.
 
 The in-process engine thread builds it from the ``Request``; the engine-core process builds it
-there and sends it with the request's last update (``tapllm.server.wire``). ``time.monotonic()``
+there and sends it with the request's last update (``tapllm.server.ipc``). ``time.monotonic()``
 is the system's monotonic clock on Linux, so times taken in the core compare with the server's.
 """
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.llm_engine import EngineStats, LLMEngine
 from tapllm.engine.output_processor import StreamCursor
 from tapllm.engine.request import Request
@@ -66,7 +67,7 @@ class LoopStats:
 class EngineRunner(Protocol):
     """Runs prepared requests for the routes: ``AsyncEngine`` or ``CoreClient``."""
 
-    engine: Any  # what admission prepares with: ``LLMEngine`` or ``EngineFrontend``
+    engine: Any  # its ``input_processor`` prepares requests: ``LLMEngine`` or ``EngineFrontend``
     stats: LoopStats
     observer: RequestObserver | None
 
@@ -81,7 +82,7 @@ class EngineRunner(Protocol):
     def abort_all(self, message: str) -> int:
         """End every request in flight with a 503 error and refuse later ones; how many were ended."""
 
-    def generate(self, request: Request) -> AsyncIterator[Update]:
+    def generate(self, request: EngineCoreRequest) -> AsyncIterator[Update]:
         """Run a prepared request; yield its updates until it finishes (leaving early aborts it)."""
 
 

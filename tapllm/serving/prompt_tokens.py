@@ -19,10 +19,10 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+from tapllm.engine.tokenizer import render_chat
 from tapllm.server.bodies import parse_body
 from tapllm.server.errors import APIError
-from tapllm.server.protocol import ChatCompletionRequest
-from tapllm.tokenizer import render_chat
+from tapllm.server.schema import ChatCompletionRequest
 
 # path -> the body field holding the prompt(s), for the routes that take plain prompts
 PROMPT_FIELDS = {"/v1/completions": "prompt", "/v1/hidden_states": "input", "/v1/embeddings": "input"}

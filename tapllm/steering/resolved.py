@@ -1,20 +1,23 @@
-"""Steers checked against the model and resolved for one request (tensors on the device)."""
+"""Steers checked against the model and resolved for one request (``on_device``: its tensors for the step)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tapllm.steering.spec import HEAD_STEER_POINTS, Steer
 from tapllm.tap import resolve_indices, resolve_layers
 
+if TYPE_CHECKING:
+    from tapllm.sae.features import DeviceSAEs
+
 
 @dataclass(slots=True)
 class ResolvedSteer:
-    """A ``Steer`` checked against the model, its tensors on the device.
+    """A ``Steer`` checked against the model (:meth:`on_device` moves its tensors to the engine's device).
 
     ``payload[block]``: ``add`` the scaled vector (model dtype), ``ablate``/``clamp`` the unit
     direction (float32), ``set`` the values ``[len(positions), *row]`` (model dtype);
@@ -35,6 +38,12 @@ class ResolvedSteer:
     def __post_init__(self) -> None:
         if not isinstance(self.positions, str):
             self._position_set = {p: i for i, p in enumerate(self.positions)}
+
+    def on_device(self, device: torch.device, saes: DeviceSAEs) -> ResolvedSteer:
+        """This steer with its tensors on ``device`` and its SAE (if any) among the engine's ``saes``."""
+        return replace(self, payload={b: t.to(device) for b, t in self.payload.items()},
+                       index=self.index.to(device) if self.index is not None else None,
+                       sae=self.sae.on_device(saes) if self.sae is not None else None)
 
     def window(self, num_prompt: int, start: int, n: int) -> tuple[int, int] | list[int] | None:
         """The positions of a chunk ``[start, start + n)`` this steer touches: a range ``(a, b)``, a
@@ -83,11 +92,9 @@ class RequestSteering:
         return steering_block_salt(self.steers, self.digest, self.num_prompt, index * block_size, block_size)
 
 
-def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int, dtype: torch.dtype,
-                     device: torch.device, max_steers: int,
-                     point_shapes: dict[str, tuple[int, ...]] | None = None, saes: Any = None
-                     ) -> list[ResolvedSteer]:
-    """Check steers against the model; ``ValueError`` names the steer and field.
+def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int, dtype: torch.dtype, max_steers: int,
+                     point_shapes: dict[str, tuple[int, ...]] | None = None) -> list[ResolvedSteer]:
+    """Check steers against the model; ``ValueError`` names the steer and field (nothing moves to a device).
 
     ``point_shapes`` gives the row shape of the points inside attention and the MLP (``q``,
     ``k``, ``v``, ``z``, ``mlp_post``), as read off the model's modules.
@@ -103,29 +110,29 @@ def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int,
         twice = next((b for i, b in enumerate(blocks) if b in blocks[:i]), None)
         if twice is not None:
             raise ValueError(f"{where}.layers names block {twice} twice")
-        if s.sae is not None and s.op != "add":  # SAE latents set on the device; the SAE is moved once
+        if s.sae is not None and s.op != "add":  # SAE latents set at the step
             from tapllm.sae.steer import resolve_sae_edit
 
-            out.append(ResolvedSteer(s.point, s.op, blocks, {}, s.positions,
-                                     sae=resolve_sae_edit(s, saes, device, hidden_size, where)))
+            edit = resolve_sae_edit(s, hidden_size, where)
+            out.append(ResolvedSteer(s.point, s.op, blocks, {}, s.positions, sae=edit))
             continue
         payload = {}
         if s.op == "set":
             values = _set_values(s, row, where)
             for k, block in enumerate(blocks):
-                payload[block] = _finite_in(values[:, k], dtype, where).to(device, dtype)
+                payload[block] = _finite_in(values[:, k], dtype, where).to(dtype)
         elif s.op != "scale":
             for layer, block in zip(s.layers, blocks):
                 v = _fit(s.vector_for(layer), row, where, s.point in HEAD_STEER_POINTS or s.point == "mlp_post")
                 if s.op == "add":
                     payload[block] = _finite_in(s.scale * v, dtype, where, f"scale * vector at layer {layer}"
-                                                ).to(device, dtype)
+                                                ).to(dtype)
                 else:
-                    payload[block] = (v / v.norm(dim=-1, keepdim=True)).to(device, torch.float32)
+                    payload[block] = (v / v.norm(dim=-1, keepdim=True)).to(torch.float32)
         elif not abs(s.scale) <= torch.finfo(dtype).max:
             raise ValueError(f"{where}.scale {s.scale:g} overflows the model's {dtype}")
         out.append(ResolvedSteer(s.point, s.op, blocks, payload, s.positions,
-                                 torch.tensor(index, device=device) if index is not None else None,
+                                 torch.tensor(index) if index is not None else None,
                                  factor=float(s.scale), value=float(s.value)))
     return out
 

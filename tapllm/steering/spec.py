@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from tapllm._options import from_mapping
 from tapllm.tap.points import HEAD_STEER_POINTS, STEER_POINTS
+from tapllm.utils.options import from_mapping
 
 OPS = ("add", "ablate", "clamp", "scale", "set")
 STEER_POSITIONS = ("all", "prompt", "generated")
@@ -297,7 +297,7 @@ def _layer(value: Any) -> int:
 
 def _vector(value: Any, field: str) -> torch.Tensor:
     if isinstance(value, Mapping):  # the wire form {"shape", "dtype", "data"}
-        from tapllm.hidden_states.wire import tensor_from_wire
+        from tapllm.hidden_states.json_codec import tensor_from_wire
 
         value = tensor_from_wire(dict(value), field)
     try:

@@ -1,15 +1,13 @@
 """Constraints compiled to token-level matchers (llguidance), each distinct spec once.
 
-Why llguidance. Measured on the default tokenizer (49,152 tokens), three JSON schemas, one
-thread (``benchmarks/structured.py --part libraries``): mask + advance per token llguidance
-53 us, outlines-core 17 us, xgrammar 4 us; compile per schema llguidance 1-2 ms, xgrammar
-11-18 ms, outlines-core 0.1-0.7 s (it indexes the whole vocabulary per schema). xgrammar is the
-fastest per token, but its wheel declares torch and triton as dependencies (hundreds of MB of
-GPU tooling a CPU install does not need, and a way for pip to touch the pinned torch); outlines-
-core's compile time lands on admission for every new schema. llguidance is a self-contained
-wheel with no dependencies, takes JSON schema, regex, Lark and GBNF, and its 53 us a row is
-computed in a background thread while the forward pass runs (a decode step of the default
-model is tens of ms on CPU), so the cheaper per-token libraries would gain nothing visible.
+Why llguidance (``benchmarks/structured.py --part libraries`` compares the three): xgrammar is
+the fastest per token, but its wheel declares torch and triton as dependencies (GPU tooling a
+CPU install does not need, and a way for pip to touch the pinned torch); outlines-core indexes
+the whole vocabulary per schema, so its compile time lands on admission for every new schema.
+llguidance is a self-contained wheel with no dependencies, takes JSON schema, regex, Lark and
+GBNF, compiles a schema quickly, and its per-token cost is paid in a background thread while
+the forward pass runs (a decode step takes far longer), so the cheaper per-token libraries
+would gain nothing visible.
 """
 
 from __future__ import annotations
@@ -19,11 +17,12 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from tapllm.structured.params import StructuredOutputsParams
 
-CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+CACHE_SIZE = 256  # compiled grammars (and specs) kept, least recently used dropped first
 
 
 class GrammarMatcher:
@@ -52,13 +51,26 @@ class GrammarMatcher:
         return f"{self.field_name}: {self.matcher.get_error()}" if self.matcher.is_error() else None
 
 
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A constraint as llguidance's grammar text, checked to compile, and the request field it came from.
+
+    Plain data: what the input processor hands the engine core, which builds matchers from it.
+    """
+
+    text: str
+    field_name: str
+
+
 class GrammarCompiler:
     """Compiles ``StructuredOutputsParams`` for one tokenizer and vocabulary; thread-safe.
 
-    The compiled grammars are cached by the full spec (kind, text, options); the tokenizer is
-    fixed per compiler, so the cache is per tokenizer too. A request gets a copy of the
-    compiled matcher in its start state, which is cheap. The llguidance tokenizer is built on
-    first use (about a second), so instances that never constrain output pay nothing.
+    :meth:`compile` turns a spec into a :class:`Grammar` (its text, checked by compiling it);
+    :meth:`matcher` gives a request a copy of the compiled matcher in its start state, which is
+    cheap. Compiled grammars are cached by their text, specs by their full key (kind, text,
+    options); the tokenizer is fixed per compiler, so the cache is per tokenizer too. The
+    llguidance tokenizer is built on first use (about a second), so instances that never
+    constrain output pay nothing.
     """
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
@@ -66,31 +78,44 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._lltokenizer: Any = None
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._grammars: OrderedDict[tuple, Grammar] = OrderedDict()  # spec key -> its grammar
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # grammar text -> compiled matcher (start state)
         self._lock = threading.Lock()
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher for ``params``; ``ValueError`` naming the field if it does not compile."""
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """``params`` as a checked :class:`Grammar`; ``ValueError`` naming the field if it does not compile."""
         key = params.cache_key()
         with self._lock:
-            template = self._cache.get(key)
-            if template is None:
-                template = self._compile(params)
-                self._cache[key] = template
-                if len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
+            grammar = self._grammars.get(key)
+            if grammar is None:
+                grammar = Grammar(self._grammar_text(params), params.field_name)
+                self._template(grammar)
+                _remember(self._grammars, key, grammar)
             else:
-                self._cache.move_to_end(key)
-            return GrammarMatcher(template.deep_copy(), params.field_name)
+                self._grammars.move_to_end(key)
+            return grammar
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
+    def matcher(self, grammar: Grammar) -> GrammarMatcher:
+        """A fresh matcher for ``grammar`` (compiled once per text)."""
+        with self._lock:
+            return GrammarMatcher(self._template(grammar).deep_copy(), grammar.field_name)
+
+    def _template(self, grammar: Grammar) -> Any:
+        """The compiled matcher of ``grammar`` in its start state (caller holds the lock)."""
+        template = self._cache.get(grammar.text)
+        if template is None:
+            template = self._compile(grammar)
+            _remember(self._cache, grammar.text, template)
+        else:
+            self._cache.move_to_end(grammar.text)
+        return template
+
+    def _compile(self, grammar: Grammar) -> Any:
         import llguidance
 
-        where = params.field_name
-        grammar = self._grammar_text(params)
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar.text, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"{where}: does not compile: {_short(matcher.get_error())}")
+            raise ValueError(f"{grammar.field_name}: does not compile: {_short(matcher.get_error())}")
         return matcher
 
     @staticmethod
@@ -161,6 +186,13 @@ def closed_objects(schema: Any) -> Any:
     if is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _remember(cache: OrderedDict, key: Any, value: Any) -> None:
+    """Put ``value`` in an LRU ``cache`` of :data:`CACHE_SIZE` entries (the least recently used dropped)."""
+    cache[key] = value
+    if len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
 
 
 def _short(message: str, limit: int = 500) -> str:

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tapllm._options import from_mapping
-from tapllm._text import check_unicode
+from tapllm.utils.options import from_mapping
+from tapllm.utils.text import check_unicode
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 

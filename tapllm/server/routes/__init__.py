@@ -13,12 +13,12 @@ import pydantic
 from fastapi import APIRouter
 
 from tapllm.server.context import RouteContext
-from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, HiddenStatesOnlyRequest
 from tapllm.server.routes.chat import ChatRoute
 from tapllm.server.routes.completions import CompletionRoute
 from tapllm.server.routes.embeddings import EmbeddingRequest, EmbeddingRoute
 from tapllm.server.routes.hidden_states import HiddenStatesRoute
 from tapllm.server.routes.status import StatusRoutes
+from tapllm.server.schema import ChatCompletionRequest, CompletionRequest, HiddenStatesOnlyRequest
 from tapllm.server.routes.tokenize import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                            TokenizeRoutes)
 

@@ -7,8 +7,8 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
-from tapllm.server.protocol import CompletionRequest
 from tapllm.server.routes.responses import GenerationRoute
+from tapllm.server.schema import CompletionRequest
 
 
 class CompletionRoute(GenerationRoute):

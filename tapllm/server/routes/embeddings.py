@@ -26,7 +26,7 @@ from tapllm.hidden_states.spec import HIDDEN_POINTS, PSEUDO_POINTS, HiddenStates
 from tapllm.server.bodies import json_response
 from tapllm.server.context import PostRoute
 from tapllm.server.errors import APIError
-from tapllm.server.protocol import PromptInput
+from tapllm.server.schema import PromptInput
 
 
 
@@ -85,7 +85,7 @@ class EmbeddingRoute(PostRoute):
     def _admit(self, body: EmbeddingRequest, request_id: str) -> list[Any]:
         admission = self.ctx.admission
         admission.check_model(body.model)
-        mc = admission.engine.model_config
+        mc = admission.processor.model_config
         width = mc.hidden_size
         if body.layer is not None and not -mc.num_layers <= body.layer < mc.num_layers:
             raise APIError(400, f"layer {body.layer} is out of range: the model has {mc.num_layers} blocks "

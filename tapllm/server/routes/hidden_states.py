@@ -11,7 +11,7 @@ from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
 from tapllm.server.bodies import json_response
 from tapllm.server.context import PostRoute, RouteContext
-from tapllm.server.protocol import HiddenStatesOnlyRequest
+from tapllm.server.schema import HiddenStatesOnlyRequest
 
 
 class HiddenStatesRoute(PostRoute):

@@ -16,15 +16,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from tapllm.engine.request import Request as EngineRequest
+from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.outputs import CompletionOutput, RequestOutput
 from tapllm.server import formatting
-from tapllm.server.runner import Update
 from tapllm.server.bodies import json_response
 from tapllm.server.context import PostRoute, RouteContext
 from tapllm.server.formatting import ChoiceFormat, sse, sse_error
-from tapllm.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from tapllm.server.routes.hidden_states import wire_states
+from tapllm.server.runner import Update
+from tapllm.server.schema import ChatCompletionRequest, CompletionRequest, _Sampling
 
 logger = logging.getLogger("tapllm")
 
@@ -36,7 +36,7 @@ class Responder:
         self.ctx = ctx
 
     async def respond(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
-                       reqs: list[EngineRequest], head: dict[str, Any], chat: bool) -> Response:
+                       reqs: list[EngineCoreRequest], head: dict[str, Any], chat: bool) -> Response:
         fmt = ChoiceFormat(self.ctx.tokenizer, chat=chat, stream=body.stream, top_logprobs=body.num_logprobs())
         if body.stream:
             return StreamingResponse(self.stream(reqs, head, body, fmt), media_type="text/event-stream")
@@ -72,13 +72,13 @@ class Responder:
 
         return await json_response(build)
 
-    async def stream(self, reqs: list[EngineRequest], head: dict[str, Any], body: _Sampling, fmt: ChoiceFormat
+    async def stream(self, reqs: list[EngineCoreRequest], head: dict[str, Any], body: _Sampling, fmt: ChoiceFormat
                       ) -> AsyncIterator[str]:
         """SSE chunks; any failure ends the stream with an error event and ``data: [DONE]``."""
         merged: asyncio.Queue[tuple[int, Update | BaseException]] = asyncio.Queue()
         encoding = body.states_encoding()
 
-        async def pump(i: int, req: EngineRequest) -> None:
+        async def pump(i: int, req: EngineCoreRequest) -> None:
             try:
                 async for update in self.ctx.engine.generate(req):
                     await merged.put((i, update))

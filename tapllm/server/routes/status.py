@@ -34,7 +34,7 @@ class StatusRoutes:
         return Response(self.ctx.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self) -> dict[str, Any]:
-        engine = self.ctx.admission.engine
+        engine = self.ctx.engine.engine  # the LLMEngine, or the API server's EngineFrontend
         root = str(engine.config.model) if engine.config.model is not None else str(engine.model_config.path)
         return {"object": "list", "data": [formatting.model_card(self.ctx.served_model_name, root,
                                                                  self.ctx.admission.max_len, engine.quantization)]}

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt
 from tapllm.server.bodies import json_response, parse
 from tapllm.server.context import RouteContext
 from tapllm.server.errors import APIError, check_text
-from tapllm.server.protocol import ChatMessage
+from tapllm.server.schema import ChatMessage
 
 
 
@@ -89,7 +89,7 @@ class TokenizeRoutes:
         else:
             check_text(body.prompt, "prompt")
             text = body.prompt
-        tokenizer = admission.engine.tokenizer
+        tokenizer = admission.processor.tokenizer
         ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         return {"count": len(ids), "max_model_len": admission.max_len, "tokens": ids,
                 "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
@@ -97,9 +97,9 @@ class TokenizeRoutes:
     def _detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         admission = self.ctx.admission
         admission.check_model(body.model)
-        vocab = admission.engine.model_config.vocab_size
+        vocab = admission.processor.model_config.vocab_size
         for i, t in enumerate(body.tokens):
             if not 0 <= t < vocab:
                 raise APIError(400, f"tokens[{i}]: token id {t} is outside the vocabulary [0, {vocab})",
                                param=f"tokens[{i}]")
-        return {"prompt": admission.engine.tokenizer.decode(body.tokens)}
+        return {"prompt": admission.processor.tokenizer.decode(body.tokens)}

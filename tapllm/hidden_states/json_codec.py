@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from tapllm.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
 from tapllm.hidden_states.lens import Lens, LensResult
 from tapllm.hidden_states.result import HiddenStates
 from tapllm.sae.features import Features
+from tapllm.utils.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
 
 ENCODINGS = ("base64", "list")
 _INDEX_DTYPES = {"int64": torch.int64, "int32": torch.int32}  # token ids (lens), SAE feature ids; not compute dtypes

@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from tapllm._text import check_unicode
+from tapllm.utils.text import check_unicode
 
 # Prompt tokens given to the stream decoder as context, so the first generated token's
 # leading space (or merge with the prompt's last bytes) decodes as in a full decode.

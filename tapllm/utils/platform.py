@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tapllm.dtypes import dtype_name
+from tapllm.utils.dtypes import dtype_name
 
 logger = logging.getLogger("tapllm")
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from tapllm.hidden_states.spec import (DTYPES, HIDDEN_POINTS, LENS_POINTS, PSEUDO_POINTS, QUERY_HEAD_POINTS,
                                        HiddenStatesSpec)
-from tapllm.sae.features import FeatureSelection
+from tapllm.sae.features import DeviceSAEs, FeatureSelection
 from tapllm.tap import PSEUDO_LAYER, resolve_indices, resolve_layers
 
 
@@ -28,7 +28,11 @@ class Selection:
     lens_k: int = 0  # logit lens: top tokens kept per state (0: no lens)
     lens_targets: int = 0  # logit lens: target tokens reported per state
     heads: tuple[int, ...] | None = None  # query heads kept for q, z and attn_pattern (None: all)
-    features: FeatureSelection | None = None  # SAE features (tapllm.sae.features), set by the engine
+    features: FeatureSelection | None = None  # SAE features (tapllm.sae.features), set by the input processor
+
+    def on_device(self, saes: DeviceSAEs) -> Selection:
+        """This selection with its SAE features (if any) on the engine's device."""
+        return self if self.features is None else replace(self, features=self.features.on_device(saes))
 
     def layer_keys(self, point: str) -> tuple[int, ...]:
         """The model's layer keys of ``point``: block indices, or the pseudo-layer."""

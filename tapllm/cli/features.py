@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tapllm._files import atomic_write
+from tapllm.cli.args import add_engine_args
+from tapllm.utils.files import atomic_write
 
 
-def add_parser(sub: argparse._SubParsersAction, add_engine_args: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``features`` subcommand."""
     p = sub.add_parser("features", help="SAE features of every token of a prompt (and of what the model generates)")
     p.add_argument("prompt", help="prompt text")

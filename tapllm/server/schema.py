@@ -6,17 +6,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tapllm.dtypes import DTYPES
+from tapllm.hidden_states.json_codec import tensor_from_wire
 from tapllm.hidden_states.spec import HiddenStatesSpec
-from tapllm.hidden_states.wire import tensor_from_wire
-from tapllm.sae.serving import SaeFeaturesRequest, served_sae
 from tapllm.sampling_params import SamplingParams
+from tapllm.server.sae_extension import SaeFeaturesRequest, served_sae
 from tapllm.steering.spec import Steer
 from tapllm.structured.openai_fields import structured_outputs_from
 from tapllm.structured.params import StructuredOutputsParams
+from tapllm.utils.dtypes import DTYPES
 
 PromptInput = str | list[int] | list[str | list[int]]
-DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]  # the names of tapllm.dtypes
+DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]  # the names of tapllm.utils.dtypes
 
 
 class WireTensor(BaseModel):

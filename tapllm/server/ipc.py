@@ -1,11 +1,12 @@
 """The messages between API server processes and the engine-core process, and how they are framed.
 
 Control messages are msgspec structs in MessagePack (small, typed, fast to decode). Two kinds of
-payload are Python objects with tensors in them: a request's ``SamplingParams`` (steering
-vectors, probe directions, plugin reducers' options) and a finished request's
-``RequestOutput`` (hidden states, logprobs). Describing every such type again as a msgspec
-schema would duplicate the public dataclasses, so these travel as pickle protocol 5 with every
-tensor taken *out of band*: the pickle holds only its dtype and shape, and its bytes go as a
+payload are Python objects with tensors in them: a request as the API server prepared it
+(``EngineCoreRequest``: its ``SamplingParams`` with steering vectors, probe directions, plugin
+reducers' options and SAEs, and the steers and spec resolved against the model) and a finished
+request's ``RequestOutput`` (hidden states, logprobs). Describing every such type again as a
+msgspec schema would duplicate the public dataclasses, so these travel as pickle protocol 5 with
+every tensor taken *out of band*: the pickle holds only its dtype and shape, and its bytes go as a
 ZMQ frame of their own (sent without copying), or, from :data:`SHM_MIN_BYTES` up, through a
 POSIX shared-memory segment whose name is in the frame instead, so a large state tensor is
 never copied through the socket. Both ends are the same program on one machine, so pickle's
@@ -39,13 +40,9 @@ SHM_PREFIX = "tapllm-"
 
 # ---- API server -> core -------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag=True):
-    """Schedule a request (its ``SamplingParams`` are the payload)."""
+    """Schedule a request: the payload is its ``EngineCoreRequest``, prepared by the API server."""
 
     request_id: str
-    prompt: str | None  # the text, when the prompt was text (for the output)
-    prompt_token_ids: list[int]
-    encode: bool
-    arrival: float | None
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -6,13 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from tapllm.cli.args import add_engine_args
 from tapllm.tap.points import LENS_POINTS
 
 # "final" is what the LM head reads: its lens is the model's own prediction, not a layer's.
 _LENS_CHOICES = [p for p in LENS_POINTS if p != "final"]
 
 
-def add_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``lens`` subcommand."""
     p = sub.add_parser("lens", help="logit lens of a prompt: the top token at every layer and position")
     p.add_argument("prompt", help="prompt text")
@@ -28,9 +29,10 @@ def add_parser(sub: argparse._SubParsersAction, add_engine_args) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the lens, print the table, write the pictures."""
-    from tapllm import LLM, HiddenStatesSpec
     from tapllm.config import EngineConfig
     from tapllm.hidden_states.plots import lens_grid
+    from tapllm.hidden_states.spec import HiddenStatesSpec
+    from tapllm.llm import LLM
 
     layers = args.layers if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     spec = HiddenStatesSpec(layers=layers, points=[args.point], positions="prompt", lens=args.top)

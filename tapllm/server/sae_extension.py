@@ -3,7 +3,7 @@
 A server names its SAEs at startup (``tapllm serve --sae NAME=PATH``, repeatable) and clients
 refer to them by name only: a request can never make the server read a file. Features come
 back inside the response's ``hidden_states`` object as ``features`` (binary tensors, like states;
-``tapllm.hidden_states.wire.features_to_wire``).
+``tapllm.hidden_states.json_codec.features_to_wire``).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from tapllm.dtypes import DTYPES
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.sae.features import registered_saes
+from tapllm.utils.dtypes import DTYPES
 
 DtypeName = Literal[tuple(DTYPES)]  # type: ignore[valid-type]
 

@@ -1,0 +1,52 @@
+"""Small helpers the tests share: tensor closeness, greedy sampling parameters, steering hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tapllm import SamplingParams, Steer
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    """``a`` equals ``b`` in shape, and in value within ``tol`` of ``b``'s scale (at least 1)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert float((a.float() - b.float()).abs().max()) <= tol * max(1.0, float(b.float().abs().max()))
+
+
+def greedy(max_tokens: int, **fields: Any) -> SamplingParams:
+    """Greedy sampling of exactly ``max_tokens`` tokens (EOS ignored), with any other ``fields``."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **fields)
+
+
+class SteeringHooks:
+    """What transformers-side steering hooks share: the position the current forward starts at,
+    each steer's operation on a ``[batch, positions, hidden]`` tensor, and removing the hooks.
+
+    A subclass registers its hooks (in ``handles``) where its model applies each steer.
+    """
+
+    def __init__(self, num_prompt: int) -> None:
+        self.start = 0  # absolute position of the first row of the current forward
+        self.num_prompt = num_prompt
+        self.handles: list[Any] = []
+
+    def _op(self, s: Steer, v: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``s``'s add or ablate of ``v``, on the positions it selects."""
+        def apply(x: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(self.start, self.start + x.shape[1], device=x.device)
+            mask = {"all": torch.ones_like(pos, dtype=torch.bool), "prompt": pos < self.num_prompt,
+                    "generated": pos >= self.num_prompt}[s.positions][None, :, None]
+            if s.op == "add":
+                new = x + s.scale * v.to(x.device, x.dtype)
+            else:
+                d = (v / v.norm()).to(x.device, x.dtype)
+                new = x - (x @ d)[..., None] * d
+            return torch.where(mask, new, x)
+        return apply
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
