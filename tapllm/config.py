@@ -12,6 +12,7 @@ import torch
 
 from tapllm.quant.schemes import Quantization, parse_quantization
 from tapllm.utils.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
+from tapllm.utils.hf_config import read_hf_config
 
 logger = logging.getLogger("tapllm")
 
@@ -55,12 +56,11 @@ class ModelConfig:
     def from_folder(
         cls, path: Path, dtype: str | torch.dtype = "auto", device: torch.device | str | None = None
     ) -> ModelConfig:
-        """Read ``path/config.json`` (and generation_config.json for EOS ids).
+        """Read ``path/config.json`` (and generation_config.json for EOS ids) as transformers does
+        (see :mod:`tapllm.utils.hf_config`: transformers itself runs only the first time).
 
         ``device`` (default: CUDA when available, else CPU) decides what ``dtype="auto"`` means.
         """
-        from transformers import AutoConfig
-
         try:
             raw = json.loads((path / "config.json").read_text())
         except json.JSONDecodeError as exc:
@@ -72,7 +72,7 @@ class ModelConfig:
                 f"architectures {archs!r} in {path / 'config.json'} are not supported; "
                 f"supported: {', '.join(sorted(ARCHITECTURES))}"
             )
-        hf = AutoConfig.from_pretrained(str(path))
+        hf = read_hf_config(path)
         max_len = int(hf.max_position_embeddings)
         heads = int(hf.num_attention_heads)
         return cls(

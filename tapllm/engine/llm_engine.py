@@ -33,6 +33,7 @@ from tapllm.models.shapes import point_shapes
 from tapllm.outputs import RequestOutput
 from tapllm.sae.features import DeviceSAEs
 from tapllm.structured.compiler import Grammar
+from tapllm.utils.collector import paused_collector
 from tapllm.utils.platform import resolve_device
 
 logger = logging.getLogger("tapllm")
@@ -82,6 +83,11 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Resolve ``config``'s model, device and dtype, then load the engine."""
         config.validate()
+        with paused_collector():  # one collection at the end of __init__ instead of several during the load
+            return cls._load(config)
+
+    @classmethod
+    def _load(cls, config: EngineConfig) -> LLMEngine:
         device = resolve_device(config.device)
         folder = resolve_model(config.model, config.revision, config.download_dir,
                                weights=config.load_format != "dummy")

@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from tapllm.engine.cached_tokenizer import read_tokenizer
 from tapllm.utils.text import check_unicode
 
 # Prompt tokens given to the stream decoder as context, so the first generated token's
@@ -17,12 +18,12 @@ _CONTEXT_TOKENS = 8
 
 
 def load_tokenizer(path: Path) -> Any:
-    """The checkpoint's Hugging Face fast tokenizer."""
-    from transformers import AutoTokenizer
-
+    """The checkpoint's tokenizer, as transformers resolves it: a :class:`CachedTokenizer` (transformers'
+    fast tokenizer without importing transformers, see :mod:`tapllm.engine.cached_tokenizer`), or
+    the transformers tokenizer itself where that cannot stand for it."""
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"model: {path} has no tokenizer.json / tokenizer_config.json")
-    return AutoTokenizer.from_pretrained(str(path))
+    return read_tokenizer(path)
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
