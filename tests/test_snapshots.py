@@ -147,3 +147,18 @@ def test_the_snapshot_keeps_the_pipeline_transformers_resolved(tmp_path, cache):
     tok = read_tokenizer(folder)
     assert isinstance(tok, CachedTokenizer) and tok._hf is None
     assert tok.encode("hello world") == want and tok.encode("hello world", add_special_tokens=False) == [3, 4]
+
+
+def test_snapshots_travel_to_other_processes(default_model_folder, tmp_path, cache):
+    """The engine core sends its ModelConfig (with the config) to the API servers: both pickle."""
+    import pickle
+
+    folder = tmp_path / "gpt2"
+    family_configs()["gpt2"].save_pretrained(folder)
+    config = pickle.loads(pickle.dumps(read_hf_config(folder)))
+    assert config.hidden_size == 64 and config.to_dict() == read_hf_config(folder).to_dict()
+    read_tokenizer(default_model_folder)
+    tok = read_tokenizer(default_model_folder)
+    tok.chat_template = "{{ messages[0]['content'] }}"
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy.encode(TEXTS[3]) == tok.encode(TEXTS[3]) and copy.chat_template == tok.chat_template

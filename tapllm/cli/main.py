@@ -6,11 +6,11 @@ import argparse
 import logging
 import sys
 
-from tapllm.cli import collect, features, generate, lens, serve
+from tapllm.cli import collect, features, generate, lens, prepare, serve
 
 # What runs each subcommand (generate and encode share one module).
 _RUN = {"generate": generate.run, "encode": generate.run, "lens": lens.run, "features": features.run,
-        "serve": serve.run, "collect": collect.run}
+        "serve": serve.run, "collect": collect.run, "prepare": prepare.run}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     features.add_parser(sub)
     serve.add_parser(sub)
     collect.add_parser(sub)
+    prepare.add_parser(sub)
     return parser
 
 

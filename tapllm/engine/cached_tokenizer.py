@@ -89,9 +89,12 @@ class CachedTokenizer:
             self._hf.chat_template = value
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
+        if name.startswith("_"):  # private names and pickle's and copy's protocol lookups are never the HF object's
             raise AttributeError(name)
         return getattr(self.hf, name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restore, (self._backend.to_str(), self._meta, self._folder, self.chat_template)
 
     def __len__(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
@@ -130,6 +133,13 @@ class CachedTokenizer:
     def get_vocab(self) -> dict[str, int]:
         """Token string -> id, added tokens included."""
         return self._backend.get_vocab(with_added_tokens=True)
+
+
+def _restore(backend: str, meta: dict[str, Any], folder: Path, chat_template: Any) -> CachedTokenizer:
+    """A pickled :class:`CachedTokenizer` (without its transformers object, which loads again on use)."""
+    tokenizer = CachedTokenizer(Tokenizer.from_str(backend), meta, folder)
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def _key_files(folder: Path) -> list[Path]:

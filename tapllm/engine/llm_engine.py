@@ -26,7 +26,8 @@ from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem, Scheduler
-from tapllm.engine.tokenizer import load_chat_template, load_tokenizer
+from tapllm.engine.chat import load_chat_template
+from tapllm.engine.tokenizer import load_tokenizer
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.loader import resolve_model, resolve_tokenizer
 from tapllm.models.shapes import point_shapes

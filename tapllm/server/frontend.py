@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.input_processor import InputProcessor
-from tapllm.engine.tokenizer import load_chat_template, load_tokenizer
+from tapllm.engine.chat import load_chat_template
+from tapllm.engine.tokenizer import load_tokenizer
 
 
 class EngineFrontend:

@@ -52,6 +52,8 @@ class HFConfig:
         object.__setattr__(self, "_transformers", transformers_config)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # pickle's and copy's protocol lookups (and no config field starts so)
+            raise AttributeError(name)
         try:
             return self._values[self._aliases.get(name, name)]
         except KeyError:
@@ -59,6 +61,9 @@ class HFConfig:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("HFConfig is read-only")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return HFConfig, (self._values, self._aliases)  # the transformers object is rebuilt where needed
 
     def __repr__(self) -> str:
         return f"HFConfig({self._values.get('model_type')!r}, {len(self._values)} attributes)"
