@@ -51,9 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--settle", type=float, default=30.0, help="seconds after the burst before the last reading")
     p.add_argument("--rounds", type=int, default=2, help="bursts, each followed by --settle seconds")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"the request kinds the clients cycle through ({', '.join(KINDS)})")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--serve-args", default="", help="more arguments for tapllm serve (one string)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.kinds = tuple(args.kinds.split(","))
+    if not set(args.kinds) <= set(KINDS):
+        p.error(f"--kinds: choose from {', '.join(KINDS)}")
+    return args
 
 
 def free_port() -> int:
@@ -87,8 +92,9 @@ def rss(pid: int) -> dict[str, float]:
 
 
 def processes(server: int) -> dict[str, int]:
-    """``{"api server": pid, "engine core": pid}`` (the core is the server's Python child)."""
-    cores = [p for p in children(server) if "python" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    """``{"api server": pid, "engine core": pid}`` (the core is the server's spawned child; the other
+    Python child is multiprocessing's resource tracker)."""
+    cores = [p for p in children(server) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
     if not cores:
         raise RuntimeError("no engine core process under the server")
     return {"api server": server, "engine core": cores[0]}
@@ -138,7 +144,8 @@ def stream(port: int, request: dict) -> int:
     return len(data)
 
 
-def burst(port: int, prompts: list[list[int]], new: int, pids: dict[str, int]) -> tuple[dict[str, float], float, int]:
+def burst(port: int, prompts: list[list[int]], new: int, pids: dict[str, int], kinds: tuple[str, ...] = KINDS
+          ) -> tuple[dict[str, float], float, int]:
     """All clients at once; (peak VmRSS per process during it, seconds, bytes received)."""
     peak = {name: rss(pid)["VmRSS"] for name, pid in pids.items()}
     done = threading.Event()
@@ -152,7 +159,7 @@ def burst(port: int, prompts: list[list[int]], new: int, pids: dict[str, int]) -
     sampler.start()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        received = sum(pool.map(lambda i: stream(port, body(KINDS[i % len(KINDS)], prompts[i], new, i)),
+        received = sum(pool.map(lambda i: stream(port, body(kinds[i % len(kinds)], prompts[i], new, i)),
                                 range(len(prompts))))
     seconds = time.perf_counter() - t0
     done.set()
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     port = free_port()
     print(f"tapllm serve, default model {args.dtype}: {args.rounds} burst(s) of {args.clients} streaming clients "
-          f"(kinds {', '.join(KINDS)} in turn), prompt {args.prompt_len}, {args.new_tokens} new tokens; "
+          f"(kinds {', '.join(args.kinds)} in turn), prompt {args.prompt_len}, {args.new_tokens} new tokens; "
           f"readings {args.settle:.0f} s after each burst", flush=True)
     proc = start_server(args, port)
     ok = True
@@ -180,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"file {r['RssFile']:5.0f}, shmem {r['RssShmem']:5.0f})", flush=True)
         for round_ in range(args.rounds):
             prompts = [[rng.randrange(32, 49152) for _ in range(args.prompt_len)] for _ in range(args.clients)]
-            peak, seconds, received = burst(port, prompts, args.new_tokens, pids)
+            peak, seconds, received = burst(port, prompts, args.new_tokens, pids, args.kinds)
             print(f"  burst {round_ + 1}: {args.clients} requests in {seconds:.1f} s, {received / 1e6:.1f} MB received",
                   flush=True)
             time.sleep(args.settle)

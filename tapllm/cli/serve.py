@@ -61,10 +61,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="engine core processes (replicas, each with its own KV cache and its share of the CPU "
                      "cores); requests go to the replica holding their prompt's prefix, else the least busy "
                      "(default 1)")
+    srv.add_argument("--release-memory-after-idle", dest="release_memory_after_idle_s", type=_seconds_or_never,
+                     default=10.0, metavar="SECONDS",
+                     help="once no request has run for this long, hand memory back to the system: the pages of free "
+                     "KV cache blocks (their cached prefixes are forgotten) and the heap's free memory (default 10; "
+                     "'never' keeps it)")
     srv.add_argument("--no-engine-process", action="store_true",
                      help="run the engine on a thread of the API server's process instead of in a process of its "
                      "own (as vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     add_engine_args(srv)
+
+
+def _seconds_or_never(text: str) -> float | None:
+    if text == "never":
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'never', got {text!r}")
+    return value
 
 
 def _register_saes(entries: list[str]) -> None:

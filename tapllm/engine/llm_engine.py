@@ -20,6 +20,7 @@ from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.block_manager import BlockManager
 from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.input_processor import InputProcessor
+from tapllm.engine.kv_memory import release_free_blocks
 from tapllm.engine.model_runner import ModelRunner, StepResult
 from tapllm.engine.output_processor import OutputProcessor
 from tapllm.engine.prompt_logprobs import PromptLogprobs
@@ -35,7 +36,7 @@ from tapllm.outputs import RequestOutput
 from tapllm.sae.features import DeviceSAEs
 from tapllm.structured.compiler import Grammar
 from tapllm.utils.collector import paused_collector
-from tapllm.utils.platform import resolve_device
+from tapllm.utils.platform import release_free_memory, resolve_device
 
 logger = logging.getLogger("tapllm")
 
@@ -75,6 +76,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
         self.last_step_tokens = 0  # tokens the latest step ran (prompt chunks and decodes): a metric
+        self._last_active = time.monotonic()  # the end of the latest step (see release_memory_if_idle)
+        self._released = True  # nothing to hand back until a step has run
         # The loaded model, tokenizer and grammar tables are long-lived: frozen out of the collector's
         # generations, they are no longer walked by every full collection of the step loop.
         gc.collect()
@@ -214,6 +217,7 @@ class LLMEngine:
         steering, detokenization) finishes that request alone with ``finish_reason="error"``;
         the others in the batch go on as if it had not been there.
         """
+        self._released = False
         sched = self.scheduler.schedule()
         self.runner.copy_blocks(self.blocks.take_copies())  # copy-on-write of blocks shared by samples
         finished: list[Request] = []
@@ -264,7 +268,40 @@ class LLMEngine:
             root = req.parent or req
             if root.group_finished:
                 done[id(root)] = root
+        self._last_active = time.monotonic()
         return list(done.values())
+
+    # ---- memory ------------------------------------------------------------------------
+    def release_memory(self) -> int:
+        """Hand back what an idle engine holds without needing it; the KV cache bytes released.
+
+        On CPU: the pages of every free KV cache block (they are forgotten by the prefix cache: a
+        prompt seen before is computed again; skipped with ``kv_cache_precommit``, which keeps the
+        cache resident by choice) and the heap's free memory (``malloc_trim``: the batch
+        temporaries, capture buffers and request state of a burst). ``RuntimeError`` while
+        requests are in flight.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("release_memory: requests are in flight")
+        released = 0
+        if self.device.type == "cpu" and not self.config.kv_cache_precommit:
+            released = release_free_blocks(self.runner.kv_caches, self.blocks.forget_free_blocks())
+        release_free_memory()
+        return released
+
+    def release_memory_if_idle(self) -> bool:
+        """:meth:`release_memory`, once the engine has run nothing for ``release_memory_after_idle_s``
+        seconds since its latest step (a server's loop calls this while idle); whether it did."""
+        after = self.config.release_memory_after_idle_s
+        if after is None or self._released or self.has_unfinished_requests():
+            return False
+        if time.monotonic() - self._last_active < after:
+            return False
+        self._released = True
+        released = self.release_memory()
+        logger.info("idle for %.0f s: handed back %.0f MB of free KV cache blocks (their cached prefixes "
+                    "forgotten) and the heap's free memory", after, released / 1e6)
+        return True
 
     def _fork(self, sample: Request) -> None:
         """Start ``sample`` from its prompt's computed blocks (shared) and captured states (copied)."""

@@ -131,6 +131,7 @@ class AsyncEngine:
             self._drain_inbox()
             if not engine.has_unfinished_requests():
                 self.stats.engine = engine.stats()
+                engine.release_memory_if_idle()
                 self._wake.wait(timeout=0.5)
                 continue
             try:

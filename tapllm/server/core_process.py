@@ -92,8 +92,10 @@ class EngineCore:
                     break
                 if engine.has_unfinished_requests():
                     self._step()
-                elif time.monotonic() - self._last_sent > _IDLE_POLL_MS / 1000:
+                    continue
+                if time.monotonic() - self._last_sent > _IDLE_POLL_MS / 1000:
                     self._send_figures()
+                engine.release_memory_if_idle()
         finally:
             self.sock.close()
             self.ctx.term()
