@@ -20,7 +20,7 @@ import torch
 from tapllm._files import atomic_write
 from tapllm.dtypes import ARROW_DTYPES
 
-INDEX_COLUMNS = ("token_id", "request_index", "position", "sae_error_norm")  # one number a row
+INDEX_COLUMNS = ("token_id", "request_index", "position", "sae_error_norm", "loss_mask")  # one number a row
 SUFFIX = {"safetensors": ".safetensors", "arrow": ".arrow"}
 
 
