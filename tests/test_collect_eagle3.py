@@ -177,6 +177,13 @@ def test_eagle3_layouts_hold_the_states_of_encode(tiny8, tmp_path):
     assert batch["loss_mask"].tolist() == [m for e in expected for m in e.mask]
     assert batch["resid_post"].shape == (len(ds), 4, 64) and batch["final"].shape == (len(ds), 1, 64)
 
+    from tapllm.collect.eagle3_part import conversation_states
+
+    mem = conversation_states(llm, records[:3])  # the same rows from an LLM, in memory
+    for i, r in enumerate(mem):
+        assert r["token_id"].tolist() == expected[i].ids and r["loss_mask"].tolist() == expected[i].mask
+        torch.testing.assert_close(r["resid_post"], refs[i].hidden_states["resid_post"], atol=1e-5, rtol=1e-5)
+
 
 def test_regenerated_replies_are_the_models(tiny8, tmp_path):
     records = [{"conversations": [{"from": "human", "value": "alpha beta"}, {"from": "gpt", "value": "old"},

@@ -221,3 +221,21 @@ class LayoutWriter:
         if "tapllm" in self.formats:
             return records
         return [{k: v for k, v in r.items() if k not in ("resid_post", "final")} for r in records]
+
+
+def conversation_states(llm: Any, conversations: Sequence[Any], settings: Eagle3Settings | None = None
+                        ) -> list[dict[str, torch.Tensor]]:
+    """The recipe in memory, from an ``LLM``: each conversation's rows (see
+    :func:`conversation_records`) for records in any layout of :mod:`tapllm.collect.chat` (or
+    lists of ``{"role", "content"}`` messages), with ``settings`` (default: EAGLE-3's layers,
+    both layouts' states, no regeneration)."""
+    from pathlib import Path
+
+    from tapllm.collect.chat import normalize
+
+    s = settings or Eagle3Settings()
+    engine = llm.engine
+    cfg = s.configure(CollectConfig(out=Path("."), input=Path(".")), engine.model_config.num_layers)
+    convs = [normalize(c if isinstance(c, dict) else {"messages": c}, f"conversations[{k}]")
+             for k, c in enumerate(conversations)]
+    return conversation_records(engine, convs, s, render_fn(engine.render_chat, engine.tokenizer), cfg.spec(), None)
