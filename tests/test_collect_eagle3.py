@@ -226,7 +226,7 @@ def _tree_digests(out: Path) -> dict[str, str]:
 
 
 def test_kill_mid_run_then_resume_gives_identical_files(tiny8, tmp_path):
-    inp = _write(tmp_path / "chats.jsonl", _conversations(100, seed=4))
+    inp = _write(tmp_path / "chats.jsonl", _conversations(30, seed=4))
     args = ["--shard-tokens", "120", "--max-num-seqs", "4", "--eagle3-formats", "speculators,specforge,tapllm",
             "--store-dtype", "bfloat16"]
     whole = tmp_path / "whole"

@@ -202,15 +202,14 @@ def finish(out: Path, run: dict[str, Any], parts: int, vocab_size: int) -> None:
     ids: dict[int, torch.Tensor] = {}
     masks: dict[int, torch.Tensor] = {}
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for e in shards:
-        cols = ShardView(out / e.file, run["storage"]).slice(0, e.rows)
-        req = cols["request_index"]
-        bounds = torch.nonzero(torch.diff(req)).flatten() + 1
-        for chunk in torch.tensor_split(torch.arange(len(req)), bounds.tolist()):
-            if len(chunk):
-                i = int(req[chunk[0]])
-                ids[i], masks[i] = cols["token_id"][chunk], cols["loss_mask"][chunk].long()
-                count_tokens(counts, ids[i], masks[i])
+    for e in shards:  # the index columns only, each conversation's rows a slice
+        columns = ShardView(out / e.file, run["storage"]).columns
+        req, tok, mask = (columns[c].slice(0, e.rows) for c in ("request_index", "token_id", "loss_mask"))
+        count_tokens(counts, tok, mask)
+        edges = [0, *(torch.nonzero(torch.diff(req)).flatten() + 1).tolist(), len(req)]
+        for a, b in zip(edges[:-1], edges[1:]):
+            if b > a:
+                ids[int(req[a])], masks[int(req[a])] = tok[a:b], mask[a:b].long()
     order = sorted(ids)
     if order != list(range(len(order))):
         raise RuntimeError("the shards do not hold every conversation once; rerun to complete the dataset")

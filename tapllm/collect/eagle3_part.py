@@ -21,6 +21,7 @@ from tqdm import tqdm
 from tapllm.collect import specforge_format, speculators_format
 from tapllm.collect.chat import Conversation, Render, Tokens, render_fn, tokens_with_mask, turns_to_generate
 from tapllm.collect.eagle3 import Eagle3Settings
+from tapllm.collect.group_files import GroupFiles
 from tapllm.collect.part import CollectConfig
 from tapllm.collect.sources import ItemSource
 from tapllm.collect.writer import Manifest, ShardEntry, ShardWriter
@@ -208,16 +209,18 @@ class LayoutWriter:
 
     def __call__(self, first: int, end: int, records: list[dict[str, torch.Tensor]]
                  ) -> list[dict[str, torch.Tensor]]:
+        files = GroupFiles()
         for r in records:
             i = int(r["request_index"][0]) if len(r["request_index"]) else None
             if i is None:
                 continue
             states = r["resid_post"]
             if "speculators" in self.formats:
-                speculators_format.write_states(self.out, i, r["token_id"], states)
+                speculators_format.write_states(self.out, i, r["token_id"], states, files.write)
             if "specforge" in self.formats:
                 specforge_format.write_sample(self.out, i, r["token_id"], r["loss_mask"], states[:, :3],
-                                              r["final"][:, 0])
+                                              r["final"][:, 0], files.write)
+        files.commit()  # durable before the group's shard and manifest line
         if "tapllm" in self.formats:
             return records
         return [{k: v for k, v in r.items() if k not in ("resid_post", "final")} for r in records]

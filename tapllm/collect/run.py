@@ -311,5 +311,7 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
         if cfg.recipe is not None:
             from tapllm.collect.eagle3 import finish
 
+            t1 = time.perf_counter()
             finish(cfg.out, run, len(parts), mc.vocab_size)
+            seconds += time.perf_counter() - t1  # the recipe's closing pass counts as its work
         return finalize(cfg.out, run, parts, len(items) if by_items else None, seconds)

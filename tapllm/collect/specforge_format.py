@@ -18,6 +18,7 @@ name does not depend on the temporary file's, and a rerun writes the same bytes.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,8 +36,9 @@ def ckpt_path(out: Path, index: int) -> Path:
 
 
 def write_sample(out: Path, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, aux: torch.Tensor,
-                 final: torch.Tensor) -> None:
-    """One conversation's file: ``aux`` ``[seq, 3, hidden]``, ``final`` ``[seq, hidden]``."""
+                 final: torch.Tensor, write: Callable[[Path, bytes], None] = write_file) -> None:
+    """One conversation's file: ``aux`` ``[seq, 3, hidden]``, ``final`` ``[seq, hidden]``, put in
+    place by ``write(path, data)``."""
     seq = aux.shape[0]
     record = {"input_ids": input_ids.to(torch.long).contiguous(), "loss_mask": loss_mask.to(torch.long).contiguous(),
               "hidden_state": final.reshape(1, seq, -1).contiguous(),
@@ -45,7 +47,7 @@ def write_sample(out: Path, index: int, input_ids: torch.Tensor, loss_mask: torc
     torch.save(record, buf)
     path = ckpt_path(out, index)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(path, buf.getvalue())
+    write(path, buf.getvalue())
 
 
 def write_vocab(out: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,14 +38,16 @@ def hs_path(out: Path, index: int) -> Path:
     return out / FOLDER / "hidden_states" / f"hs_{index}.safetensors"
 
 
-def write_states(out: Path, index: int, token_ids: torch.Tensor, states: torch.Tensor) -> None:
-    """One conversation's file: ``states`` ``[seq, layers, hidden]`` (aux layers, then the last)."""
+def write_states(out: Path, index: int, token_ids: torch.Tensor, states: torch.Tensor,
+                 write: Callable[[Path, bytes], None] = write_file) -> None:
+    """One conversation's file: ``states`` ``[seq, layers, hidden]`` (aux layers, then the last),
+    put in place by ``write(path, data)``."""
     from safetensors.torch import save
 
     data = save({"hidden_states": states.contiguous(), "token_ids": token_ids.to(torch.long).contiguous()})
     path = hs_path(out, index)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_file(path, data)
+    write(path, data)
 
 
 def write_rows(out: Path, input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> None:
