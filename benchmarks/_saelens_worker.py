@@ -8,6 +8,11 @@ dataset streamed with its ``text`` column, one hook, ``--context-size`` tokens p
 with BOS, ``--tokens`` tokens in all, stored in float32. Then one shuffled pass over the
 cached dataset (``datasets.load_from_disk(...).with_format("torch")`` in a ``DataLoader``,
 each row a context), reported in token rows/s.
+
+With ``--tapllm-dataset DIR`` (and tapllm importable: ``PYTHONPATH`` at the repository), also
+SAELens' own ``SAETrainer`` fed by ``tapllm.collect.saelens_source.SAELensSource`` over that
+dataset (context-level shuffle) for ``--train-steps`` steps of a ``TopKTrainingSAE``
+(``d_sae = 4 * d_in``, k = 32): the steps taken, the loss of the first and last steps.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--read-batch", type=int, default=4096)
+    p.add_argument("--tapllm-dataset", default=None, help="train SAELens' SAETrainer from this tapllm dataset")
+    p.add_argument("--tapllm-layer", type=int, default=None)
+    p.add_argument("--train-steps", type=int, default=8)
     args = p.parse_args()
 
     import datasets
@@ -57,7 +65,38 @@ def main() -> None:
     read = sum(int(b[args.hook].shape[0]) * args.context_size
                for b in DataLoader(cached, batch_size=per_batch, shuffle=True))
     read_seconds = time.perf_counter() - t0
-    print(json.dumps({"rows": rows, "seconds": seconds, "read_rows": read, "read_seconds": read_seconds}))
+    result = {"rows": rows, "seconds": seconds, "read_rows": read, "read_seconds": read_seconds}
+    if args.tapllm_dataset:
+        result["trainer"] = train_from_tapllm(args)
+    print(json.dumps(result))
+
+
+def train_from_tapllm(args: argparse.Namespace) -> dict:
+    """SAELens' trainer with tapllm's dataset as its data provider, a few steps."""
+    from sae_lens import SAETrainer, TopKTrainingSAE, TopKTrainingSAEConfig
+    from sae_lens.config import LoggingConfig, SAETrainerConfig
+
+    from tapllm.collect.saelens_source import SAELensSource
+
+    source = SAELensSource(args.tapllm_dataset, layer=args.tapllm_layer, batch_size=args.read_batch, unit="context")
+    sae = TopKTrainingSAE(TopKTrainingSAEConfig(d_in=args.d_in, d_sae=4 * args.d_in, k=32))
+    cfg = SAETrainerConfig(total_training_samples=args.train_steps * args.read_batch,
+                           train_batch_size_samples=args.read_batch, lr=3e-4, lr_end=3e-4,
+                           n_batches_for_norm_estimate=2, logger=LoggingConfig(log_to_wandb=False))
+    trainer = SAETrainer(cfg, sae, data_provider=source)
+    losses = []
+    step = trainer.step
+
+    def recorded(batch):  # the trainer's own step; its loss kept for the report
+        out = step(batch)
+        losses.append(float(out.loss))
+        return out
+
+    trainer.step = recorded
+    t0 = time.perf_counter()
+    trainer.fit()
+    return {"steps": trainer.n_training_steps, "samples": trainer.n_training_samples, "epochs": source.epoch,
+            "first_loss": losses[0], "last_loss": losses[-1], "seconds": time.perf_counter() - t0}
 
 
 if __name__ == "__main__":

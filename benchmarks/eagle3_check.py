@@ -2,8 +2,9 @@
 
 What it does, in one run (default model, bf16 compute and storage):
 
-1. Speed: the same single-turn ShareGPT conversations (``_chat_data.py``) collected twice each
-   way, order alternating, best of the two counted:
+1. Speed: the same single-turn ShareGPT conversations (``_chat_data.py``) collected
+   ``--rounds`` times each way, order alternating, the best and the median counted (the
+   recipe's time includes its closing pass: the token frequencies, d2t/t2d, speculators' rows):
    - with ``--regenerate``: the recipe (replies written by the model, 4 layers at every
      position, loss mask, both layouts) against a plain ``tapllm collect`` of the same user
      turns as chat prompts with ``--max-tokens N --positions all`` and ``resid_post`` of the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculators-python", default=None)
     p.add_argument("--specforge-python", default=None)
     p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--rounds", type=int, default=2, help="timed runs of each side, per mode")
+    p.add_argument("--prompt-only", action="store_true", help="time only the prompt-only comparison")
     return p.parse_args(argv)
 
 
@@ -76,7 +80,7 @@ def speed(args: argparse.Namespace, tmp: Path, num_layers: int) -> None:
     common = dict(store_dtype=args.dtype, shard_tokens=1 << 20, engine=engine)
     print(f"speed: {len(convs)} single-turn conversations, default model {args.dtype}, resid_post of blocks {layers} "
           f"at every position", flush=True)
-    for regen in (True, False):
+    for regen in (False,) if args.prompt_only else (True, False):
         runs = {
             "recipe": lambda out: collect(CollectConfig(out=out, input=chats, recipe=Eagle3Settings(
                 regenerate=regen, max_new_tokens=args.max_tokens), **common), show_progress=False),
@@ -84,17 +88,22 @@ def speed(args: argparse.Namespace, tmp: Path, num_layers: int) -> None:
                 out=out, input=prompts if regen else whole, layers=layers, points=["resid_post"],
                 positions="all", max_tokens=args.max_tokens if regen else 0, **common), show_progress=False),
         }
-        best: dict[str, tuple[float, int]] = {}
-        order = ["recipe", "plain", "plain", "recipe"]
+        rates: dict[str, list[float]] = {"recipe": [], "plain": []}
+        rows: dict[str, int] = {}
+        pairs = (("recipe", "plain"), ("plain", "recipe"))
+        order = [name for r in range(args.rounds) for name in pairs[r % 2]]
         for n, name in enumerate(order):
             meta = runs[name](tmp / f"{name}-{regen}-{n}")
-            rate = meta["num_rows"] / meta["seconds"]
-            if rate > best.get(name, (0.0, 0))[0]:
-                best[name] = (rate, meta["num_rows"])
+            rates[name].append(meta["num_rows"] / meta["seconds"])
+            rows[name] = meta["num_rows"]
         label = f"--regenerate --max-tokens {args.max_tokens}" if regen else "prompt only"
+        best = {k: max(v) for k, v in rates.items()}
+        median = {k: statistics.median(v) for k, v in rates.items()}
         for name in ("recipe", "plain"):
-            print(f"  {label:28s} {name:7s} {best[name][1]:6d} rows, best {best[name][0]:8.0f} rows/s", flush=True)
-        print(f"  {label:28s} recipe / plain = {best['recipe'][0] / best['plain'][0]:.2f}x", flush=True)
+            print(f"  {label:28s} {name:7s} {rows[name]:6d} rows, best {best[name]:8.0f} rows/s, median "
+                  f"{median[name]:8.0f} ({', '.join(f'{r:.0f}' for r in rates[name])})", flush=True)
+        print(f"  {label:28s} recipe / plain = {best['recipe'] / best['plain']:.2f}x best, "
+              f"{median['recipe'] / median['plain']:.2f}x median", flush=True)
 
 
 def peers(args: argparse.Namespace, tmp: Path, folder: Path) -> None:

@@ -117,7 +117,8 @@ class ActivationDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> list[Batch]:
         """A ``DataLoader``'s batched read: the rows, read in one pass, one dict each."""
         batch = self.get_batch(indices)
-        return [{k: v[r] for k, v in batch.items()} for r in range(len(indices))]
+        keys = list(batch)
+        return [dict(zip(keys, row)) for row in zip(*(v.unbind(0) for v in batch.values()))]  # unbind: one call a column
 
     def iter_batches(self, batch_size: int = 4096) -> Iterator[Batch]:
         """Batches of up to ``batch_size`` rows, in input order (a batch never spans two shards)."""

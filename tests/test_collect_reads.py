@@ -225,3 +225,26 @@ def _no_sae(tmp_path: Path, tiny: Path) -> Path:
     inp.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
     _collect(tiny, inp, tmp_path / "plain", "--layers", "1")
     return tmp_path / "plain"
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "arrow"])
+def test_a_shuffled_copy_holds_every_row_once(datasets, tmp_path, fmt):
+    from tapllm.collect.reshuffle import write_shuffled
+
+    src = tapllm.datasets.open(datasets[fmt])
+    out = write_shuffled(src, tmp_path / "copy", unit="token", seed=4, shard_rows=150)
+    copy = tapllm.datasets.open(out)
+    copy.verify()
+    assert copy.metadata["shuffled"]["unit"] == "token" and copy.metadata["num_shards"] == 3
+    assert copy.metadata["layers"] == src.metadata["layers"] and [s["rows"] for s in copy.shards] == [150, 150, 123]
+    a, b = src[:], copy[:]
+    where = {int(k): i for i, k in enumerate(_key(a))}
+    rows = torch.tensor([where[int(k)] for k in _key(b)])
+    assert sorted(rows.tolist()) == list(range(len(src))) and not torch.equal(rows, torch.arange(len(src)))
+    assert all(torch.equal(b[k], v[rows]) for k, v in a.items())
+    if fmt == "arrow":
+        import datasets as hf
+
+        assert hf.load_from_disk(str(out)).num_rows == len(src)
+    with pytest.raises(ValueError, match="is not an empty folder"):
+        write_shuffled(src, out)
