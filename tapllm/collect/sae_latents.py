@@ -67,7 +67,7 @@ class LatentBatch:
         fired = values != 0
         rows = torch.arange(len(self)).unsqueeze(1).expand_as(ids)
         return torch.sparse_coo_tensor(torch.stack([rows[fired], ids[fired]]), values[fired], (len(self), self.d_sae),
-                                       is_coalesced=True)
+                                       is_coalesced=True, check_invariants=True)
 
 
 @dataclass(slots=True)
