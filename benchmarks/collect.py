@@ -35,7 +35,8 @@ What it measures
     hook), contexts of ``--context-size`` tokens packed with BOS, ``--sae-tokens`` tokens,
     stored in float32; and each side's shuffled read of its own dataset (SAELens: its cached
     dataset in a shuffled ``DataLoader``, one context a row, ``B / context`` contexts a batch),
-    the targets printed as ratios: tapllm's context-level read against SAELens' read, and the
+    in ``--read-rounds`` rounds of both sides in turn, the best pass of each kept (the machine's
+    load moves between the two), the targets printed as ratios: tapllm's context-level read against SAELens' read, and the
     token-level ``ShuffledBatches`` against the baseline revision's ``DataLoader(shuffle=True)``.
     Last, SAELens' own ``SAETrainer`` takes ``SAELensSource`` over tapllm's dataset as its
     data provider for ``--train-steps`` steps.
@@ -86,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only-saelens", action="store_true", help="run only the SAELens comparison")
     p.add_argument("--baseline-rev", default=None, help="git revision whose tapllm/ reads too (the code before)")
     p.add_argument("--train-steps", type=int, default=8, help="SAELens SAETrainer steps fed by tapllm's dataset")
+    p.add_argument("--read-rounds", type=int, default=2, help="rounds of both sides' reads (SAELens comparison)")
     p.add_argument("--quick", action="store_true", help="32 prompts of 16..128 tokens")
     args = p.parse_args(argv)
     if args.quick:
@@ -166,12 +168,17 @@ def print_reads(folder: Path, args: argparse.Namespace, baseline: Path | None, r
     rates = read_rates(folder, args.read_batch, REPO_ROOT)
     if baseline is not None:
         rates.update({f"before:{k}": v for k, v in read_rates(folder, args.read_batch, baseline, BEFORE).items()})
+    print_rates(rates, args, row_bytes)
+    return rates
+
+
+def print_rates(rates: dict[str, float], args: argparse.Namespace, row_bytes: float) -> None:
+    """One line a read mode."""
     for key, rate in rates.items():
         mode = key.removeprefix("before:")
         who = f"{args.baseline_rev}:" if key.startswith("before:") else "now:"
         print(f"  shuffled read {who:9s} {MODES[mode]:42s} {rate:9.0f} rows/s ({rate * row_bytes / 1e6:5.0f} MB/s)",
               flush=True)
-    return rates
 
 
 WORDS = ("the of and to in is was for on that with as by it from at his an were are which this be or had not "
@@ -207,21 +214,39 @@ def saelens_peer(args: argparse.Namespace, folder: Path, num_layers: int, hidden
     cmd = [args.saelens_python, str(Path(__file__).with_name("_saelens_worker.py")), "--model", str(folder),
            "--dataset", str(tmp_path / "texts"), "--out", str(tmp_path / "saelens"),
            "--hook", f"model.layers.{layer}", "--d-in", str(hidden), "--context-size", str(args.context_size),
-           "--tokens", str(args.sae_tokens), "--dtype", args.dtype, "--read-batch", str(args.read_batch),
-           "--tapllm-dataset", str(tmp_path / "ctx"), "--train-steps", str(args.train_steps)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                                                                    "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-                                                                    "PYTHONPATH": str(REPO_ROOT)})
-    if done.returncode != 0:
-        print(f"  SAELens failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-3:]}", flush=True)
+           "--tokens", str(args.sae_tokens), "--dtype", args.dtype, "--read-batch", str(args.read_batch)]
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
+           "PYTHONPATH": str(REPO_ROOT)}
+
+    def saelens(*extra: str) -> dict | None:
+        done = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            print(f"  SAELens failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-3:]}", flush=True)
+            return None
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    r = saelens("--repeats", "1")
+    if r is None:
         return
-    r = json.loads(done.stdout.strip().splitlines()[-1])
-    s_rate, s_read = r["rows"] / r["seconds"], r["read_rows"] / r["read_seconds"]
+    s_rate = r["rows"] / r["seconds"]
     print(f"  SAELens       {r['rows']} rows in {r['seconds']:7.2f} s = {s_rate:8.0f} rows/s", flush=True)
     print(f"tapllm / SAELens = {t_rate / s_rate:.2f}x rows/s collected", flush=True)
+    # the reads in rounds, each side in turn, the best of each kept: the machine's load moves
     row_bytes = meta["bytes"] / max(meta["num_rows"], 1)
     baseline = baseline_code(args.baseline_rev, tmp_path) if args.baseline_rev else None
-    rates = print_reads(tmp_path / "ctx", args, baseline, row_bytes)
+    rates: dict[str, float] = {}
+    s_read = 0.0
+    for _ in range(args.read_rounds):
+        ours = read_rates(tmp_path / "ctx", args.read_batch, REPO_ROOT)
+        if baseline is not None:
+            ours.update({f"before:{k}": v for k, v in read_rates(tmp_path / "ctx", args.read_batch, baseline,
+                                                                 BEFORE).items()})
+        rates = {k: max(v, rates.get(k, 0.0)) for k, v in ours.items()}
+        theirs = saelens("--read-only")
+        if theirs is None:
+            return
+        s_read = max(s_read, theirs["read_rate"])
+    print_rates(rates, args, row_bytes)
     print(f"  shuffled read SAELens:  {'load_from_disk + DataLoader(shuffle=True)':42s} {s_read:9.0f} rows/s "
           f"({s_read * row_bytes / 1e6:5.0f} MB/s)", flush=True)
     print(f"context-level read / SAELens' read = {rates['context'] / s_read:.2f}x (target >= 1.0); "
@@ -231,10 +256,12 @@ def saelens_peer(args: argparse.Namespace, folder: Path, num_layers: int, hidden
         print(f"token-level ShuffledBatches / {args.baseline_rev}'s DataLoader(shuffle=True) = "
               f"{rates['token'] / before:.2f}x (target >= 3); DataLoader(shuffle=True) now / then = "
               f"{rates['dataloader'] / before:.2f}x", flush=True)
-    t = r["trainer"]
-    print(f"SAELens SAETrainer fed by tapllm's SAELensSource: {t['steps']} steps, {t['samples']} rows, "
-          f"{t['epochs']} epoch(s), loss {t['first_loss']:.4g} -> {t['last_loss']:.4g}, {t['seconds']:.1f} s",
-          flush=True)
+    t = saelens("--tapllm-dataset", str(tmp_path / "ctx"), "--train-steps", str(args.train_steps))
+    if t is not None:
+        t = t["trainer"]
+        print(f"SAELens SAETrainer fed by tapllm's SAELensSource: {t['steps']} steps, {t['samples']} rows, "
+              f"{t['epochs']} epoch(s), loss {t['first_loss']:.4g} -> {t['last_loss']:.4g}, {t['seconds']:.1f} s",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
