@@ -188,8 +188,9 @@ def tapllm_rate(llm: Any, device: torch.device, batch: int, new: int, prompt_len
     return best
 
 
-def decode_step_ms(llm: Any, device: torch.device, prompt_len: int, seed: str) -> float:
-    """One batch-1 decode step: (65 tokens - 1 token) / 64, best of 3."""
+def decode_step_ms(llm: Any, device: torch.device, prompt_len: int, seed: str, steps: int = 64,
+                   runs: int = 3) -> float:
+    """One batch-1 decode step: (``steps + 1`` tokens - 1 token) / ``steps``, best of ``runs``."""
     from tapllm import SamplingParams
 
     def run(n: int, r: int) -> float:
@@ -197,9 +198,9 @@ def decode_step_ms(llm: Any, device: torch.device, prompt_len: int, seed: str) -
         return timed(device, lambda: llm.generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
                                                   use_tqdm=False))[0]
 
-    one = min(run(1, r) for r in range(3))
-    many = min(run(65, r) for r in range(3))
-    return max(many - one, 0.0) / 64 * 1e3
+    one = min(run(1, r) for r in range(runs))
+    many = min(run(steps + 1, r) for r in range(runs))
+    return max(many - one, 0.0) / steps * 1e3
 
 
 def hf_model(config: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -252,8 +253,8 @@ def speed(args: argparse.Namespace, device: torch.device, root: Path, tokenizer:
             print(f"\n{engine} on {name}, started in {start:.1f}s:\n{llm.describe()}", flush=True)
             tapllm_rate(llm, device, min(4, max(batches)), 4, plen, f"{name}-warm")  # first launches out of the timing
             for b in batches:
-                row[f"b{b}"] = round(tapllm_rate(llm, device, b, new, plen, f"{name}-{engine}"), 1)
-            step = decode_step_ms(llm, device, plen, f"{name}-{engine}")
+                row[f"b{b}"] = round(tapllm_rate(llm, device, b, new, plen, f"{name}-{engine}", args.runs), 1)
+            step = decode_step_ms(llm, device, plen, f"{name}-{engine}", args.step_tokens, args.runs + 1)
             bound = weight_bytes(llm) / (bw * 1e9) * 1e3
             row.update(step_ms=round(step, 3), bound_ms=round(bound, 3), step_over_bound=round(step / bound, 2),
                        weights_gb=round(weight_bytes(llm) / 1e9, 3), peak_gpu_gb=peak_memory_gb(device))
@@ -265,7 +266,7 @@ def speed(args: argparse.Namespace, device: torch.device, root: Path, tokenizer:
             model = hf_model(config, device, getattr(torch, {"bf16": "bfloat16"}.get(args.dtype, args.dtype)))
             row = {}
             for b in [b for b in args.batches if b <= args.hf_max_batch]:
-                row[f"b{b}"] = round(hf_rate(model, device, b, new, plen, name), 1)
+                row[f"b{b}"] = round(hf_rate(model, device, b, new, plen, name, args.runs), 1)
             row["peak_gpu_gb"] = peak_memory_gb(device)
             rows["transformers"] = row
             del model
@@ -327,7 +328,7 @@ def capture_costs(args: argparse.Namespace, device: torch.device, root: Path, to
         "SAE top-16, one block": HiddenStatesSpec(sae=sae, features="topk:16", positions="all"),
     }
     best: dict[str, float] = {}
-    for r in range(2):
+    for r in range(args.runs):
         for label, spec in cases.items():
             if args.deadline and time.monotonic() > args.deadline:
                 break
@@ -372,7 +373,7 @@ def parity(args: argparse.Namespace, device: torch.device, root: Path, tokenizer
     folder = model_folder(root, "parity", config, tokenizer)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
-    ps = prompts(4, 40, "parity") + prompts(2, 300, "parity-long")
+    ps = prompts(4, 40, "parity") + prompts(2, 60 if args.smoke else 300, "parity-long")
     new = 8
     spec = HiddenStatesSpec(layers="all", points="resid_pre", positions="all")
     result: dict[str, Any] = {}
@@ -433,8 +434,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.batches is None:
         args.batches = [1, 4] if args.smoke else [1, 16, 64, 256]
+    args.runs, args.step_tokens = 2, 64
     if args.smoke:
         args.prompt_len, args.new_tokens, args.kv_gb, args.capture_batch = 16, 4, 0.05, 4
+        args.runs, args.step_tokens = 1, 8
         args.hf_max_batch = min(args.hf_max_batch, 4)
     return args
 

@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset
 
 from tapllm.collect.mmap_shards import ShardView
+from tapllm.collect.readers import ShuffledBatches, gather
 from tapllm.collect.shards import sha256_file
 
 Batch = dict[str, torch.Tensor]
@@ -101,21 +102,7 @@ class ActivationDataset(Dataset):
         idx = np.where(idx < 0, idx + n, idx)
         if not self.shards:
             raise IndexError("the dataset has no rows")
-        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
-        order = np.argsort(shard_of, kind="stable")
-        bounds = np.flatnonzero(np.diff(shard_of[order])) + 1
-        out: Batch = {}
-        for group in np.split(order, bounds) if idx.size else []:
-            s = int(shard_of[group[0]])
-            part = self.view(s).take(idx[group] - self._starts[s])
-            if not out:
-                out = {k: torch.empty((len(idx), *v.shape[1:]), dtype=v.dtype) for k, v in part.items()}
-            where = torch.from_numpy(group)
-            for k, v in part.items():
-                out[k][where] = v
-        if not out:
-            out = self.view(0).take(idx)  # no rows: the right columns, empty
-        return out
+        return gather(self, idx)
 
     def __getitem__(self, key: int | slice | Sequence[int] | np.ndarray | torch.Tensor) -> Batch:
         if isinstance(key, slice):
@@ -130,7 +117,8 @@ class ActivationDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> list[Batch]:
         """A ``DataLoader``'s batched read: the rows, read in one pass, one dict each."""
         batch = self.get_batch(indices)
-        return [{k: v[r] for k, v in batch.items()} for r in range(len(indices))]
+        keys = list(batch)
+        return [dict(zip(keys, row)) for row in zip(*(v.unbind(0) for v in batch.values()))]  # unbind: one call a column
 
     def iter_batches(self, batch_size: int = 4096) -> Iterator[Batch]:
         """Batches of up to ``batch_size`` rows, in input order (a batch never spans two shards)."""
@@ -158,80 +146,29 @@ class ActivationDataset(Dataset):
                 raise ValueError(f"shard {s['file']} does not match its checksum")
 
 
-class ShuffledRows(IterableDataset):
-    """The rows of an :class:`ActivationDataset`, shuffled across shards with a buffer.
-
-    Blocks of ``block_rows`` consecutive rows are read (contiguous, so cheap) in a random
-    order over all shards into a buffer of ``shuffle_buffer`` rows, from which rows are drawn
-    at random. Yields rows, or batches of ``batch_size`` rows (use ``DataLoader(...,
-    batch_size=None)`` then). With ``DataLoader`` workers, each reads its own share of the
-    blocks. :meth:`set_epoch` changes the order from one pass to the next.
+class ShuffledRows(ShuffledBatches):
+    """The rows of an :class:`ActivationDataset`, shuffled across shards with a buffer: blocks of
+    ``block_rows`` consecutive rows, in a random order over all shards, stream into a buffer of
+    ``shuffle_buffer`` rows from which rows are drawn at random (see
+    :class:`tapllm.collect.readers.ShuffledBatches`). Yields rows, or batches of ``batch_size``
+    rows (use ``DataLoader(..., batch_size=None)`` then).
     """
 
     def __init__(self, ds: ActivationDataset, batch_size: int | None, shuffle_buffer: int, block_rows: int,
                  seed: int) -> None:
-        for name, value in (("shuffle_buffer", shuffle_buffer), ("block_rows", block_rows)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
-        self.ds = ds
-        self.batch_size = batch_size
-        self.shuffle_buffer = shuffle_buffer
-        self.block_rows = block_rows
-        self.seed = seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use the order of pass ``epoch``."""
-        self.epoch = epoch
+        if shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be >= 1, got {shuffle_buffer}")
+        super().__init__(ds, batch_size or 256, "block", block_rows=block_rows, shuffle_buffer=shuffle_buffer,
+                         seed=seed)
+        self.rows = batch_size is None
 
     def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        blocks = [(s, a, min(a + self.block_rows, meta["rows"])) for s, meta in enumerate(self.ds.shards)
-                  for a in range(0, meta["rows"], self.block_rows)]
-        rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(len(blocks))[worker::workers]
-        gen = torch.Generator().manual_seed(int(rng.integers(1 << 62)) + worker)
-        step = self.batch_size or 256  # rows mode: draw 256 at a time, hand them out one by one
-        buf: Batch = {}
-        n = 0
-        for b in order:
-            s, a, e = blocks[b]
-            data = self.ds.view(s).slice(a, e)
-            if not buf:
-                cap = max(self.shuffle_buffer, step) + self.block_rows
-                buf = {k: torch.empty((cap, *v.shape[1:]), dtype=v.dtype) for k, v in data.items()}
-            for k, v in data.items():
-                buf[k][n : n + (e - a)] = v
-            n += e - a
-            while n >= max(self.shuffle_buffer, step):
-                yield from self._emit(self._draw(buf, n, step, gen))
-                n -= step
-        if n:
-            perm = torch.randperm(n, generator=gen)
-            for a in range(0, n, step):
-                yield from self._emit({k: v[perm[a : a + step]] for k, v in buf.items()})
-
-    @staticmethod
-    def _draw(buf: Batch, n: int, k: int, gen: torch.Generator) -> Batch:
-        """``k`` random rows of the first ``n``; the last ``k`` rows' survivors fill their holes."""
-        pick = torch.randperm(n, generator=gen)[:k]
-        out = {name: v[pick] for name, v in buf.items()}
-        tail = n - k
-        taken = torch.zeros(k, dtype=torch.bool)
-        taken[pick[pick >= tail] - tail] = True
-        holes = pick[pick < tail]
-        survivors = torch.arange(tail, n)[~taken]
-        for v in buf.values():
-            v[holes] = v[survivors]
-        return out
-
-    def _emit(self, batch: Batch) -> Iterator[Batch]:
-        if self.batch_size is not None:
-            yield batch
-        else:
+        for batch in super().__iter__():
+            if not self.rows:
+                yield batch
+                continue
             for r in range(batch["position"].shape[0]):
                 yield {k: v[r] for k, v in batch.items()}
 

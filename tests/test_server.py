@@ -216,6 +216,9 @@ def test_metrics_prefix_cache(server):
     new_hits, new_queries, rate = numbers()
     assert new_queries > queries and new_hits >= hits + 16  # the second request found the first one's blocks
     assert rate == pytest.approx(new_hits / new_queries)
+    # no CUDA graphs on a CPU: the graph series are served, at zero
+    assert server.metric("tapllm_graph_steps_total") == 0
+
 
 def test_steering_extension(server, plain_server, reference):
     from tapllm import Steer

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 
 import pytest
 import torch
@@ -281,8 +280,8 @@ def test_kv_write_zeroes_non_finite_values_and_skips_negative_slots(interpret, d
 
 
 def test_ops_swap_into_paged_attention(interpret):
-    """The Triton ops as ``meta.kernels`` of a mixed step (decodes, a fresh prompt, a chunk
-    continuing its cache) give what the eager path gives; the CPU kernels' calls as they are."""
+    """The Triton ops as the CUDA backend hands them to a step (``meta.attn``) in a mixed step
+    (decodes, a fresh prompt, a chunk continuing its cache) give what the eager path gives."""
     g = torch.Generator().manual_seed(13)
     heads, kv_heads, dim, page = 6, 2, 64, 16
     opts = AttentionOptions(scale=dim**-0.5, window=12)
@@ -305,13 +304,14 @@ def test_ops_swap_into_paged_attention(interpret):
     def meta(kernels):
         m = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=2, decode_block_tables=paged.tables[:2],
                               decode_mask=(keys[None, :] >= lens[:, None])[:, None, :], prefills=prefills,
-                              decode_lens=lens, kernels=kernels)
+                              decode_lens=lens, attn=kernels)
         if kernels is not None:
             m.prefill_batch = PrefillBatch.build(prefills, tables, torch.device("cpu"))
         return m
 
-    ops = types.SimpleNamespace(decode_attention=ta.decode_attention, prefill_attention=ta.prefill_attention,
-                                kv_write=ta.kv_write)
+    from tapllm.backends.cuda import TritonAttention
+
+    ops = TritonAttention()  # what the CUDA backend hands the model
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want = paged_attention(q, k, v, want_k, want_v, meta(None), opts)
     got = paged_attention(q, k, v, k_cache, v_cache, meta(ops), opts)

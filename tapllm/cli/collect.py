@@ -58,10 +58,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     col.add_argument("--workers", type=int, default=1, help="Ray actors, one engine each (with --ray-address)")
     add_engine_args(col)
     col.set_defaults(max_num_seqs=64)
+    from tapllm.collect import eagle3_cli
+
+    eagle3_cli.add_arguments(col)
 
 
 def run(args: argparse.Namespace) -> int:
     """Collect, then print what was written."""
+    from tapllm.collect import eagle3_cli
     from tapllm.collect.run import CollectConfig, DatasetSpec, collect
     from tapllm.config import EngineConfig
 
@@ -72,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--layers must be 'all' or comma-separated integers, got {args.layers!r}") from None
     dataset = DatasetSpec(args.dataset, args.split, args.column) if args.dataset is not None else None
-    if dataset is None and (args.split != "train" or args.column != "text"):
+    recipe = eagle3_cli.settings(args)
+    if recipe is not None:  # the recipe reads --max-rows and --max-tokens itself
+        args.max_rows, args.max_tokens = None, 0
+    if dataset is None and recipe is None and (args.split != "train" or args.column != "text"):
         raise ValueError("--split and --column apply to --dataset")
     cfg = CollectConfig(
         input=args.input, dataset=dataset, out=args.out, layers=layers,
@@ -81,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers, overwrite=args.overwrite, context_size=args.context_size, packing=args.packing,
         truncate=args.truncate, prepend_bos=args.prepend_bos, max_rows=args.max_rows,
         max_tokens_total=args.max_tokens_total, exclude_special_tokens=args.exclude_special_tokens,
-        store_dtype=args.store_dtype, engine=EngineConfig.from_cli_args(args),
+        store_dtype=args.store_dtype, engine=EngineConfig.from_cli_args(args), recipe=recipe,
     )
     meta = collect(cfg, ray_address=args.ray_address, show_progress=not args.quiet)
     secs = meta.get("seconds") or 0

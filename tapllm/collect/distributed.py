@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.dataset_parts import open_part
-from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
+from tapllm.collect.part import CollectConfig, build_engine, check_engine
+from tapllm.collect.recipes import part_runner
 from tapllm.collect.prompt_records import Item
 from tapllm.collect.sources import DatasetSource, ItemSource
 from tapllm.collect.writer import Manifest
@@ -61,7 +62,7 @@ class CollectWorker:
     def _collect(self, source: ItemSource | DatasetSource, part: int) -> dict[str, float]:
         before = sum(e.rows for e in Manifest(self.cfg.out, part).load())
         t0 = time.perf_counter()
-        entries = run_part(self.engine, self.cfg, source, part, show_progress=False)
+        entries = part_runner(self.cfg)(self.engine, self.cfg, source, part, show_progress=False)
         return {"shards": len(entries), "rows": sum(e.rows for e in entries) - before,
                 "seconds": time.perf_counter() - t0}
 

@@ -59,7 +59,11 @@ class ShardView:
 
     def __init__(self, path: Path, fmt: str) -> None:
         self.path = path
-        self.columns = _open_safetensors(path) if fmt == "safetensors" else _open_arrow(path)
+        self.map: np.memmap | None = None  # safetensors: the file's map (readers madvise it)
+        if fmt == "safetensors":
+            self.columns, self.map = _open_safetensors(path)
+        else:
+            self.columns = _open_arrow(path)
         self.rows = int(self.columns["position"].starts[-1])
 
     def take(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
@@ -71,11 +75,12 @@ class ShardView:
         return {k: c.slice(a, b) for k, c in self.columns.items()}
 
 
-def _open_safetensors(path: Path) -> dict[str, _Column]:
+def _open_safetensors(path: Path) -> tuple[dict[str, _Column], np.memmap]:
     with path.open("rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
-    raw = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = np.asarray(mapped)
     base = 8 + size
     cols = {}
     for name, info in header.items():
@@ -88,7 +93,7 @@ def _open_safetensors(path: Path) -> dict[str, _Column]:
         shape = tuple(info["shape"])
         arr = raw[base + b : base + e].view(dtype).reshape(shape)
         cols[name] = _Column([arr], info["dtype"] == "BF16", shape[1:], np.dtype(dtype))
-    return cols
+    return cols, mapped
 
 
 def _open_arrow(path: Path) -> dict[str, _Column]:

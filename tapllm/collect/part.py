@@ -65,10 +65,13 @@ class CollectConfig:
     store_dtype: str = "auto"  # auto: the compute dtype (float32 where the format lacks it)
     sae: str | None = None  # an SAE (path or hub id): its top-k latents stored as sparse columns
     sae_top: int = 64
+    recipe: Any = None  # e.g. tapllm.collect.eagle3.Eagle3Settings: a recipe runs the run its own way
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=64))
 
     def validate(self) -> None:
         """``ValueError`` naming the bad setting."""
+        if self.recipe is not None:
+            return self.recipe.validate(self)
         if (self.input is None) == (self.dataset is None):
             raise ValueError("give the input as either --input FILE or --dataset NAME_OR_PATH")
         if self.input is not None:

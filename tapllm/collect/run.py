@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -31,7 +32,8 @@ from tapllm.collect.distributed import run_with_ray
 from tapllm.collect.hf_input import DatasetSpec, open_dataset
 from tapllm.collect.hf_input import fingerprint as dataset_fingerprint
 from tapllm.collect.lock import LOCK_NAME, OutputLock
-from tapllm.collect.part import CollectConfig, build_engine, check_engine, run_part
+from tapllm.collect.part import CollectConfig, build_engine, check_engine
+from tapllm.collect.recipes import RECIPE_FOLDERS, part_runner
 from tapllm.collect.provenance import model_id, tokenizer_info, weights_sha256
 from tapllm.collect.sae_columns import sae_identity
 from tapllm.collect.shards import arrow_dtype_ok, write_file
@@ -160,14 +162,16 @@ def init_output(out: Path, run: dict[str, Any], state: str) -> None:
     """Make ``out`` hold ``run``'s identity (clearing another run's files for ``"replace"``)."""
     if state == "replace":
         for f in out.iterdir():
-            if f.name != LOCK_NAME:
+            if f.name in RECIPE_FOLDERS and f.is_dir():
+                shutil.rmtree(f)
+            elif f.name != LOCK_NAME:
                 f.unlink()
     if state in ("new", "replace"):
         _write_json(out / "run.json", run)
 
 
 def _is_ours(name: str) -> bool:
-    if name in _OURS or name.startswith(("part", "progress-part")):
+    if name in _OURS or name in RECIPE_FOLDERS or name.startswith(("part", "progress-part")):
         return True
     if name.startswith(".tmp") and len(name) == 10:  # safetensors' temporary
         return True
@@ -254,7 +258,13 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
         mc.tokenizer_path = resolve_tokenizer(cfg.engine.tokenizer, cfg.engine.tokenizer_revision,
                                               cfg.engine.download_dir)
     ds = settings = tokenizer = None
-    if cfg.dataset is not None:
+    items: list[Any] = []
+    if cfg.recipe is not None:  # it reads its input itself (the driver ships it to Ray workers)
+        from tapllm.collect.eagle3 import read_conversations
+
+        cfg = cfg.recipe.configure(cfg, mc.num_layers)
+        items, source_id = read_conversations(cfg)
+    elif cfg.dataset is not None:
         from tapllm.engine.tokenizer import load_tokenizer
 
         ds = open_dataset(cfg.dataset)
@@ -276,19 +286,32 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
         if state == "complete":
             logger.info("%s already holds this complete dataset", cfg.out)
             return json.loads((cfg.out / "metadata.json").read_text())
-        items = read_items(cfg.input) if cfg.input is not None else []
+        by_items = cfg.input is not None or cfg.recipe is not None
+        if cfg.input is not None and cfg.recipe is None:
+            items = read_items(cfg.input)
         init_output(cfg.out, run, state)
         remove_temporaries(cfg.out)  # a killed run's; no writer runs yet
+        if cfg.recipe is not None:
+            from tapllm.collect.eagle3 import clean
+
+            clean(cfg.out)
         # --dataset: each Ray worker reads its own part (tapllm.collect.dataset_parts)
-        parts = split_parts(len(items), cfg.workers) if cfg.input is not None else [(0, 0)] * cfg.workers
+        parts = split_parts(len(items), cfg.workers) if by_items else [(0, 0)] * cfg.workers
         if ray_address is None:
             engine = build_engine(cfg)
             check_engine(engine, run)
-            source = (DatasetSource(ds, cfg.dataset, settings) if cfg.dataset is not None and settings is not None
+            source = (DatasetSource(ds, cfg.dataset, settings) if not by_items and settings is not None
                       else ItemSource(items, 0, len(items)))
             t0 = time.perf_counter()
-            run_part(engine, cfg, source, 0, show_progress)
+            part_runner(cfg)(engine, cfg, source, 0, show_progress)
             seconds = time.perf_counter() - t0
-        else:
-            seconds = run_with_ray(cfg, run, items, parts, ray_address, show_progress, settings)
-        return finalize(cfg.out, run, parts, len(items) if cfg.input is not None else None, seconds)
+        else:  # a recipe's input travels as items, like --input records
+            seconds = run_with_ray(replace(cfg, dataset=None) if cfg.recipe is not None else cfg, run, items, parts,
+                                   ray_address, show_progress, settings)
+        if cfg.recipe is not None:
+            from tapllm.collect.eagle3 import finish
+
+            t1 = time.perf_counter()
+            finish(cfg.out, run, len(parts), mc.vocab_size)
+            seconds += time.perf_counter() - t1  # the recipe's closing pass counts as its work
+        return finalize(cfg.out, run, parts, len(items) if by_items else None, seconds)

@@ -20,7 +20,7 @@ import torch
 from tapllm.utils.dtypes import ARROW_DTYPES
 from tapllm.utils.files import atomic_write
 
-INDEX_COLUMNS = ("token_id", "request_index", "position", "sae_error_norm")  # one number a row
+INDEX_COLUMNS = ("token_id", "request_index", "position", "sae_error_norm", "loss_mask")  # one number a row
 SUFFIX = {"safetensors": ".safetensors", "arrow": ".arrow"}
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -94,19 +95,24 @@ def remove_temporaries(out: Path) -> None:
 
 
 _DONE = object()
+Before = Callable[[int, int, list[dict[str, torch.Tensor]]], list[dict[str, torch.Tensor]]]
 
 
 class ShardWriter:
     """Writes each group of records handed to it as one shard, on a background thread.
 
     ``put`` waits until the previous group is written, so at most two groups are held: the
-    one being written and the one the engine is computing.
+    one being written and the one the engine is computing. ``before(first, end, records)``, when
+    given, runs on the writer thread ahead of each shard (a recipe writes its own files of the
+    group there, so the manifest lists a group only once they are in place) and returns the
+    records the shard holds.
     """
 
-    def __init__(self, manifest: Manifest, seq: int, fmt: str) -> None:
+    def __init__(self, manifest: Manifest, seq: int, fmt: str, before: Before | None = None) -> None:
         self.manifest = manifest
         self.seq = seq
         self.fmt = fmt
+        self.before = before
         self.bytes_written = 0
         self.entries: list[ShardEntry] = []
         self._queue: queue.Queue = queue.Queue()
@@ -153,6 +159,8 @@ class ShardWriter:
 
     def _write(self, first: int, end: int, records: list[dict[str, torch.Tensor]], cursor: list[int] | None
                ) -> None:
+        if self.before is not None:
+            records = self.before(first, end, records)
         columns = {k: torch.cat([r[k] for r in records]) for k in records[0]}
         records.clear()  # the concatenated copy is all this shard needs now
         rows = int(columns["position"].shape[0])

@@ -32,6 +32,7 @@ from tapllm.steering.resolved import ResolvedSteer, resolve_steering
 from tapllm.steering.spec import steering_digest
 from tapllm.structured.compiler import GrammarCompiler
 from tapllm.tap import PSEUDO_LAYER
+from tapllm.utils.platform import resolve_device
 from tapllm.utils.text import check_unicode
 
 
@@ -188,9 +189,11 @@ class InputProcessor:
             raise ValueError("hidden_states: this instance was started with enable_hidden_states=False")
         mc, p = self.model_config, len(token_ids)
         where = params.hidden_states.device
-        if where is not None and torch.device(where).type != "cpu" and not _same_device(torch.device(where), self.device):
-            raise ValueError(f"hidden_states.device={where!r}: states can stay only on the model's device "
-                             f"({self.device}) or go to 'cpu'")
+        if where is not None and torch.device(where).type != "cpu":
+            model_device = resolve_device(self.config.device)  # the engine's, wherever this request is prepared
+            if not _same_device(torch.device(where), model_device):
+                raise ValueError(f"hidden_states.device={where!r}: states can stay only on the model's device "
+                                 f"({model_device}) or go to 'cpu'")
         end = p if encode else min(p + max_tokens, mc.max_model_len) - 1
         sel = resolve(
             params.hidden_states, num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,

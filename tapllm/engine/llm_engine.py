@@ -12,7 +12,7 @@ import hashlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -205,9 +205,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Live numbers for monitoring (requests running and waiting, cache use and hits)."""
-        sched, blocks = self.scheduler, self.blocks
+        sched, blocks, graphs = self.scheduler, self.blocks, self.runner.graphs
         return EngineStats(len(sched.running), len(sched.waiting), blocks.usage(), blocks.hit_tokens,
-                           blocks.queried_tokens, self.num_generated_tokens)
+                           blocks.queried_tokens, self.num_generated_tokens,
+                           graphs.replays if graphs is not None else 0,
+                           dict(graphs.fallbacks) if graphs is not None else {})
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -415,6 +417,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int  # prompt tokens served from the prefix cache, since start
     prefix_cache_queried_tokens: int  # prompt tokens looked up in it, since start
     generated_tokens: int
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph, since start
+    graph_fallbacks: dict[str, int] = field(default_factory=dict)  # steps run eagerly with graphs on, by reason
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -1,13 +1,12 @@
 """A step's inputs in one buffer, sent to the device in one copy; its results back in one copy.
 
 The runner writes everything a step needs from the host (token ids, positions, cache slots,
-block tables, context lengths, sampling parameters, the draws' uniforms) into sections of
+block-table diffs, context lengths, sampling parameters, the draws' uniforms) into sections of
 one host buffer (pinned on CUDA, written through NumPy views), then :meth:`Staging.upload`
 copies the used bytes to the device buffer in one transfer and hands back a device view per
 section. Nothing else in a step goes from host to device unless a request asks for a
-feature that needs it (capture and steering plans, logits controls, grammar masks). The
-device buffer keeps its address while it is large enough, so a CUDA graph may read its
-sections in place.
+feature that needs it (capture and steering plans, logits controls, grammar masks). A step
+replayed from a CUDA graph copies its section into the graph's own input buffer on the device.
 
 :class:`Download` is the other direction: one device tensor of results copied into a
 reused host buffer (pinned on CUDA), the one device-to-host copy a step waits for.
@@ -41,13 +40,6 @@ class Staging:
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=self._pinned)
         self._host_np = self.host.numpy()
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-        self.generation = getattr(self, "generation", -1) + 1  # bumped when the device buffer moves
-
-    def reserve(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` of sections (moves the device buffer when it grows)."""
-        if nbytes > self.buffer.numel():
-            self._wait()
-            self._allocate(max(nbytes, 2 * self.buffer.numel()))
 
     def begin(self) -> None:
         """Start a step's sections (the host buffer is free once the previous upload has been read)."""
@@ -101,7 +93,6 @@ class Staging:
         used = self._used
         if used > self.buffer.numel():
             self.buffer = torch.empty(self.host.numel(), dtype=torch.uint8, device=self.device)
-            self.generation += 1
         if used:
             self.buffer[:used].copy_(self.host[:used], non_blocking=self._pinned)
         if self._pinned:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapllm.backends.ops import ElementwiseOps
+from tapllm.kernels.constants import RMS_FLOAT_SCALE, RMS_GEMMA, RMS_LLAMA
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +18,7 @@ class RMSNorm(nn.Module):
     """
 
     ops: ElementwiseOps | None = None
-    kernel_mode = 0  # tapllm.kernels.reference.RMS_LLAMA
+    kernel_mode = RMS_LLAMA
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -67,7 +68,7 @@ class GemmaRMSNorm(RMSNorm):
     the scale happens in float32 before the cast back (the reference's order for Gemma).
     """
 
-    kernel_mode = 2  # tapllm.kernels.reference.RMS_GEMMA
+    kernel_mode = RMS_GEMMA
 
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -78,7 +79,7 @@ class GemmaRMSNorm(RMSNorm):
 class RMSNormScaledInFloat32(RMSNorm):
     """RMSNorm that scales in float32 and then casts back (OLMo-2's order; equal in float32)."""
 
-    kernel_mode = 1  # tapllm.kernels.reference.RMS_FLOAT_SCALE
+    kernel_mode = RMS_FLOAT_SCALE
 
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()

@@ -21,6 +21,7 @@ from torch import nn
 
 from tapllm.backends import Backend, ElementwiseOps
 from tapllm.config import ModelConfig
+from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU
 from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
 from tapllm.layers.linear import Linear, pack_linears, packing_available
 from tapllm.layers.norm import RMSNorm
@@ -151,8 +152,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-# Activations the fused gated-MLP kernel computes (tapllm.kernels.reference: ACT_SILU, ACT_GELU_TANH).
-_KERNEL_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], int] = {F.silu: 0, _gelu_tanh: 1}
+# Activations the fused gated-MLP kernel computes.
+_KERNEL_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], int] = {F.silu: ACT_SILU, _gelu_tanh: ACT_GELU_TANH}
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

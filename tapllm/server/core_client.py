@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -282,7 +283,8 @@ class CoreClient:
         self.stats.engine = EngineStats(
             sum(x.running for x in s), sum(x.waiting for x in s), sum(x.kv_cache_usage for x in s) / len(s),
             sum(x.prefix_cache_hit_tokens for x in s), sum(x.prefix_cache_queried_tokens for x in s),
-            sum(x.generated_tokens for x in s))
+            sum(x.generated_tokens for x in s), sum(x.graph_steps for x in s),
+            dict(sum((Counter(x.graph_fallbacks) for x in s), Counter())))
         self.stats.requests_aborted = sum(r.requests_aborted for r in rs)
         self.stats.step_errors = sum(r.step_errors for r in rs)
 

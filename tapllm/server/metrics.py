@@ -84,6 +84,12 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("tapllm_prefix_cache_hit_rate", "share of looked-up prompt tokens found in the "
                                 "prefix cache, since start", value=e.prefix_cache_hit_rate)
         # the same numbers under vLLM's names
+        yield CounterMetricFamily("tapllm_graph_steps", "decode steps replayed from a CUDA graph", value=e.graph_steps)
+        fallbacks = CounterMetricFamily("tapllm_graph_fallback_steps", "steps run eagerly while CUDA graphs are on, "
+                                        "by why a graph could not run them", labels=["reason"])
+        for reason, count in sorted(e.graph_fallbacks.items()):
+            fallbacks.add_metric([reason], count)
+        yield fallbacks
         yield GaugeMetricFamily(VLLM + "num_requests_running", "requests being computed", value=e.running)
         yield GaugeMetricFamily(VLLM + "num_requests_waiting", "requests queued", value=e.waiting)
         yield GaugeMetricFamily(VLLM + "kv_cache_usage_perc", "fraction of KV cache blocks in use (1 = full)",
