@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -39,3 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        # The process exits next: frozen objects are skipped by the collections the interpreter
+        # runs while it shuts down, which otherwise walk torch's and the model's ~170k objects
+        # several times (0.4 s of a one-token `tapllm generate` on 2 cores).
+        gc.freeze()

@@ -53,6 +53,9 @@ class LLMEngine:
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device) -> None:
         engine_config.validate()
+        # What exists before the load (the imported modules: torch's are ~170k objects) is frozen
+        # first, so the full collection below walks only what the load made.
+        gc.freeze()
         self.model_config = model_config
         self.config = engine_config
         self.quantization = engine_config.quantization_label()  # what every result's states were computed with
