@@ -36,7 +36,7 @@ from tapllm.outputs import RequestOutput
 from tapllm.sae.features import DeviceSAEs
 from tapllm.structured.compiler import Grammar
 from tapllm.utils.collector import paused_collector
-from tapllm.utils.platform import release_free_memory, resolve_device
+from tapllm.utils.platform import bound_onednn_caches, release_free_memory, resolve_device
 
 logger = logging.getLogger("tapllm")
 
@@ -90,6 +90,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Resolve ``config``'s model, device and dtype, then load the engine."""
         config.validate()
+        bound_onednn_caches()  # CPU matmuls; before anything of the load (the model's config included) reaches oneDNN
         with paused_collector():  # one collection at the end of __init__ instead of several during the load
             return cls._load(config)
 

@@ -93,6 +93,24 @@ def release_free_memory() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
+# oneDNN (bf16 and fp16 matmuls on CPU) keeps a compiled primitive per matrix shape in two LRU
+# caches of 1,024 entries each: its own and the one of ideep, torch's wrapper. Every distinct row
+# count of a prefill chunk or a batch is a new shape, ~0.3-0.6 MB each, so a server's resident
+# memory grew by ~100 MB per burst of mixed requests and never came back. 64 entries hold the
+# shapes of ~10 row counts for every weight of a step (a step uses 5-6), and bound the caches.
+_ONEDNN_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+ONEDNN_CACHE_ENTRIES = 64
+
+
+def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> dict[str, str]:
+    """Cap oneDNN's and ideep's primitive caches at ``entries`` unless the environment already
+    sets them (both read their variable on first use, so this works after ``import torch`` as
+    long as no bf16/fp16 matmul ran yet). The values in force."""
+    for name in _ONEDNN_CACHE_ENV:
+        os.environ.setdefault(name, str(entries))
+    return {name: os.environ[name] for name in _ONEDNN_CACHE_ENV}
+
+
 _MADV_DONTNEED = 4  # Linux's value (mmap.MADV_DONTNEED where Python defines it)
 
 
