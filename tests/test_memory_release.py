@@ -117,3 +117,12 @@ def test_release_when_idle_runs_once_per_idle_spell(tiny_models):
 def test_release_after_idle_is_validated(bad):
     with pytest.raises(ValueError, match="release_memory_after_idle_s"):
         EngineConfig(release_memory_after_idle_s=bad).validate()
+
+
+def test_onednn_caches_are_bounded_unless_the_environment_says_otherwise(monkeypatch):
+    from tapllm.utils.platform import ONEDNN_CACHE_ENTRIES, bound_onednn_caches
+
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "500")
+    assert bound_onednn_caches() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "500",
+                                     "LRU_CACHE_CAPACITY": str(ONEDNN_CACHE_ENTRIES)}

@@ -48,6 +48,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        engine.input_processor.grammars.warm_in_background()
         self.stats = LoopStats(engine.stats())
         self._inbox: queue.SimpleQueue[_Stream | str] = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -228,4 +228,5 @@ def run_core(config: Any, sae_entries: list[str], address: str, parent_pid: int,
         name, _, path = entry.partition("=")
         register_sae(name, path)
     engine = LLMEngine.from_config(config)
+    engine.input_processor.grammars.warm_in_background()
     EngineCore(engine, address, parent_pid).run()

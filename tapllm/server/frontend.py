@@ -29,3 +29,4 @@ class EngineFrontend:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.input_processor = InputProcessor(model_config, config, self.tokenizer, point_shapes,
                                               context_limited_by_cache)
+        self.input_processor.grammars.warm_in_background()
