@@ -12,6 +12,7 @@ import torch
 
 from tapllm.quant.schemes import Quantization, parse_quantization
 from tapllm.utils.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
+from tapllm.utils.hf_config import read_hf_config
 
 logger = logging.getLogger("tapllm")
 
@@ -55,12 +56,11 @@ class ModelConfig:
     def from_folder(
         cls, path: Path, dtype: str | torch.dtype = "auto", device: torch.device | str | None = None
     ) -> ModelConfig:
-        """Read ``path/config.json`` (and generation_config.json for EOS ids).
+        """Read ``path/config.json`` (and generation_config.json for EOS ids) as transformers does
+        (see :mod:`tapllm.utils.hf_config`: transformers itself runs only the first time).
 
         ``device`` (default: CUDA when available, else CPU) decides what ``dtype="auto"`` means.
         """
-        from transformers import AutoConfig
-
         try:
             raw = json.loads((path / "config.json").read_text())
         except json.JSONDecodeError as exc:
@@ -72,7 +72,7 @@ class ModelConfig:
                 f"architectures {archs!r} in {path / 'config.json'} are not supported; "
                 f"supported: {', '.join(sorted(ARCHITECTURES))}"
             )
-        hf = AutoConfig.from_pretrained(str(path))
+        hf = read_hf_config(path)
         max_len = int(hf.max_position_embeddings)
         heads = int(hf.num_attention_heads)
         return cls(
@@ -218,6 +218,11 @@ class EngineConfig:
         kv_cache_precommit: commit the KV cache's memory at start-up (as vLLM's CPU backend
             does) instead of on first write: about 0.25 s per GB more start-up and the whole
             cache resident from the start, in exchange for no page faults inside steps.
+        release_memory_after_idle_s: in a server, once the engine has run nothing for this many
+            seconds, it hands memory back to the system (``LLMEngine.release_memory``): on CPU
+            the pages of free KV cache blocks (the prefixes they cached are forgotten; not with
+            ``kv_cache_precommit``) and the heap's free memory, so a burst of requests does not
+            leave the process bigger. ``None``: never.
         enable_prefix_caching: share KV blocks between requests with equal prefixes.
         seed: seeds the generators of requests that set no seed of their own.
         enable_hidden_states: serve ``hidden_states`` requests at all (a service may turn it off).
@@ -271,6 +276,7 @@ class EngineConfig:
     kv_cache_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
     kv_cache_precommit: bool = False
+    release_memory_after_idle_s: float | None = 10.0
     enable_prefix_caching: bool = True
     seed: int = 0
     enable_hidden_states: bool = True
@@ -303,6 +309,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        idle = self.release_memory_after_idle_s
+        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int | float) or not idle >= 0):
+            raise ValueError(f"release_memory_after_idle_s must be a number of seconds >= 0 or None, got {idle!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None, got {self.max_model_len!r}")
         if self.trust_remote_code:

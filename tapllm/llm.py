@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from tapllm.config import EngineConfig
+from tapllm.engine.cached_tokenizer import CachedTokenizer
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.outputs import RequestOutput
@@ -61,8 +62,10 @@ class LLM:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's Hugging Face tokenizer."""
-        return self.engine.tokenizer
+        """The model's Hugging Face tokenizer (the engine itself runs it without transformers; this
+        loads transformers' object on first use)."""
+        tokenizer = self.engine.tokenizer
+        return tokenizer.hf if isinstance(tokenizer, CachedTokenizer) else tokenizer
 
     def generate(
         self,

@@ -265,3 +265,9 @@ def test_bad_recipe_input_gets_clear_errors(tiny8, tmp_path, capsys):
     assert "--aux-layers must name 3 layers" in err(good, tmp_path / "o3", "--aux-layers", "2,4")
     assert "--eagle3-formats must name some of" in err(good, tmp_path / "o4", "--eagle3-formats", "megatron")
     assert "--packing do not apply to --recipe eagle3" in err(good, tmp_path / "o5", "--packing")
+
+
+def test_the_command_line_names_the_recipes_layouts():
+    from tapllm.collect import eagle3, eagle3_cli
+
+    assert eagle3_cli.FORMATS == eagle3.FORMATS

@@ -4,6 +4,9 @@ source of csrc/ and generates the constants C++ shares with Python."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -44,3 +47,66 @@ def test_the_decoder_runner_counts_the_slots_of_the_python_table():
         ops.decoder_layers(x, params, torch.ones(1, 8), torch.zeros(1, 8), torch.zeros(1, dtype=torch.long),
                            torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1, 1, 8, 1e-6, 1.0,
                            [0], constants.ACT_SILU, False)
+
+
+def test_a_trial_that_passed_is_remembered_for_this_build_and_cpu(monkeypatch):
+    import tapllm.kernels as kernels
+    from tapllm.kernels.gemv import packed_gemv_ops
+    from tapllm.kernels.trials import cpu_identity, recall
+
+    ops = fused_kernels()
+    if ops is None:
+        pytest.skip("no C++ compiler here: the kernels cannot be built")
+    folder = kernels.build_folder(ops)
+    assert folder is not None and recall(folder, "kernels") is True
+    assert (folder / f"trials-{cpu_identity()}.json").is_file()
+    # A later start loads the same build without running the trials again ...
+    monkeypatch.setattr(kernels, "_state", {})
+    ran = []
+    monkeypatch.setattr(kernels, "_trial", lambda o: ran.append(o))
+    assert kernels.fused_kernels() is ops and ran == []
+    # ... unless asked to, or on another CPU (or with another kernel environment)
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("TAPLLM_KERNEL_TRIALS", "always")
+    assert kernels.fused_kernels() is ops and ran == [ops]
+    monkeypatch.delenv("TAPLLM_KERNEL_TRIALS")
+    before = cpu_identity()
+    monkeypatch.setenv("TAPLLM_NO_AVX512BF16", "1")
+    assert cpu_identity() != before and recall(folder, "kernels") is None
+    monkeypatch.delenv("TAPLLM_NO_AVX512BF16")
+    if packed_gemv_ops(ops, torch.bfloat16) is not None:
+        assert recall(folder, "packed_gemv_bf16") is True
+
+
+def test_the_trials_file_survives_damage(tmp_path):
+    from tapllm.kernels.trials import cpu_identity, recall, remember
+
+    assert recall(tmp_path, "kernels") is None
+    remember(tmp_path, "kernels", True)
+    remember(tmp_path, "packed_gemv_bf16", True)
+    assert recall(tmp_path, "kernels") is True and recall(tmp_path, "packed_gemv_bf16") is True
+    (tmp_path / f"trials-{cpu_identity()}.json").write_text("{not json")
+    assert recall(tmp_path, "kernels") is None  # a torn file: the trial runs again
+    remember(tmp_path, "kernels", True)
+    assert recall(tmp_path, "kernels") is True
+
+
+def test_a_cached_build_is_found_without_torchs_extension_helpers():
+    """A start that finds its build in the cache does not import torch.utils.cpp_extension (and setuptools)."""
+    if compiler() is None:
+        pytest.skip("no C++ compiler here: the kernels cannot be built")
+    fused_kernels()  # built and indexed by now
+    code = ("import sys\nfrom tapllm.kernels import fused_kernels\nassert fused_kernels() is not None\n"
+            "print('torch.utils.cpp_extension' in sys.modules, 'setuptools' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "False"]
+
+
+def test_python_m_tapllm_kernels_builds_tries_and_reports():
+    proc = subprocess.run([sys.executable, "-m", "tapllm.kernels"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    if compiler() is None:
+        assert "no C++ compiler" in proc.stdout
+        return
+    assert f"tapllm kernels: {kernels_status()}, ready in" in proc.stdout, proc.stdout

@@ -301,3 +301,17 @@ def _parsed(text: str) -> object:
         return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+def test_warm_tokenizer_is_the_one_requests_use(tiny_models):
+    from tapllm.engine.tokenizer import load_tokenizer
+    from tapllm.structured.compiler import GrammarCompiler
+    from tapllm.structured.params import StructuredOutputsParams
+
+    tok = load_tokenizer(tiny_models["llama"])
+    compiler = GrammarCompiler(tok, len(tok), [0])
+    compiler.warm_in_background().join(timeout=120)
+    built = compiler._lltokenizer
+    assert built is not None
+    grammar = compiler.compile(StructuredOutputsParams(choice=["yes", "no"]))
+    assert compiler.matcher(grammar) is not None and compiler._lltokenizer is built

@@ -1,4 +1,4 @@
-"""Command line: ``tapllm generate``, ``encode``, ``lens``, ``features``, ``serve`` and ``collect``.
+"""Command line: ``tapllm generate``, ``encode``, ``lens``, ``features``, ``serve``, ``collect`` and ``prepare``.
 
 One module per subcommand (``generate`` holds ``encode`` too), each with ``add_parser`` and
 ``run``; the flags they share are in ``args``.

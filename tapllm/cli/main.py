@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
-from tapllm.cli import collect, features, generate, lens, serve
+from tapllm.cli import collect, features, generate, lens, prepare, serve
 
 # What runs each subcommand (generate and encode share one module).
 _RUN = {"generate": generate.run, "encode": generate.run, "lens": lens.run, "features": features.run,
-        "serve": serve.run, "collect": collect.run}
+        "serve": serve.run, "collect": collect.run, "prepare": prepare.run}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     features.add_parser(sub)
     serve.add_parser(sub)
     collect.add_parser(sub)
+    prepare.add_parser(sub)
     return parser
 
 
@@ -38,3 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        # The process exits next: frozen objects are skipped by the collections the interpreter
+        # runs while it shuts down, which otherwise walk torch's and the model's ~170k objects
+        # several times (0.4 s of a one-token `tapllm generate` on 2 cores).
+        gc.freeze()

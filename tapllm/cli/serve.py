@@ -61,66 +61,91 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="engine core processes (replicas, each with its own KV cache and its share of the CPU "
                      "cores); requests go to the replica holding their prompt's prefix, else the least busy "
                      "(default 1)")
+    srv.add_argument("--release-memory-after-idle", dest="release_memory_after_idle_s", type=_seconds_or_never,
+                     default=10.0, metavar="SECONDS",
+                     help="once no request has run for this long, hand memory back to the system: the pages of free "
+                     "KV cache blocks (their cached prefixes are forgotten) and the heap's free memory (default 10; "
+                     "'never' keeps it)")
     srv.add_argument("--no-engine-process", action="store_true",
                      help="run the engine on a thread of the API server's process instead of in a process of its "
                      "own (as vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     add_engine_args(srv)
 
 
+def _seconds_or_never(text: str) -> float | None:
+    if text == "never":
+        return None
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'never', got {text!r}")
+    return value
+
+
 def _register_saes(entries: list[str]) -> None:
     """``--sae NAME=PATH`` entries, loaded and registered before the server starts."""
+    from tapllm.cli.preflight import parse_sae_entries
     from tapllm.sae.features import register_sae
 
-    for entry in entries:
-        name, sep, path = entry.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--sae: expected NAME=PATH, got {entry!r}")
+    for name, path in parse_sae_entries(entries):
         logging.getLogger("tapllm").info("serving SAE %s: %r", name, register_sae(name, path))
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until a signal."""
-    from tapllm.config import EngineConfig
-    from tapllm.engine.llm_engine import LLMEngine
+    """Serve until a signal.
+
+    The flags, the files they name, the SAE entries and the port are checked first, in a fraction
+    of a second (nothing imported yet but the standard library); then the SAEs and the model load.
+    """
+    from tapllm.cli.preflight import check_serve_files, parse_sae_entries, reserve_port
 
     if args.model is not None and args.model_path is not None:
         raise ValueError("give the model either as MODEL or as --model, not both")
-    for flag in ("max_request_bytes", "max_prompts_per_request", "max_connections"):
+    for flag in ("max_request_bytes", "max_prompts_per_request", "max_connections", "api_server_count",
+                 "data_parallel_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     for flag in ("keep_alive_timeout", "header_read_timeout", "body_read_timeout", "shutdown_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.no_engine_process and (args.api_server_count != 1 or args.data_parallel_size != 1):
+        raise ValueError("--api-server-count and --data-parallel-size need the engine core process: "
+                         "drop --no-engine-process")
     api_key = _api_key(args)
-    _register_saes(args.sae)
+    parse_sae_entries(args.sae)
     model = args.model_path or args.model
+    check_serve_files(args, model)
+    sock = reserve_port(args.host, args.port)
+    try:
+        return _load_and_serve(args, model, api_key, sock)
+    finally:
+        sock.close()
+
+
+def _load_and_serve(args: argparse.Namespace, model: str | None, api_key: str | None, sock: Any) -> int:
+    from tapllm.config import EngineConfig
+    from tapllm.engine.llm_engine import LLMEngine
+
     config = EngineConfig.from_cli_args(args, model=model)
+    config.validate()
     name = args.served_model_name or _model_name(model)
-    for flag in ("api_server_count", "data_parallel_size"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    # A SIGTERM while the SAEs and cores load (before uvicorn handles signals) stops the cores too.
+    signal.signal(signal.SIGTERM, _stop_before_serving)
+    _register_saes(args.sae)
     if args.no_engine_process:
-        if args.api_server_count != 1 or args.data_parallel_size != 1:
-            raise ValueError("--api-server-count and --data-parallel-size need the engine core process: "
-                             "drop --no-engine-process")
-        return _serve_app(args, LLMEngine.from_config(config), name, api_key)
-    from tapllm.server.api_servers import bind, serve_many
+        return _serve_app(args, LLMEngine.from_config(config), name, api_key, sock=sock)
+    from tapllm.server.api_servers import serve_many
     from tapllm.server.core_client import CoreProcess, connect
 
-    config.validate()
-    # A SIGTERM while the cores load (before uvicorn handles signals) stops the cores too.
-    signal.signal(signal.SIGTERM, _stop_before_serving)
-    sock = bind(args.host, args.port) if args.api_server_count > 1 else None
     n = args.data_parallel_size
     cpus = _cpu_shares(n, args.api_server_count)
     cores: list[CoreProcess] = []
     try:
         cores.extend(CoreProcess(config, list(args.sae), args.quiet, cpus[i], i) for i in range(n))
-        if sock is not None:
+        if args.api_server_count > 1:
             return serve_many(args.api_server_count, cores, sock, _api_server, (args, config, name, api_key))
         client = connect([c.address for c in cores], [c.pid for c in cores], config)
         logging.getLogger("tapllm").info("engine core(s) running in process(es) %s", [c.pid for c in cores])
-        return _serve_app(args, client, name, api_key)
+        return _serve_app(args, client, name, api_key, sock=sock)
     finally:
         for core in cores:
             core.stop()

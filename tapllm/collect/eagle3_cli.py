@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from tapllm.collect.eagle3 import FORMATS, Eagle3Settings
+if TYPE_CHECKING:
+    from tapllm.collect.eagle3 import Eagle3Settings
+
+# The recipe module imports torch; the parser is built before torch is imported (tapllm.cli),
+# so the layouts are named here and checked against eagle3.FORMATS by a test.
+FORMATS = ("speculators", "specforge", "tapllm")
 
 
 def add_arguments(col: argparse.ArgumentParser) -> None:
@@ -29,6 +35,8 @@ def settings(args: argparse.Namespace) -> Eagle3Settings | None:
     """The recipe's settings from the command line (``None`` without ``--recipe``)."""
     if args.recipe is None:
         return None
+    from tapllm.collect.eagle3 import Eagle3Settings
+
     aux = None
     if args.aux_layers is not None:
         try:

@@ -138,6 +138,17 @@ class BlockManager:
                 self.block_hash[b] = h
                 self.cached[h] = b
 
+    def forget_free_blocks(self) -> list[int]:
+        """Forget the prefixes cached in free blocks (their content is about to be dropped); the
+        free blocks, in ascending order."""
+        for b in self.free:
+            h = self.block_hash[b]
+            if h is not None:
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.block_hash[b] = None
+        return sorted(self.free)
+
     def free_request(self, req: Request) -> None:
         """Drop the request's references. Blocks holding a cached prefix go to the back of the
         LRU list (tail first); blocks holding nothing reusable go to the front, so they are

@@ -23,7 +23,7 @@ import torch
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.logits_processors import resolve_controls, tokenize_bad_words
-from tapllm.engine.tokenizer import render_chat
+from tapllm.engine.chat import render_chat
 from tapllm.hidden_states.resolved import Selection, resolve
 from tapllm.hidden_states.spec import PSEUDO_POINTS
 from tapllm.sae.features import resolve_features

@@ -2,18 +2,24 @@
 
 :func:`fused_kernels` returns the op namespace of the variant that fits this CPU (AVX512,
 AVX2 or generic, following the instruction set torch's own kernels dispatch to), after a
-trial run of every op against plain PyTorch; ``None`` (and a logged reason) when there is no
+trial run of every op against plain PyTorch (once per build and CPU: a pass is remembered beside
+the build, see :mod:`tapllm.kernels.trials`); ``None`` (and a logged reason) when there is no
 compiler, the build or the trial fails, the device is not a CPU, or ``TAPLLM_KERNELS=0``.
 Callers then keep the eager PyTorch code, which stays the reference.
+
+``python -m tapllm.kernels`` builds and tries them ahead of time (``scripts/install.sh`` does).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from tapllm.kernels.trials import recall, remember
 
 logger = logging.getLogger("tapllm")
 
@@ -41,6 +47,11 @@ def fused_kernels() -> Any | None:
     return _state["ops"]
 
 
+def build_folder(ops: Any) -> Path | None:
+    """The cache folder of the build ``ops`` came from: None unless ``ops`` are this process's loaded kernels."""
+    return _state.get("folder") if ops is not None and ops is _state.get("ops") else None
+
+
 def kernels_status() -> str:
     """One line: which kernels run, or why none do (after :func:`fused_kernels` was called)."""
     fused_kernels()
@@ -59,11 +70,15 @@ def _load() -> tuple[Any | None, str]:
         if not hasattr(torch.ops, ns) or not hasattr(getattr(torch.ops, ns), "decode_attention"):
             torch.ops.load_library(str(path))
         ops = getattr(torch.ops, ns)
-        problem = _trial(ops)
+        tried = not recall(path.parent, "kernels")
+        problem = _trial(ops) if tried else None
     except Exception as exc:  # noqa: BLE001 - any failure means: keep the eager path
         return None, f"{name} build/load failed: {str(exc).strip().splitlines()[-1][:300]}"
     if problem:
         return None, f"{name} kernels disagree with PyTorch: {problem}"
+    if tried:
+        remember(path.parent, "kernels", True)
+    _state["folder"] = path.parent
     return ops, f"{name} ({path.parent.name})"
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from tapllm.utils.cache import cache_root
+
 logger = logging.getLogger("tapllm")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -53,9 +55,7 @@ def cache_dir() -> Path:
     (``$TAPLLM_CACHE`` or ``~/.cache/tapllm``, as for converted checkpoints)."""
     if os.environ.get("TAPLLM_KERNEL_CACHE"):
         return Path(os.environ["TAPLLM_KERNEL_CACHE"])
-    root = os.environ.get("TAPLLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tapllm")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def compiler() -> str | None:
@@ -136,26 +136,63 @@ def build(variant: str) -> Path:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    flags = " ".join(_compile_flags(variant) + _link_flags())  # every flag and include path
     header = constants_header()
-    key_parts = [*(f.read_bytes() for f in SOURCES + HEADERS), header.encode(), torch.__version__.encode(),
+    sources = [f.read_bytes() for f in SOURCES + HEADERS]
+    known = _recall_folder(variant, _quick_key(cxx, sources, header))
+    if known is not None:
+        return known
+    flags = " ".join(_compile_flags(variant) + _link_flags())  # every flag and include path
+    key_parts = [*sources, header.encode(), torch.__version__.encode(),
                  str(torch.version.git_version).encode(), _compiler_version(cxx).encode(), flags.encode(),
                  sys.version.encode()]
     key = hashlib.sha256(b"\0".join(key_parts)).hexdigest()[:16]
     folder = cache_dir() / f"{variant}-{key}"
     target = folder / f"libtapllm_{variant}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same variant
-        if target.exists():
-            return target
-        t0 = time.perf_counter()
-        logger.info("building tapllm's %s kernels (once; cached in %s)", variant, folder)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            out = Path(tmp) / target.name
-            _compile(cxx, variant, Path(tmp), out, header)
-            os.replace(out, target)  # atomic: a reader sees the whole library or none
-        logger.info("built tapllm's %s kernels in %.1fs", variant, time.perf_counter() - t0)
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same variant
+            if not target.exists():
+                t0 = time.perf_counter()
+                logger.info("building tapllm's %s kernels (once; cached in %s)", variant, folder)
+                with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                    out = Path(tmp) / target.name
+                    _compile(cxx, variant, Path(tmp), out, header)
+                    os.replace(out, target)  # atomic: a reader sees the whole library or none
+                logger.info("built tapllm's %s kernels in %.1fs", variant, time.perf_counter() - t0)
+    _remember_folder(variant, _quick_key(cxx, sources, header), folder)
     return target
+
+
+# The full key needs torch's include and library paths, and reading them imports
+# torch.utils.cpp_extension (and setuptools with it), which costs a start more than everything
+# else here. Those paths, the ABI flag and the compiler's version are functions of torch's
+# installation and of the compiler binary, so a quick key over those (and the sources) names the
+# folder the full key gave last time: ``index/<variant>-<quick key>`` holds its name.
+def _quick_key(cxx: str, sources: list[bytes], header: str) -> str:
+    real = Path(cxx).resolve()
+    st = real.stat()
+    parts = [*sources, header.encode(), torch.__version__.encode(), str(torch.version.git_version).encode(),
+             str(Path(torch.__file__).resolve()).encode(), f"{real}|{st.st_size}|{st.st_mtime_ns}".encode(),
+             sys.version.encode(), sysconfig.get_paths()["include"].encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _recall_folder(variant: str, quick: str) -> Path | None:
+    try:
+        name = (cache_dir() / "index" / f"{variant}-{quick}").read_text().strip()
+    except OSError:
+        return None
+    target = cache_dir() / name / f"libtapllm_{variant}.so"
+    return target if name.startswith(f"{variant}-") and target.exists() else None
+
+
+def _remember_folder(variant: str, quick: str, folder: Path) -> None:
+    index = cache_dir() / "index" / f"{variant}-{quick}"
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f".{index.name}.{os.getpid()}")
+        tmp.write_text(folder.name)
+        os.replace(tmp, index)
+    except OSError:  # a read-only cache: the full key is computed again next time
+        pass

@@ -7,7 +7,7 @@ ones keep oneDNN's call. It assumes oneDNN's AVX512 layouts (bf16: blocks of 64 
 pairs; float32: 64 outputs x inputs), so it is used only after this module's probe ran it, per
 dtype, against oneDNN on shapes that pad both dimensions; any other layout (an AMX machine's, a
 future oneDNN's) or a CPU without AVX512-BF16 (bf16) or AVX512 (float32) keeps oneDNN, and the
-log says so.
+log says so. A passing probe is remembered beside the kernel build (:mod:`tapllm.kernels.trials`).
 ``TAPLLM_PACKED_GEMV=0`` turns it off.
 """
 
@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from tapllm.kernels import build_folder
 from tapllm.kernels.constants import GEMV_MAX_ROWS
+from tapllm.kernels.trials import recall, remember
 
 logger = logging.getLogger("tapllm")
 
@@ -28,6 +30,7 @@ MAX_ROWS = GEMV_MAX_ROWS  # the C++ kernel and the decoder runner read the same 
 _NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # the dtypes the kernel reads
 
 _state: dict[tuple[int, torch.dtype], tuple[bool, str]] = {}
+_ON = "on (oneDNN's packed layout read in place)"
 
 
 def packed_gemv_ops(ops: Any, dtype: torch.dtype = torch.bfloat16) -> Any | None:
@@ -62,6 +65,19 @@ def _probe(ops: Any, dtype: torch.dtype) -> tuple[bool, str]:
         return False, "off (no AVX512 in this build): oneDNN's call"
     if dtype not in cpu_support().packable:
         return False, f"off ({_NAMES[dtype]} weights are not packed here)"
+    trial = f"packed_gemv_{_NAMES[dtype]}"
+    folder = build_folder(ops)
+    if recall(folder, trial):
+        return True, _ON
+    problem = _compare_with_onednn(ops, dtype)
+    if problem is not None:
+        return False, problem
+    remember(folder, trial, True)
+    return True, _ON
+
+
+def _compare_with_onednn(ops: Any, dtype: torch.dtype) -> str | None:
+    """Run the kernel against oneDNN on shapes that pad both dimensions; why it is off, or None."""
     g = torch.Generator().manual_seed(0)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     try:
@@ -77,7 +93,7 @@ def _probe(ops: Any, dtype: torch.dtype) -> tuple[bool, str]:
                     got = ops.packed_linear(x, view, bias).float()
                     err = ((got - want).norm() / want.norm()).item()
                     if not err < tol:  # a wrong layout gives an error of order 1
-                        return False, f"off (disagrees with oneDNN at {n}x{k}, {rows} rows: {err:.2e}): oneDNN's call"
+                        return f"off (disagrees with oneDNN at {n}x{k}, {rows} rows: {err:.2e}): oneDNN's call"
     except Exception as exc:  # noqa: BLE001 - any failure means: keep oneDNN's call
-        return False, f"off ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}): oneDNN's call"
-    return True, "on (oneDNN's packed layout read in place)"
+        return f"off ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}): oneDNN's call"
+    return None

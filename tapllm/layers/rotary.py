@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tapllm.utils.hf_config import as_transformers_config
+
 
 def _inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     params = getattr(hf_config, "rope_parameters", None) or {}
@@ -25,7 +27,7 @@ def _inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) -> t
     # whatever device the model is being built on (its helpers make tensors on the ambient one).
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
     with torch.device("cpu"):
-        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
+        return ROPE_INIT_FUNCTIONS[rope_type](as_transformers_config(hf_config), torch.device("cpu"), **kwargs)
 
 
 class RotaryEmbedding(nn.Module):
@@ -81,6 +83,7 @@ class LongRopeEmbedding(nn.Module):
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         init = ROPE_INIT_FUNCTIONS["longrope"]
+        hf_config = as_transformers_config(hf_config)
         self.original_max = int(hf_config.rope_parameters["original_max_position_embeddings"])
         with torch.device("cpu"):  # see _inv_freq
             short, self.scale = init(hf_config, torch.device("cpu"))

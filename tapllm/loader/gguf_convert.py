@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from tapllm.utils.cache import cache_root
 from tapllm.utils.files import atomic_path
 
 logger = logging.getLogger("tapllm")
@@ -216,15 +216,6 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "phi3": GGUFArch(_PHI3_BLOCK, _LLAMA_TOP, configure=_phi3_configure,
                      config_tensors=("rope_factors_long.weight", "rope_factors_short.weight")),
 }
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints live: ``$TAPLLM_CACHE`` or ``~/.cache/tapllm``."""
-    env = os.environ.get("TAPLLM_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tapllm"
 
 
 def _cache_key(path: Path) -> str:

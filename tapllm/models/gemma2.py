@@ -18,6 +18,7 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata
+from tapllm.layers.embedding import embedding
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import GemmaRMSNorm
 from tapllm.layers.rotary import RotaryEmbedding
@@ -77,7 +78,7 @@ class Gemma2ForCausalLM(CausalLM):
         self.rope_of_layer = [self.rope_kind(i) for i in range(cfg.num_layers)]
         bias = bool(getattr(hf, "attention_bias", False))
         act = activation(hf)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         # transformers keeps sqrt(hidden) as a float32 tensor and casts it to the weights' dtype.
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5).to(cfg.dtype), persistent=False)
         self.layers = nn.ModuleList(

@@ -19,6 +19,7 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata
+from tapllm.layers.embedding import embedding
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import LayerNorm
 from tapllm.models.base import MLP, Attention, CausalLM, KVCache, Placement, activation
@@ -71,8 +72,8 @@ class GPT2LMHeadModel(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         hf = cfg.hf_config
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
-        self.embed_positions = nn.Embedding(int(hf.n_positions), cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        self.embed_positions = embedding(int(hf.n_positions), cfg.hidden_size, cfg.dtype)
         self.layers = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = LayerNorm(cfg.hidden_size, float(hf.layer_norm_epsilon), cfg.dtype)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)

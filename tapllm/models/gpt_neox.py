@@ -22,6 +22,7 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata
+from tapllm.layers.embedding import embedding
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import LayerNorm
 from tapllm.layers.rotary import RotaryEmbedding
@@ -66,7 +67,7 @@ class GPTNeoXForCausalLM(CausalLM):
         super().__init__(cfg)
         hf = cfg.hf_config
         self.rotary = RotaryEmbedding(hf, rotary_dims(cfg), cfg.max_model_len)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         self.layers = nn.ModuleList(GPTNeoXLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = LayerNorm(cfg.hidden_size, float(hf.layer_norm_eps), cfg.dtype)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)

@@ -12,6 +12,7 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata
+from tapllm.layers.embedding import embedding
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import RotaryEmbedding
@@ -56,7 +57,7 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(hf, cfg.head_dim, cfg.max_model_len)
         qkv_bias, o_bias = self.attention_biases()
         mlp_bias = bool(getattr(hf, "mlp_bias", False))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.attention_cls(cfg, i, qkv_bias=qkv_bias, o_bias=o_bias),
                          GatedMLP(cfg, F.silu, mlp_bias))

@@ -14,6 +14,7 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata
+from tapllm.layers.embedding import embedding
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNormScaledInFloat32
 from tapllm.layers.rotary import RotaryEmbedding
@@ -62,7 +63,7 @@ class Olmo2ForCausalLM(CausalLM):
         super().__init__(cfg)
         hf = cfg.hf_config
         self.rotary = RotaryEmbedding(hf, cfg.head_dim, cfg.max_model_len)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         self.layers = nn.ModuleList(Olmo2DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNormScaledInFloat32(cfg.hidden_size, float(hf.rms_norm_eps), cfg.dtype)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)

@@ -19,6 +19,7 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.layers.attention import AttentionMetadata
+from tapllm.layers.embedding import embedding
 from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import LongRopeEmbedding, RotaryEmbedding
@@ -41,7 +42,7 @@ class Phi3ForCausalLM(CausalLM):
         else:
             self.rotary = RotaryEmbedding(hf, rotary_dim, cfg.max_model_len)
         eps = float(hf.rms_norm_eps)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, _freeze=True)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, Attention(cfg, i, qkv_bias=False, o_bias=False, rotary_dim=rotary_dim),
                          GatedMLP(cfg, activation(cfg.hf_config.hidden_act)))

@@ -1,10 +1,11 @@
 """Several API server processes in front of one engine core (``tapllm serve --api-server-count N``).
 
-The parent process binds the listening socket, starts the core, then N API server processes
-that share that socket (the kernel spreads connections among them) and each talk to the core
-over their own ZMQ connection. Each does HTTP, validation, tokenization, chat templates and
-the encoding of states for the requests it accepted; each keeps its own Prometheus counters
-(the engine's gauges, read from the core, are the same in all).
+The parent process opens the listening socket (before anything loads: ``tapllm/cli/preflight.py``),
+starts the core, then N API server processes that share that socket and accept on it (the kernel
+spreads connections among them) and each talk to the core over their own ZMQ connection. Each
+does HTTP, validation, tokenization, chat templates and the encoding of states for the requests it
+accepted; each keeps its own Prometheus counters (the engine's gauges, read from the core, are
+the same in all).
 
 The parent forwards SIGTERM/SIGINT to the API servers (which sit in process groups of their
 own, so a terminal's Ctrl-C reaches them once, through the parent); each drains as a single
@@ -26,17 +27,6 @@ from typing import Any
 from tapllm.server.core_client import CoreProcess
 
 logger = logging.getLogger("tapllm")
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket all API servers accept on."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
 
 
 def serve_many(count: int, cores: list[CoreProcess], sock: socket.socket, target: Callable[..., Any],

@@ -48,6 +48,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        engine.input_processor.grammars.warm_in_background()
         self.stats = LoopStats(engine.stats())
         self._inbox: queue.SimpleQueue[_Stream | str] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -131,6 +132,7 @@ class AsyncEngine:
             self._drain_inbox()
             if not engine.has_unfinished_requests():
                 self.stats.engine = engine.stats()
+                engine.release_memory_if_idle()
                 self._wake.wait(timeout=0.5)
                 continue
             try:

@@ -92,8 +92,10 @@ class EngineCore:
                     break
                 if engine.has_unfinished_requests():
                     self._step()
-                elif time.monotonic() - self._last_sent > _IDLE_POLL_MS / 1000:
+                    continue
+                if time.monotonic() - self._last_sent > _IDLE_POLL_MS / 1000:
                     self._send_figures()
+                engine.release_memory_if_idle()
         finally:
             self.sock.close()
             self.ctx.term()
@@ -226,4 +228,5 @@ def run_core(config: Any, sae_entries: list[str], address: str, parent_pid: int,
         name, _, path = entry.partition("=")
         register_sae(name, path)
     engine = LLMEngine.from_config(config)
+    engine.input_processor.grammars.warm_in_background()
     EngineCore(engine, address, parent_pid).run()

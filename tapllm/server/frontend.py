@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.input_processor import InputProcessor
-from tapllm.engine.tokenizer import load_chat_template, load_tokenizer
+from tapllm.engine.chat import load_chat_template
+from tapllm.engine.tokenizer import load_tokenizer
 
 
 class EngineFrontend:
@@ -28,3 +29,4 @@ class EngineFrontend:
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.input_processor = InputProcessor(model_config, config, self.tokenizer, point_shapes,
                                               context_limited_by_cache)
+        self.input_processor.grammars.warm_in_background()

@@ -12,8 +12,10 @@ In order, before the request body is read or parsed:
    anything is read, or counted for a chunked body) within ``body_timeout`` seconds (408),
    and handed to the app in one piece.
 
-After a request with a large body (1 MiB or more) the free heap is handed back to the kernel
-(``malloc_trim``, on a worker thread), so rare large bodies do not leave the process bigger.
+After a request with a large body (1 MiB or more), and once no request has been in flight for
+:data:`IDLE_TRIM_S` seconds, the free heap is handed back to the kernel (``malloc_trim``, on a
+worker thread), so rare large bodies and bursts of requests (their encoded states, their
+responses) do not leave the process bigger.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tapllm.utils.platform import release_free_memory
 
 UNMATCHED = "unmatched"
 LARGE_BODY = 1 << 20
+IDLE_TRIM_S = 2.0
 OPEN_PATHS = frozenset({"/health"})
 
 
@@ -57,6 +60,8 @@ class Guard:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self._trimming: asyncio.Future | None = None
+        self._inflight = 0
+        self._idle_trim: asyncio.TimerHandle | None = None
 
     def route_of(self, scope: Scope) -> tuple[str, bool]:
         """The template of the route ``scope`` goes to (also on a wrong method), or ``unmatched``;
@@ -91,11 +96,18 @@ class Guard:
             return
         if receive is None:  # the client left while sending its body
             return
+        self._inflight += 1
+        if self._idle_trim is not None:
+            self._idle_trim.cancel()
+            self._idle_trim = None
         try:
             await self.app(scope, receive, counted_send)
         finally:
+            self._inflight -= 1
             if getattr(receive, "body_size", 0) >= LARGE_BODY:
                 self._trim_soon()
+            elif self._inflight == 0:
+                self._idle_trim = asyncio.get_running_loop().call_later(IDLE_TRIM_S, self._trim_soon)
 
     def _trim_soon(self) -> None:
         if self._trimming is None or self._trimming.done():

@@ -19,7 +19,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from tapllm.engine.tokenizer import render_chat
+from tapllm.engine.chat import render_chat
 from tapllm.server.bodies import parse_body
 from tapllm.server.errors import APIError
 from tapllm.server.schema import ChatCompletionRequest

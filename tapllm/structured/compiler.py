@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tapllm.structured.params import StructuredOutputsParams
+from tapllm.utils.platform import release_free_memory
 
 CACHE_SIZE = 256  # compiled grammars (and specs) kept, least recently used dropped first
 
@@ -81,6 +82,25 @@ class GrammarCompiler:
         self._grammars: OrderedDict[tuple, Grammar] = OrderedDict()  # spec key -> its grammar
         self._cache: OrderedDict[str, Any] = OrderedDict()  # grammar text -> compiled matcher (start state)
         self._lock = threading.Lock()
+
+    def warm_in_background(self) -> threading.Thread:
+        """Build the llguidance tokenizer now, on a daemon thread (a server calls this at start, as
+        SGLang builds its grammar backend at start): the first constrained request does not pay
+        its second, and the memory it holds counts in the server's baseline instead of looking like
+        a leak after the first burst. A tokenizer llguidance cannot take is reported, as ever, to
+        the request that needs it."""
+
+        def build() -> None:
+            with self._lock:
+                try:
+                    self._tokenizer()
+                except ValueError:
+                    pass
+            release_free_memory()  # the build's temporaries
+
+        thread = threading.Thread(target=build, name="tapllm-grammar-tokenizer", daemon=True)
+        thread.start()
+        return thread
 
     def compile(self, params: StructuredOutputsParams) -> Grammar:
         """``params`` as a checked :class:`Grammar`; ``ValueError`` naming the field if it does not compile."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
+import mmap
 import os
 import sys
 from dataclasses import dataclass
@@ -14,6 +16,16 @@ import torch
 from tapllm.utils.dtypes import dtype_name
 
 logger = logging.getLogger("tapllm")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library (looked up once: ``find_library`` runs ``ldconfig``), or None where there is none."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -33,11 +45,8 @@ def tune_cpu_allocator() -> bool:
     global _tuned
     if _tuned or os.environ.get("TAPLLM_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
         return _tuned
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not glibc (e.g. musl): nothing to tune
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 and mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1
     _tuned = ok
@@ -50,13 +59,11 @@ def trim_heap() -> bool:
     """Hand the heap's free memory back to the kernel once (glibc ``malloc_trim``): after loading,
     the load's temporaries (e.g. float rows quantized one tensor at a time) would otherwise stay
     resident under :func:`tune_cpu_allocator`'s settings. True when it ran."""
-    if not sys.platform.startswith("linux"):
+    trim = getattr(_libc(), "malloc_trim", None) if sys.platform.startswith("linux") else None
+    if trim is None:  # not glibc
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0)) or True
-    except (OSError, AttributeError):  # not glibc
-        return False
+    trim(0)
+    return True
 
 
 def available_memory_bytes() -> int | None:
@@ -82,12 +89,50 @@ def release_free_memory() -> bool:
     large request (a multi-megabyte HTTP body) used stays with the process; calling this
     after such a request returns it without giving up the per-step gain.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return False
-    return bool(trim(0))
+    trim = getattr(_libc(), "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
+
+
+# oneDNN (bf16 and fp16 matmuls on CPU) keeps a compiled primitive per matrix shape in two LRU
+# caches of 1,024 entries each: its own and the one of ideep, torch's wrapper. Every distinct row
+# count of a prefill chunk or a batch is a new shape, ~0.3-0.6 MB each, so a server's resident
+# memory grew by ~100 MB per burst of mixed requests and never came back. 64 entries hold the
+# shapes of ~10 row counts for every weight of a step (a step uses 5-6), and bound the caches.
+_ONEDNN_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+ONEDNN_CACHE_ENTRIES = 64
+
+
+def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> dict[str, str]:
+    """Cap oneDNN's and ideep's primitive caches at ``entries`` unless the environment already
+    sets them (both read their variable on first use, so this works after ``import torch`` as
+    long as no bf16/fp16 matmul ran yet). The values in force."""
+    for name in _ONEDNN_CACHE_ENV:
+        os.environ.setdefault(name, str(entries))
+    return {name: os.environ[name] for name in _ONEDNN_CACHE_ENV}
+
+
+_MADV_DONTNEED = 4  # Linux's value (mmap.MADV_DONTNEED where Python defines it)
+
+
+def release_pages(address: int, length: int) -> int:
+    """Hand back the whole pages of ``[address, address + length)`` in private anonymous memory
+    (``madvise(MADV_DONTNEED)``): they leave the resident set and read as zeros when next touched.
+
+    Only for memory whose content may be lost (e.g. KV cache blocks nobody uses); the partial
+    pages at either end are kept. Returns the bytes handed back (0 off Linux or on failure).
+    """
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    end = (address + length) // page * page
+    if end <= start or not sys.platform.startswith("linux"):
+        return 0
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None:
+        return 0
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    advice = getattr(mmap, "MADV_DONTNEED", _MADV_DONTNEED)
+    return end - start if madvise(start, end - start, advice) == 0 else 0
 
 
 @dataclass(frozen=True, slots=True)
