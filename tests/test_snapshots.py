@@ -162,3 +162,34 @@ def test_snapshots_travel_to_other_processes(default_model_folder, tmp_path, cac
     tok.chat_template = "{{ messages[0]['content'] }}"
     copy = pickle.loads(pickle.dumps(tok))
     assert copy.encode(TEXTS[3]) == tok.encode(TEXTS[3]) and copy.chat_template == tok.chat_template
+
+
+def test_threads_that_first_need_transformers_together_all_get_it(default_model_folder, tmp_path):
+    """A server renders chat templates on many threads at once; the first ones import transformers."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, threading\n"
+        "from pathlib import Path\n"
+        "from tapllm.engine.cached_tokenizer import read_tokenizer\n"
+        f"tok = read_tokenizer(Path({str(default_model_folder)!r}))\n"
+        "if 'transformers' in sys.modules:\n"
+        "    sys.exit(0)  # the first read made the snapshot with transformers; the next process checks\n"
+        "got, errors, start = [], [], threading.Barrier(8)\n"
+        "def use():\n"
+        "    start.wait()\n"
+        "    try:\n"
+        "        got.append(tok.hf)\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=use) for _ in range(8)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "assert not errors, errors\n"
+        "assert len(got) == 8 and all(g is got[0] for g in got)\n"
+    )
+    env = {**os.environ, "TAPLLM_CACHE": str(tmp_path / "cache")}
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from tokenizers import Tokenizer
 from tapllm.utils.cache import cache_root, files_key
 from tapllm.utils.files import atomic_path
 from tapllm.utils.hf_config import transformers_version
+
+_HF_LOAD = threading.Lock()  # the first load of transformers' tokenizer (see CachedTokenizer.hf)
 
 logger = logging.getLogger("tapllm")
 
@@ -71,10 +74,15 @@ class CachedTokenizer:
     def hf(self) -> Any:
         """The transformers tokenizer of the same files (imports transformers on first use)."""
         if self._hf is None:
-            from transformers import AutoTokenizer
+            # A server renders chat templates on several threads at once; transformers' lazy
+            # module is not safe to import from two of them ("cannot import name AutoTokenizer").
+            with _HF_LOAD:
+                if self._hf is None:
+                    from transformers import AutoTokenizer
 
-            self._hf = AutoTokenizer.from_pretrained(str(self._folder))
-            self._hf.chat_template = self._chat_template
+                    hf = AutoTokenizer.from_pretrained(str(self._folder))
+                    hf.chat_template = self._chat_template
+                    self._hf = hf
         return self._hf
 
     @property
