@@ -20,7 +20,8 @@ from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.block_manager import BlockManager
 from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.input_processor import InputProcessor
-from tapllm.engine.kv_memory import release_free_blocks
+from tapllm.engine.kv_memory import IdleRelease
+from tapllm.engine.model_source import resolve_model_config
 from tapllm.engine.model_runner import ModelRunner, StepResult
 from tapllm.engine.output_processor import OutputProcessor
 from tapllm.engine.prompt_logprobs import PromptLogprobs
@@ -30,13 +31,12 @@ from tapllm.engine.scheduler import ScheduledItem, Scheduler
 from tapllm.engine.chat import load_chat_template
 from tapllm.engine.tokenizer import load_tokenizer
 from tapllm.hidden_states.capture import RequestCapture
-from tapllm.loader import resolve_model, resolve_tokenizer
 from tapllm.models.shapes import point_shapes
 from tapllm.outputs import RequestOutput
 from tapllm.sae.features import DeviceSAEs
 from tapllm.structured.compiler import Grammar
 from tapllm.utils.collector import paused_collector
-from tapllm.utils.platform import bound_onednn_caches, release_free_memory, resolve_device
+from tapllm.utils.platform import bound_onednn_caches, resolve_device
 
 logger = logging.getLogger("tapllm")
 
@@ -79,8 +79,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
         self.last_step_tokens = 0  # tokens the latest step ran (prompt chunks and decodes): a metric
-        self._last_active = time.monotonic()  # the end of the latest step (see release_memory_if_idle)
-        self._released = True  # nothing to hand back until a step has run
+        self.idle = IdleRelease(self.runner, self.blocks, engine_config)
         # The loaded model, tokenizer and grammar tables are long-lived: frozen out of the collector's
         # generations, they are no longer walked by every full collection of the step loop.
         gc.collect()
@@ -92,25 +91,8 @@ class LLMEngine:
         config.validate()
         bound_onednn_caches()  # CPU matmuls; before anything of the load (the model's config included) reaches oneDNN
         with paused_collector():  # one collection at the end of __init__ instead of several during the load
-            return cls._load(config)
-
-    @classmethod
-    def _load(cls, config: EngineConfig) -> LLMEngine:
-        device = resolve_device(config.device)
-        folder = resolve_model(config.model, config.revision, config.download_dir,
-                               weights=config.load_format != "dummy")
-        model_config = ModelConfig.from_folder(folder, config.dtype, device)
-        if config.tokenizer is not None:
-            model_config.tokenizer_path = resolve_tokenizer(config.tokenizer, config.tokenizer_revision,
-                                                            config.download_dir)
-        if config.max_model_len is not None:
-            if config.max_model_len > model_config.max_model_len:
-                raise ValueError(f"max_model_len={config.max_model_len} is longer than the model's context "
-                                 f"({model_config.max_model_len} positions)")
-            model_config.max_model_len = config.max_model_len
-        if config.gpu_memory_utilization is not None and device.type == "cpu":
-            logger.info("gpu_memory_utilization is ignored on CPU; kv_cache_memory_gb sizes the KV cache")
-        return cls(model_config, config, device)
+            device = resolve_device(config.device)
+            return cls(resolve_model_config(config, device), config, device)
 
     def _fit_context_to_cache(self) -> None:
         """Cap the context at what the KV cache holds, so every admitted request can finish.
@@ -223,7 +205,7 @@ class LLMEngine:
         steering, detokenization) finishes that request alone with ``finish_reason="error"``;
         the others in the batch go on as if it had not been there.
         """
-        self._released = False
+        self.idle.busy()
         sched = self.scheduler.schedule()
         self.runner.copy_blocks(self.blocks.take_copies())  # copy-on-write of blocks shared by samples
         finished: list[Request] = []
@@ -274,40 +256,21 @@ class LLMEngine:
             root = req.parent or req
             if root.group_finished:
                 done[id(root)] = root
-        self._last_active = time.monotonic()
+        self.idle.stepped()
         return list(done.values())
 
     # ---- memory ------------------------------------------------------------------------
     def release_memory(self) -> int:
-        """Hand back what an idle engine holds without needing it; the KV cache bytes released.
-
-        On CPU: the pages of every free KV cache block (they are forgotten by the prefix cache: a
-        prompt seen before is computed again; skipped with ``kv_cache_precommit``, which keeps the
-        cache resident by choice) and the heap's free memory (``malloc_trim``: the batch
-        temporaries, capture buffers and request state of a burst). ``RuntimeError`` while
-        requests are in flight.
-        """
+        """Hand back what an idle engine holds without needing it; the KV cache bytes released
+        (see :class:`~tapllm.engine.kv_memory.IdleRelease`). ``RuntimeError`` while requests are in flight."""
         if self.has_unfinished_requests():
             raise RuntimeError("release_memory: requests are in flight")
-        released = 0
-        if self.device.type == "cpu" and not self.config.kv_cache_precommit:
-            released = release_free_blocks(self.runner.kv_caches, self.blocks.forget_free_blocks())
-        release_free_memory()
-        return released
+        return self.idle.release()
 
     def release_memory_if_idle(self) -> bool:
         """:meth:`release_memory`, once the engine has run nothing for ``release_memory_after_idle_s``
         seconds since its latest step (a server's loop calls this while idle); whether it did."""
-        after = self.config.release_memory_after_idle_s
-        if after is None or self._released or self.has_unfinished_requests():
-            return False
-        if time.monotonic() - self._last_active < after:
-            return False
-        self._released = True
-        released = self.release_memory()
-        logger.info("idle for %.0f s: handed back %.0f MB of free KV cache blocks (their cached prefixes "
-                    "forgotten) and the heap's free memory", after, released / 1e6)
-        return True
+        return not self.has_unfinished_requests() and self.idle.release_if_idle()
 
     def _fork(self, sample: Request) -> None:
         """Start ``sample`` from its prompt's computed blocks (shared) and captured states (copied)."""
