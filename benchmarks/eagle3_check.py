@@ -9,7 +9,8 @@ What it does, in one run (default model, bf16 compute and storage):
      position, loss mask, both layouts) against a plain ``tapllm collect`` of the same user
      turns as chat prompts with ``--max-tokens N --positions all`` and ``resid_post`` of the
      same four blocks (one shard of index columns and states);
-   - without: the recipe against a plain collect of the rendered conversations, prompt only.
+   - without: the recipe against a plain collect of the very token ids the recipe renders
+     (`prompt_token_ids`), prompt only.
    Rows/s of each, and the ratio (target: the recipe within 10%).
 2. Peers: a dataset of ``--conversations`` conversations (every fourth with two exchanges,
    regenerated) is read by speculators' loader and by SpecForge's, each in its own virtual
@@ -65,8 +66,20 @@ def _write(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def speed(args: argparse.Namespace, tmp: Path, num_layers: int) -> None:
-    """Recipe against plain collect, with and without regeneration."""
+def _recipe_tokens(folder: Path, convs: list[dict]) -> list[list[int]]:
+    """The token ids the recipe collects for each (prompt-only) conversation: its chat rendering."""
+    from tapllm.collect.chat import normalize, render_fn, tokens_with_mask
+    from tapllm.engine.chat import render_chat
+    from tapllm.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    render = render_fn(lambda messages, gen: render_chat(tok, messages, gen), tok)
+    return [tokens_with_mask(normalize(c, f"conversation {i}"), render).ids for i, c in enumerate(convs)]
+
+
+def speed(args: argparse.Namespace, tmp: Path, num_layers: int, folder: Path) -> None:
+    """Recipe against plain collect, with and without regeneration. Without it, the plain side
+    collects the very token ids the recipe does (``prompt_token_ids``), so both run equal forwards."""
     convs = [c for c in conversations(4 * args.speed_conversations, seed=7)
              if sum(t["from"] == "gpt" for t in c["conversations"]) == 1][: args.speed_conversations]
     chats = _write(tmp / "chats.jsonl", convs)
@@ -74,7 +87,7 @@ def speed(args: argparse.Namespace, tmp: Path, num_layers: int) -> None:
                     for t in c["conversations"]] for c in convs]
     prompts = _write(tmp / "prompts.jsonl", [{"messages": [m for m in ms if m["role"] != "assistant"]}
                                              for ms in as_messages])
-    whole = _write(tmp / "whole.jsonl", [{"messages": ms} for ms in as_messages])
+    whole = _write(tmp / "whole.jsonl", [{"prompt_token_ids": ids} for ids in _recipe_tokens(folder, convs)])
     layers = [k - 1 for k in default_aux_layers(num_layers)] + [num_layers - 1]
     engine = EngineConfig(dtype=args.dtype, max_num_seqs=64)
     common = dict(store_dtype=args.dtype, shard_tokens=1 << 20, engine=engine)
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     num_layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_speed:
-            speed(args, Path(tmp), num_layers)
+            speed(args, Path(tmp), num_layers, folder)
         if args.speculators_python or args.specforge_python:
             peers(args, Path(tmp), folder)
 
