@@ -35,9 +35,9 @@ def write_shuffled(source: Any, out: str | Path, unit: str = "token", seed: int 
     shuffled order (``unit``: ``"token"``, ``"block"`` or ``"context"``, as
     :class:`~tapllm.collect.readers.ShuffledBatches`); returns ``out``. ``shard_rows``: rows a
     shard (default: the source's ``shard_tokens``)."""
-    import tapllm.datasets
+    from tapllm.collect import dataset as activation_dataset
 
-    ds = tapllm.datasets.open(source) if isinstance(source, str | Path) else source
+    ds = activation_dataset.open(source) if isinstance(source, str | Path) else source
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"out {out} is not an empty folder: choose a new one")

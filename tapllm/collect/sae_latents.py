@@ -107,9 +107,9 @@ class SAELatents:
 
     def __init__(self, dataset: Any) -> None:
         if isinstance(dataset, str | Path):
-            import tapllm.datasets
+            from tapllm.collect import dataset as activation_dataset
 
-            dataset = tapllm.datasets.open(dataset)
+            dataset = activation_dataset.open(dataset)
         sae = dataset.metadata.get("sae")
         if sae is None or "sae_ids" not in dataset.view(0).columns:
             raise ValueError(f"{dataset.path} holds no SAE latents (collect it with --sae PATH)")

@@ -41,9 +41,9 @@ class SAELensSource(Iterator[torch.Tensor]):
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  epochs: int | None = None) -> None:
         if isinstance(dataset, str | Path):
-            import tapllm.datasets
+            from tapllm.collect import dataset as activation_dataset
 
-            dataset = tapllm.datasets.open(dataset)
+            dataset = activation_dataset.open(dataset)
         points, layers = dataset.points, dataset.layers
         if point is None:
             if len(points) != 1:
