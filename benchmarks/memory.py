@@ -28,16 +28,15 @@ import json
 import os
 import random
 import shlex
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _server import REPO_ROOT, free_port, launch  # noqa: E402
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
 KINDS = ("plain", "states", "json", "n4")
@@ -59,12 +58,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not set(args.kinds) <= set(KINDS):
         p.error(f"--kinds: choose from {', '.join(KINDS)}")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:
@@ -101,22 +94,10 @@ def processes(server: int) -> dict[str, int]:
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tapllm", "serve", "--port", str(port), "--dtype", args.dtype, "--quiet",
+    cmd = ["--dtype", args.dtype, "--quiet",
            "--enable-hidden-states", "--hidden-states-max-bytes", str(1 << 30), "--served-model-name", "default",
            "--max-num-seqs", str(max(16, args.clients * 4)), *shlex.split(args.serve_args)]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited during start-up")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not become healthy")
+    return launch(cmd, port)
 
 
 def body(kind: str, prompt: list[int], new: int, index: int) -> dict:

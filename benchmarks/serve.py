@@ -52,7 +52,6 @@ import http.client
 import json
 import random
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,7 +62,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _server import REPO_ROOT, free_port, launch  # noqa: E402
 KEY = "bench-key"
 
 
@@ -90,31 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args: argparse.Namespace, port: int, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """``tapllm serve`` on the default model; returns once /health answers."""
-    cmd = [sys.executable, "-m", "tapllm", "serve", "--port", str(port), "--dtype", args.dtype, "--quiet",
+    cmd = ["--dtype", args.dtype, "--quiet",
            "--enable-hidden-states", "--hidden-states-max-bytes", str(1 << 30), "--api-key", KEY,
            "--max-num-seqs", str(max(16, args.clients)), "--served-model-name", "default", *extra,
            *shlex.split(args.serve_args)]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited during start-up")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not become healthy")
+    return launch(cmd, port)
 
 
 # A schema of varied shape whose objects take a few dozen tokens.

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,3 +55,18 @@ class SteeringHooks:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def kill_once_written(cmd: list[str], manifest: Path, lines: int, timeout: float = 120.0) -> None:
+    """Run ``cmd`` (a ``tapllm collect``) and SIGKILL it once ``manifest`` holds ``lines`` lines, as
+    a crash mid-run would; fails if the run ends first."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if manifest.exists() and len(manifest.read_text().splitlines()) >= lines:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run finished before it could be interrupted"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -5,20 +5,16 @@ without loading whole shards, provenance, and kill -9 + resume with packing is b
 from __future__ import annotations
 
 import json
-import os
 import random
 import resource
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import tapllm.datasets
-from helpers import assert_close
+from helpers import assert_close, kill_once_written
 from tapllm import LLM, HiddenStatesSpec
 from tapllm.cli import main
 
@@ -198,17 +194,8 @@ def test_kill_mid_run_then_resume_with_packing_is_bitwise(tiny_models, tmp_path)
     cut = tmp_path / "cut"
     cmd = [sys.executable, "-m", "tapllm", "collect", "--model", str(model), "--dataset", str(data),
            "--out", str(cut), "--dtype", "float32", "--quiet", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     manifest = cut / "progress-part000.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if manifest.exists() and len(manifest.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run finished before it could be interrupted"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_once_written(cmd, manifest, 3)
     done = [json.loads(x) for x in manifest.read_text().splitlines()]
     total = json.loads((whole / "metadata.json").read_text())
     assert 3 <= len(done) < total["num_shards"] and all(e["cursor"] for e in done)

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +15,7 @@ import torch
 
 import tapllm.datasets
 from conftest import TINY, save_tiny_model
+from helpers import kill_once_written
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 from tapllm.cli import main
 from tapllm.collect.chat import normalize, render_fn, tokens_with_mask
@@ -234,17 +231,8 @@ def test_kill_mid_run_then_resume_gives_identical_files(tiny8, tmp_path):
     cut = tmp_path / "cut"
     cmd = [sys.executable, "-m", "tapllm", "collect", "--recipe", "eagle3", "--model", str(tiny8), "--input", str(inp),
            "--out", str(cut), "--dtype", "float32", "--quiet", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     manifest = cut / "progress-part000.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if manifest.exists() and len(manifest.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.01)
-    assert proc.poll() is None, "the run finished before it could be interrupted"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_once_written(cmd, manifest, 2)
     assert not (cut / "metadata.json").exists()
     assert _collect(tiny8, inp, cut, *args) == 0
     a, b = _tree_digests(whole), _tree_digests(cut)

@@ -38,7 +38,6 @@ from tapllm.collect.hf_input import fingerprint as dataset_fingerprint
 from tapllm.collect.sources import fingerprint as file_fingerprint
 from tapllm.collect.vocab import count_tokens, draft_mapping, frequency_dict
 from tapllm.collect.writer import Manifest
-from tapllm.utils.dtypes import dtype_from_name
 
 FORMATS = ("speculators", "specforge", "tapllm")
 FOLDERS = (speculators_format.FOLDER, specforge_format.FOLDER)
@@ -107,14 +106,7 @@ class Eagle3Settings:
             raise ValueError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
         if self.max_conversations is not None and self.max_conversations < 1:
             raise ValueError(f"--max-rows must be >= 1, got {self.max_conversations}")
-        if cfg.fmt not in ("safetensors", "arrow"):
-            raise ValueError(f"--format must be 'safetensors' or 'arrow', got {cfg.fmt!r}")
-        if cfg.store_dtype != "auto" and dtype_from_name(cfg.store_dtype) is None:
-            raise ValueError(f"--store-dtype must be auto, float32, float16 or bfloat16, got {cfg.store_dtype!r}")
-        if cfg.shard_tokens < 1:
-            raise ValueError(f"--shard-tokens must be >= 1, got {cfg.shard_tokens}")
-        if cfg.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {cfg.workers}")
+        cfg.validate_output()
 
     def configure(self, cfg: Any, num_layers: int) -> Any:
         """``cfg`` set to capture what the recipe needs from a model of ``num_layers`` blocks."""

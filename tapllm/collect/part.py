@@ -68,6 +68,18 @@ class CollectConfig:
     recipe: Any = None  # e.g. tapllm.collect.eagle3.Eagle3Settings: a recipe runs the run its own way
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=64))
 
+    def validate_output(self) -> None:
+        """``ValueError`` naming a bad setting of what is written and by how many workers (any run's,
+        a recipe's too)."""
+        if self.fmt not in ("safetensors", "arrow"):
+            raise ValueError(f"--format must be 'safetensors' or 'arrow', got {self.fmt!r}")
+        if self.store_dtype != "auto" and dtype_from_name(self.store_dtype) is None:
+            raise ValueError(f"--store-dtype must be auto, float32, float16 or bfloat16, got {self.store_dtype!r}")
+        if self.shard_tokens < 1:
+            raise ValueError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+
     def validate(self) -> None:
         """``ValueError`` naming the bad setting."""
         if self.recipe is not None:
@@ -90,14 +102,7 @@ class CollectConfig:
             raise ValueError(f"--positions must be 'prompt' or 'all', got {self.positions!r}")
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens must be >= 0 (0 = prompts only), got {self.max_tokens}")
-        if self.fmt not in ("safetensors", "arrow"):
-            raise ValueError(f"--format must be 'safetensors' or 'arrow', got {self.fmt!r}")
-        if self.store_dtype != "auto" and dtype_from_name(self.store_dtype) is None:
-            raise ValueError(f"--store-dtype must be auto, float32, float16 or bfloat16, got {self.store_dtype!r}")
-        if self.shard_tokens < 1:
-            raise ValueError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
-        if self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        self.validate_output()
         if not self.points and self.sae is None:
             raise ValueError("--points is empty: name at least one point (or give --sae to store features alone)")
         if self.sae is not None and not 1 <= self.sae_top <= 1024:

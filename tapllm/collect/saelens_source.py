@@ -44,19 +44,8 @@ class SAELensSource(Iterator[torch.Tensor]):
             from tapllm.collect import dataset as activation_dataset
 
             dataset = activation_dataset.open(dataset)
-        points, layers = dataset.points, dataset.layers
-        if point is None:
-            if len(points) != 1:
-                raise ValueError(f"point: the dataset holds points {points}; name one")
-            point = points[0]
-        if point not in points:
-            raise ValueError(f"point must be one of the dataset's points {points}, got {point!r}")
-        if layer is None:
-            if len(layers) != 1:
-                raise ValueError(f"layer: the dataset holds blocks {layers}; name one")
-            layer = layers[0]
-        if layer not in layers:
-            raise ValueError(f"layer must be one of the dataset's blocks {layers}, got {layer}")
+        point = _one_of("point", point, dataset.points, "points")
+        layer = _one_of("layer", layer, dataset.layers, "blocks")
         if len(dataset) < batch_size:
             raise ValueError(f"batch_size {batch_size} is more than the dataset's {len(dataset)} rows")
         if epochs is not None and epochs < 1:
@@ -85,3 +74,14 @@ class SAELensSource(Iterator[torch.Tensor]):
             if batch is not None:
                 return batch[self.point][:, 0].to(device=self.device, dtype=self.dtype)
             self._it = None
+
+
+def _one_of(name: str, value: Any, held: list, what: str) -> Any:
+    """``value`` if the dataset holds it, the dataset's only one when ``value`` is None; else ``ValueError``."""
+    if value is None:
+        if len(held) != 1:
+            raise ValueError(f"{name}: the dataset holds {what} {held}; name one")
+        return held[0]
+    if value not in held:
+        raise ValueError(f"{name} must be one of the dataset's {what} {held}, got {value!r}")
+    return value
