@@ -21,7 +21,7 @@ STREAM_BYTES = 1.6e9  # far past any last-level cache
 
 def stream_bandwidth_gbs(dtype: torch.dtype, repeats: int = 5) -> float:
     """GB/s of a GEMV over a ``STREAM_BYTES`` matrix of ``dtype`` (best of ``repeats``)."""
-    from tapllm.layers.linear import packing_available
+    from tapllm.backends.select import prepack_available
 
     k = 4096
     n = int(STREAM_BYTES / (k * torch.tensor([], dtype=dtype).element_size()))
@@ -30,7 +30,7 @@ def stream_bandwidth_gbs(dtype: torch.dtype, repeats: int = 5) -> float:
     x = torch.randn(1, k).to(dtype)
     # As the model's linears run: prepacked once where oneDNN packs this dtype (a plain weight
     # would be reordered, so read and written, on every call: half the apparent bandwidth).
-    if packing_available(torch.device("cpu"), dtype):
+    if prepack_available(torch.device("cpu"), dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
         del w
 

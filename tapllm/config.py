@@ -241,6 +241,13 @@ class EngineConfig:
             step of fewer rows replays the next size up, padded); ``None``: 1, 2, 4, then every
             multiple of 8 up to ``max_num_seqs`` (at most 512), as vLLM captures; ``[]``: none.
             Ignored off CUDA and with ``enforce_eager``.
+        cuda_graph_token_sizes: the token counts of steps with prefill chunks captured as CUDA
+            graphs (a mixed step of fewer tokens replays the next size up); ``None``: powers of two
+            from 16 up to ``max_num_batched_tokens``; ``[]``: such steps run eagerly.
+        backend: the forward path: ``"auto"`` (CUDA's on a GPU, the fused CPU kernels on a CPU),
+            ``"eager"`` (as ``enforce_eager``), ``"cpu"``, or ``"cuda"``; ``"cuda"`` on a CPU runs the
+            CUDA backend's modules there with Triton's interpreter and emulated graphs (for tests:
+            ``TRITON_INTERPRET=1`` must be set before triton is imported).
         quantization: keep the linear weights, the LM head and the embedding table quantized,
             vLLM's spelling: ``"int8"`` (weight-only, a scale per output channel) or ``"int4"``
             (weight-only, a scale and a min per group of inputs), or llama.cpp's ``"q4_k"`` (int4
@@ -288,6 +295,8 @@ class EngineConfig:
     enforce_eager: bool = False
     load_format: str = "auto"
     cuda_graph_sizes: list[int] | None = None
+    cuda_graph_token_sizes: list[int] | None = None
+    backend: str = "auto"
     quantization: str | None = None
     quantization_group_size: int | None = None
     quantize_embedding: bool = True
@@ -328,11 +337,14 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.load_format == "dummy" and self.quantization is not None:
             raise ValueError("load_format='dummy' cannot be combined with quantization (nothing to quantize from)")
-        sizes = self.cuda_graph_sizes
-        if sizes is not None and (not isinstance(sizes, list | tuple)
-                                  or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 4096
-                                         for b in sizes)):
-            raise ValueError(f"cuda_graph_sizes must be a list of batch sizes in [1, 4096], got {sizes!r}")
+        for name in ("cuda_graph_sizes", "cuda_graph_token_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not isinstance(sizes, list | tuple)
+                                      or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 65536
+                                             for b in sizes)):
+                raise ValueError(f"{name} must be a list of sizes in [1, 65536], got {sizes!r}")
+        if self.backend not in ("auto", "eager", "cpu", "cuda"):
+            raise ValueError(f"backend must be one of 'auto', 'eager', 'cpu', 'cuda'; got {self.backend!r}")
         self.quant()
         if not isinstance(self.quantize_embedding, bool):
             raise ValueError(f"quantize_embedding must be True or False, got {self.quantize_embedding!r}")
@@ -343,15 +355,6 @@ class EngineConfig:
         limit = self.hidden_states_max_bytes_per_request
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"hidden_states_max_bytes_per_request must be an integer >= 1 or None, got {limit!r}")
-
-    def graph_sizes(self, device: torch.device) -> tuple[int, ...]:
-        """The decode batch sizes to capture as CUDA graphs on ``device`` (empty: none)."""
-        if device.type != "cuda" or self.enforce_eager:
-            return ()
-        if self.cuda_graph_sizes is not None:
-            return tuple(sorted({b for b in self.cuda_graph_sizes if b <= self.max_num_seqs}))
-        top = min(self.max_num_seqs, 512)
-        return tuple(sorted({b for b in (1, 2, 4, *range(8, top + 1, 8)) if b <= top} | {top}))
 
     def quant(self) -> Quantization | None:
         """The validated quantization (``ValueError`` names a bad ``quantization`` field)."""

@@ -8,6 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, every Triton kernel of tapllm runs in Triton's interpreter on CPU tensors: that is how the
+# CUDA backend's modules are tested here. Triton reads this when a kernel is defined, so it is set before
+# anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Keep test runs hermetic: converted checkpoints go to a per-run cache unless one is given.
 os.environ.setdefault("TAPLLM_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "tapllm"))
 torch.set_num_threads(max(1, os.cpu_count() or 1))

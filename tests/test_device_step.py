@@ -91,9 +91,11 @@ def _watched_decode_step(llm: LLM, params: list[SamplingParams]):
 
 @pytest.mark.parametrize("eager,graphs", [(False, False), (True, False), (False, True)])
 def test_a_decode_step_uploads_once_downloads_once_and_never_syncs(tiny_models, eager, graphs):
-    llm = LLM(tiny_models["llama"], dtype="float32", enforce_eager=eager)
-    if graphs:  # the graph runner's step, without a GPU: the function a graph holds, on its buffers
-        llm.engine.runner.use_graphs((1, 2, 4, 8), capture=False)
+    if graphs:  # the CUDA backend's graph step, without a GPU: the function a graph holds, on its buffers
+        llm = LLM(tiny_models["llama"], dtype="float32", backend="cuda", max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8],
+                  cuda_graph_token_sizes=[])
+    else:
+        llm = LLM(tiny_models["llama"], dtype="float32", enforce_eager=eager)
     params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=1.0, min_p=0.05, seed=8, ignore_eos=True),
@@ -105,7 +107,7 @@ def test_a_decode_step_uploads_once_downloads_once_and_never_syncs(tiny_models, 
     assert copies.syncs == [], copies.syncs
     assert functions.host == [], functions.host
     if graphs:
-        assert llm.engine.runner.graphs.replays >= 2
+        assert llm.engine.runner.policy.graph_steps >= 2
 
 
 def test_the_watch_sees_what_it_must_refuse(tiny_models):

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tapllm.backends.ops import AttentionOps, CpuAttention, ElementwiseOps, GemvOps, QuantOps, StackOps
+from tapllm.backends.policy import GraphSizes
+
+BACKENDS = ("auto", "eager", "cpu", "cuda")
 
 logger = logging.getLogger("tapllm")
 
@@ -28,7 +31,9 @@ class Backend:
     gemv: GemvOps | None = None  # linears of at most ``gemv_rows`` rows (CPU, packed weights)
     gemv_rows: int = 0
     stack: StackOps | None = None  # untapped blocks of decode steps in one call
-    graph_sizes: tuple[int, ...] = ()  # CUDA graph batch buckets of decode steps (empty: none)
+    graphs: GraphSizes | None = None  # the buckets of whole steps replayed from CUDA graphs (None: none)
+    graphs_emulated: bool = False  # the CUDA backend on a CPU: a graph's body runs each step, nothing is captured
+    prepack: bool = False  # linear weights reordered once at load for oneDNN (CPU)
     notes: tuple[str, ...] = field(default=())  # why a faster path is off
 
     @property
@@ -46,23 +51,59 @@ class Backend:
                  f"  attention: {on(self.attention, 'paged kernels (KV read in place)')}",
                  f"  small linears: {on(self.gemv, f'packed GEMV up to {self.gemv_rows} rows')}",
                  f"  untapped decode blocks: {on(self.stack, 'one C++ call per run of blocks')}",
-                 f"  CUDA graphs: {', '.join(map(str, self.graph_sizes)) if self.graph_sizes else 'off'}"]
+                 f"  linear weights: {'prepacked for oneDNN' if self.prepack else 'as loaded'}",
+                 f"  CUDA graphs: {self.describe_graphs()}"]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def describe_graphs(self) -> str:
+        """The graph buckets, or "off"."""
+        g = self.graphs
+        if g is None:
+            return "off"
+        text = (f"decode steps of {_sizes(g.decode)} rows, mixed steps of {_sizes(g.mixed)} tokens "
+                f"(each plain and tapped, captured at start-up)")
+        return text + (" [emulated: the graph body runs each step]" if self.graphs_emulated else "")
 
-def select_backend(device: torch.device, dtype: torch.dtype, *, enforce_eager: bool = False,
-                   graph_sizes: tuple[int, ...] = ()) -> Backend:
-    """The backend for a model of ``dtype`` on ``device`` (see the package docstring)."""
-    if enforce_eager:
-        return Backend("eager", device, notes=("enforce_eager=True: the plain PyTorch step",))
+
+def _sizes(sizes: tuple[int, ...]) -> str:
+    if not sizes:
+        return "no"
+    return ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{sizes[0]}, {sizes[1]}, ... {sizes[-1]} ({len(sizes)} sizes)"
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, *, enforce_eager: bool = False, backend: str = "auto",
+                   graphs: GraphSizes | None = None) -> Backend:
+    """The backend for a model of ``dtype`` on ``device`` (see the package docstring).
+
+    ``backend`` forces one: ``"cuda"`` on a CPU device runs the CUDA backend's modules there, its
+    Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported) and its
+    graphs emulated, which is how the tests and ``benchmarks/step_budget.py`` check that path without
+    a GPU. ``graphs``: the buckets of CUDA graphs (None: no graphs).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    prepack = prepack_available(device, dtype)
+    if enforce_eager or backend == "eager":
+        why = "enforce_eager=True" if enforce_eager else "backend='eager'"
+        return Backend("eager", device, prepack=prepack, notes=(f"{why}: the plain PyTorch step",))
     if os.environ.get("TAPLLM_KERNELS", "1") == "0":
-        return Backend("eager", device, notes=("TAPLLM_KERNELS=0: the plain PyTorch step",))
+        return Backend("eager", device, prepack=prepack, notes=("TAPLLM_KERNELS=0: the plain PyTorch step",))
+    if backend == "cuda" or (backend == "auto" and device.type == "cuda"):
+        return _cuda(device, graphs)
     if device.type == "cpu":
         return _cpu(device, dtype)
-    if device.type == "cuda":
-        return _cuda(device, graph_sizes)
     return Backend("eager", device, notes=(f"no compiled ops for {device.type}",))
+
+
+def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` on ``device`` are reordered once for oneDNN: on a CPU whose probe
+    packed and ran a trial linear in that dtype (see ``tapllm.utils.platform``)."""
+    if device.type != "cpu":
+        return False
+    from tapllm.utils.platform import cpu_support
+
+    return dtype in cpu_support().packable
 
 
 def _cpu(device: torch.device, dtype: torch.dtype) -> Backend:
@@ -76,13 +117,18 @@ def _cpu(device: torch.device, dtype: torch.dtype) -> Backend:
     notes = () if gemv is not None else (f"packed GEMV off: {packed_gemv_status(ops, dtype)}",)
     return Backend("cpu", device, elementwise=ops, attention=CpuAttention(ops), quant=ops, gemv=gemv,
                    gemv_rows=MAX_ROWS if gemv is not None else 0,
-                   stack=ops if hasattr(ops, "decoder_layers") else None, notes=notes)
+                   stack=ops if hasattr(ops, "decoder_layers") else None, prepack=prepack_available(device, dtype),
+                   notes=notes)
 
 
-def _cuda(device: torch.device, graph_sizes: tuple[int, ...]) -> Backend:
+def _cuda(device: torch.device, graphs: GraphSizes | None) -> Backend:
     from tapllm.backends.cuda import TritonAttention, trial
 
+    emulated = device.type == "cpu"
     problem = trial(device)
     if problem is not None:
+        if emulated:
+            raise ValueError(f"backend='cuda' on a CPU needs Triton's interpreter (TRITON_INTERPRET=1 before "
+                             f"triton is first imported): {problem}")
         return Backend("eager", device, notes=(f"Triton attention off ({problem}): the plain PyTorch step",))
-    return Backend("cuda", device, attention=TritonAttention(), graph_sizes=graph_sizes)
+    return Backend("cuda", device, attention=TritonAttention(), graphs=graphs, graphs_emulated=emulated)

@@ -1,13 +1,13 @@
 """Every running request's KV block table, kept on the device and updated by diffs (vLLM V1's persistent batch).
 
 A request gets a row of :attr:`BlockTables.table` ``[rows + 1, width]`` the first time it is
-scheduled, and the whole of its table is sent then. After that a step sends only the entries
-from the first block it writes into to the end of its table (a decode step: usually one
-entry, or none), since the blocks before hold computed context that never changes; a
+scheduled, and the whole of its table is sent then. After that a step sends only the entries it
+changed, from the first block it writes into on (a decode step: usually none, one when it
+starts a block), since the blocks before hold computed context that never changes; a
 preempted request (its blocks were freed and are taken anew) is sent whole again. Those
 ``(row, column, block)`` triples travel in the step's one upload and are written with one
 ``index_put_``; a step's tables are then gathered from the rows on the device. The last row
-holds only ``pad_block``: the padding rows of a CUDA graph's batch read it.
+holds only ``padding_block``: it is the padding slot, which the padding rows of a graph step read.
 """
 
 from __future__ import annotations
@@ -20,20 +20,21 @@ from tapllm.engine.request import Request
 class BlockTables:
     """The device-resident block tables (see the module docstring)."""
 
-    def __init__(self, rows: int, width: int, block_size: int, device: torch.device, pad_block: int = 0) -> None:
+    def __init__(self, rows: int, width: int, block_size: int, device: torch.device, padding_block: int = 0) -> None:
         self.block_size = block_size
         self.width = width
         self.device = device
-        self.pad_block = pad_block
+        self.padding_block = padding_block
         self.table = torch.zeros((rows + 1, width), dtype=torch.int64, device=device)
-        self.table[rows] = pad_block
+        self.table[rows] = padding_block
         self._free = list(range(rows - 1, -1, -1))
         self._rows: dict[Request, tuple[int, int]] = {}  # request -> (row, preemptions when sent whole)
+        self._sent: dict[Request, list[int]] = {}  # request -> the entries its row holds
         self.generation = 0  # bumped when ``table`` moves (a CUDA graph reading it must be captured anew)
 
     @property
-    def pad_row(self) -> int:
-        """The row padding rows of a batch read: every entry ``pad_block``."""
+    def padding_slot(self) -> int:
+        """The padding slot: the row padding rows of a graph step read, every entry ``padding_block``."""
         return self.table.shape[0] - 1
 
     def row(self, req: Request, first_written: int, diff: list[int]) -> int:
@@ -48,10 +49,16 @@ class BlockTables:
         if entry is None or entry[1] != req.num_preemptions:
             row = entry[0] if entry is not None else self._take()
             self._rows[req] = (row, req.num_preemptions)
+            sent = self._sent[req] = []
             first = 0
         else:
-            row, first = entry[0], first_written
+            row, first, sent = entry[0], first_written, self._sent[req]
         for col in range(first, len(table)):
+            if col >= len(sent):
+                sent.append(table[col])
+            elif sent[col] == table[col]:
+                continue
+            sent[col] = table[col]
             diff += (row, col, table[col])
         return row
 
@@ -61,7 +68,7 @@ class BlockTables:
             rows = old.shape[0] - 1
             self.table = torch.zeros((2 * rows + 1, self.width), dtype=torch.int64, device=self.device)
             self.table[:rows] = old[:rows]
-            self.table[2 * rows] = self.pad_block
+            self.table[2 * rows] = self.padding_block
             self._free = list(range(2 * rows - 1, rows - 1, -1))
             self.generation += 1
         return self._free.pop()
@@ -69,6 +76,7 @@ class BlockTables:
     def release(self, req: Request) -> None:
         """Give back the row of a request that finished or was aborted (unknown requests are ignored)."""
         entry = self._rows.pop(req, None)
+        self._sent.pop(req, None)
         if entry is not None:
             self._free.append(entry[0])
 

@@ -1,181 +1,165 @@
-"""Decode steps replayed from CUDA graphs at batch buckets, taps included.
+"""Steps replayed from CUDA graphs: one graph per (kind, bucket, tapped), all captured at start-up.
 
-A decode step's forward (embedding, every block, the final norm and the logits) is captured
-once per batch size of ``cuda_graph_sizes`` and per :class:`~tapllm.engine.graph_tap.TapShape`
-(the plain one at start-up, largest first so the smaller ones reuse its memory; a tapped one
-the first time a step needs it, kept in a bounded cache). A step of ``n`` decodes replays the
-graph of the next size up: its inputs (token ids, positions, cache slots, context lengths,
-block-table rows) are copied into the graph's input buffer from the step's one upload, and
-the rows past ``n`` are padding that writes its key and value to a slot of a block no request
-holds and attends to that slot alone. Sampling runs after the replay, on the real rows.
+A graph holds a whole step over the static :class:`~tapllm.engine.input_buffers.InputBuffers`:
+the cache slots of its rows (looked up on the device from the block table), every block, the
+final norm and the logits of the rows that sample. Two kinds:
 
-Steps with a prefill chunk, more rows than the largest graph, prompt logprobs, a model that
-needs per-row prompt lengths, or a tap a graph cannot express run the eager step; each says
-why in :attr:`GraphRunner.fallbacks` (served in ``/metrics``) and at debug level.
+* ``decode``: every row is one request's next token; the size is the number of rows, and decode
+  attention reads each row's blocks in place;
+* ``mixed``: prefill chunks and decodes in one ragged batch; the size is the number of tokens, and
+  one attention launch (``unified_attention``) serves every sequence, described by the per-sequence
+  inputs (``cu_q``, ``ctx``, ``seq_rows``).
 
-Where no GPU is at hand (``capture=False``) the runner calls the very function it would
-capture, on the same buffers: the CPU tests check padding, taps and steering that way.
+Each exists plain and *tapped*: the tapped graph passes every site through
+:class:`~tapllm.engine.table_tap.TableTap`, which steers and captures what each row's slot asked for
+in the slot tables, so one tapped graph serves every mix of taps: the number of graphs is bounded
+by the buckets, and nothing is captured after start-up. A step of ``n`` rows or tokens replays the
+graph of the next size up; its padding rows read the padding slot and write to the padding block.
+
+Without a GPU, ``capture=False`` makes :meth:`GraphRunner.run` call the very function a graph holds,
+on the same buffers (the tests and ``benchmarks/step_budget.py`` count what it does).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from tapllm.backends.ops import AttentionOps
 from tapllm.engine.block_tables import BlockTables
-from tapllm.engine.graph_tap import NO_TAP, GraphTap, TapShape
-from tapllm.hidden_states.plan import CapturePlan
-from tapllm.layers.attention import AttentionMetadata
-from tapllm.steering.plan import SteeringPlan
+from tapllm.backends.policy import GraphKey
+from tapllm.engine.input_buffers import InputBuffers, InputViews
+from tapllm.engine.table_tap import TableTap
+from tapllm.layers.attention import AttentionMetadata, UnifiedBatch
+from tapllm.tap.tables import TapTables
 
 logger = logging.getLogger("tapllm")
 
-MAX_TAPPED_GRAPHS = 32  # tapped graphs kept (the plain ones are always kept)
-
 
 @dataclass(slots=True)
-class _Graph:
-    graph: torch.cuda.CUDAGraph | None  # None: run the body itself (no capture)
-    logits: torch.Tensor | None  # the captured forward's output
+class GraphOutputs:
+    """What a replay leaves in the graph's static tensors: the final hidden rows and the sampled rows' logits."""
+
+    hidden: torch.Tensor  # [size, hidden]
+    logits: torch.Tensor  # [rows that may sample, vocab]
 
 
 class GraphRunner:
-    """Captures and replays decode steps (see the module docstring)."""
+    """Captures every graph at start-up and replays them (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list, tables: BlockTables, sizes: tuple[int, ...],
-                 attn: AttentionOps | None, row_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                 device: torch.device, trash_slot: int, *, capture: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, tables: BlockTables, inputs: InputBuffers,
+                 taps: TapTables | None, attn: AttentionOps, keys: list[GraphKey], device: torch.device, *,
+                 capture: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.tables = tables
-        self.sizes = tuple(sorted(sizes))
+        self.inputs = inputs
+        self.taps = taps
         self.attn = attn
-        self.row_shapes = row_shapes
-        self.dtype = dtype
         self.device = device
-        self.trash_slot = trash_slot
         self.capture = capture
-        self.inputs = torch.zeros((5, self.sizes[-1]), dtype=torch.int64, device=device)  # what every graph reads
-        self._graphs: OrderedDict[tuple[TapShape, int], _Graph] = OrderedDict()
-        self._taps: dict[TapShape, GraphTap] = {}
-        self._generation = tables.generation
+        self.keys = sorted(keys, key=lambda k: (k.kind, k.size, k.tapped))
+        self.decode_sizes = sorted({k.size for k in keys if k.kind == "decode"})
+        self.mixed_sizes = sorted({k.size for k in keys if k.kind == "mixed"})
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph | None, GraphOutputs | None]] = {}
         self._pool = None
-        self.fallbacks: Counter[str] = Counter()  # eager steps, by reason
-        self.replays = 0
+        self.warm = False
+        self.captures_after_warmup = 0
         self.capture_seconds = 0.0
+        self.replays: Counter[GraphKey] = Counter()
+
+    # ---- which graph --------------------------------------------------------------------------
+    def bucket(self, kind: str, n: int) -> int | None:
+        """The smallest size of ``kind`` holding ``n`` rows (decode) or tokens (mixed), or None."""
+        return next((b for b in (self.decode_sizes if kind == "decode" else self.mixed_sizes) if b >= n), None)
 
     @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
+    def buckets(self) -> int:
+        """How many (kind, size) buckets there are (each has a plain and a tapped graph)."""
+        return len(self.decode_sizes) + len(self.mixed_sizes)
 
-    def bucket(self, rows: int) -> int | None:
-        """The smallest graph size holding ``rows``, or None."""
-        return next((b for b in self.sizes if b >= rows), None)
+    @property
+    def distinct_graphs(self) -> int:
+        return len(self._graphs)
 
-    def capture_plain(self) -> None:
-        """Capture the untapped graph of every size (at start-up), largest first."""
-        for b in reversed(self.sizes):
-            self._get(NO_TAP, b)
-
-    def fall_back(self, reason: str) -> None:
-        """Count an eager step and say why (debug level)."""
-        self.fallbacks[reason] += 1
-        logger.debug("decode step runs eagerly: %s", reason)
-
-    def run(self, shape: TapShape, rows: int, steering: SteeringPlan | None, capture: CapturePlan | None
-            ) -> torch.Tensor:
-        """Replay the graph for ``shape`` and the bucket of ``rows`` (its inputs already copied into
-        :attr:`inputs`); returns its logits ``[bucket, vocab]`` (the rows past ``rows`` are padding)."""
-        b = self.bucket(rows)
-        graph = self._get(shape, b)
-        tap = self._taps.get(shape)
-        if tap is not None:
-            tap.load(steering)
-        if graph.graph is not None:
-            graph.graph.replay()
-            logits = graph.logits
-        else:
-            logits = self._forward(b, tap)
-        if tap is not None and capture is not None:
-            tap.fill_stages(capture)
-        self.replays += 1
-        return logits
-
-    def inputs_for(self, rows: int) -> torch.Tensor:
-        """The graph input buffer's columns the step of ``rows`` rows fills: ``[5, bucket]``."""
-        return self.inputs[:, : self.bucket(rows)]
-
-    # ---- capture ---------------------------------------------------------------------------
-    def _get(self, shape: TapShape, b: int) -> _Graph:
-        if self.tables.generation != self._generation:  # the block table moved: every graph reads the old one
-            self._graphs.clear()
-            self._generation = self.tables.generation
-        key = (shape, b)
-        graph = self._graphs.get(key)
-        if graph is not None:
-            self._graphs.move_to_end(key)
-            return graph
-        tap = None
-        if shape:
-            tap = self._taps.get(shape)
-            if tap is None:
-                tap = self._taps[shape] = GraphTap(shape, self.max_size, self.row_shapes, self.dtype, self.device)
-        graph = self._graphs[key] = self._capture(b, tap) if self.capture else _Graph(None, None)
-        tapped = [k for k in self._graphs if k[0]]
-        while len(tapped) > MAX_TAPPED_GRAPHS:
-            old = tapped.pop(0)
-            del self._graphs[old]
-            if not any(k[0] == old[0] for k in self._graphs):
-                self._taps.pop(old[0], None)
-        return graph
-
-    def _pad_inputs(self, b: int) -> None:
-        """Every row padding: what capturing (and its warm-up runs) may write without harm."""
-        grid = self.inputs[:, :b]
-        grid[0].zero_()
-        grid[1].zero_()
-        grid[2].fill_(self.trash_slot)
-        grid[3].fill_(1)
-        grid[4].fill_(self.tables.pad_row)
-
-    def _capture(self, b: int, tap: GraphTap | None) -> _Graph:
-        """Capture the step of ``b`` rows; the inputs of a step that asked for it mid-run are kept."""
+    # ---- capture ------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Capture every graph (largest first, so smaller ones reuse its memory pool)."""
         t0 = time.perf_counter()
-        step = self.inputs[:, :b].clone()
-        self._pad_inputs(b)
-        try:
-            return self._record(b, tap)
-        finally:
-            self.inputs[:, :b].copy_(step)
-            self.capture_seconds += time.perf_counter() - t0
+        for key in sorted(self.keys, key=lambda k: -k.size):
+            self._graphs[key] = self._record(key)
+        self.capture_seconds += time.perf_counter() - t0
+        self.warm = True
 
-    def _record(self, b: int, tap: GraphTap | None) -> _Graph:
+    def _record(self, key: GraphKey) -> tuple[torch.cuda.CUDAGraph | None, GraphOutputs | None]:
+        if not self.capture:
+            return None, None
+        self._pad(key)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: kernel selection and first-use allocations outside the graph
+        with torch.cuda.stream(side):  # kernel selection and first-use allocations, outside the graph
             for _ in range(2):
-                self._forward(b, tap)
+                self.body(key)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(b, tap)
+            outputs = self.body(key)
         if self._pool is None:
             self._pool = graph.pool()
-        return _Graph(graph, logits)
+        return graph, outputs
 
-    def _forward(self, b: int, tap: GraphTap | None) -> torch.Tensor:
-        """The step a graph holds: every block over the ``b`` rows of :attr:`inputs`, then the logits."""
-        ids, pos, slots, lens, rows = self.inputs[:, :b]
-        meta = AttentionMetadata(slot_mapping=slots, num_decodes=b,
-                                 decode_block_tables=self.tables.table.index_select(0, rows), decode_mask=None,
-                                 prefills=[], decode_lens=lens, attn=self.attn)
-        if self.attn is None:  # the PyTorch attention masks keys past each row's length
-            width = meta.decode_block_tables.shape[1] * self.tables.block_size
-            meta.decode_mask = (torch.arange(width, device=self.device)[None, :] >= lens[:, None])[:, None, :]
-        hidden = self.model(ids, pos, self.kv_caches, meta, tap)
-        return self.model.compute_logits(hidden)
+    def _pad(self, key: GraphKey) -> None:
+        """Every row and sequence padding: what capturing may run without harm."""
+        rows, seqs = self.extent(key)
+        host = torch.zeros(self.inputs.size, dtype=torch.int64)
+        self.inputs.fill(host.numpy(), rows, seqs, ids=[], positions=[], row_slot=[], last_rows=[], cu_q=[0], ctx=[],
+                         seq_rows=[], sample_rows=[])
+        self.inputs.load(host.to(self.device))
+
+    # ---- replay -------------------------------------------------------------------------------
+    def run(self, key: GraphKey) -> GraphOutputs:
+        """Replay ``key``'s graph over the inputs already uploaded."""
+        if key not in self._graphs:
+            if self.warm:
+                self.captures_after_warmup += 1
+                logger.warning("CUDA graph %s captured after start-up", key)
+            self._graphs[key] = self._record(key)
+        graph, outputs = self._graphs[key]
+        self.replays[key] += 1
+        if graph is None:
+            return self.body(key)
+        graph.replay()
+        return outputs
+
+    def extent(self, key: GraphKey) -> tuple[int, int]:
+        """(rows, sequences) of ``key``'s inputs."""
+        seqs = key.size if key.kind == "decode" else min(key.size, self.inputs.seqs)
+        return key.size, seqs
+
+    def views(self, key: GraphKey) -> InputViews:
+        return self.inputs.view(*self.extent(key))
+
+    def body(self, key: GraphKey) -> GraphOutputs:
+        """The step a graph of ``key`` holds, over the input buffers."""
+        v = self.views(key)
+        table, bs = self.tables.table, self.tables.block_size
+        slots = table[v.row_slot, torch.div(v.positions, bs, rounding_mode="floor")] * bs + v.positions % bs
+        if key.kind == "decode":
+            meta = AttentionMetadata(slot_mapping=slots, num_decodes=key.size,
+                                     decode_block_tables=table.index_select(0, v.row_slot), decode_mask=None,
+                                     prefills=[], decode_lens=v.positions + 1, attn=self.attn)
+        else:
+            meta = AttentionMetadata(slot_mapping=slots, num_decodes=0, decode_block_tables=None, decode_mask=None,
+                                     prefills=[], attn=self.attn,
+                                     unified=UnifiedBatch(v.cu_q, v.ctx, v.seq_rows, table))
+        tap = None
+        if key.tapped:
+            tap = TableTap(self.taps, v.row_slot, v.positions, v.last_rows)
+            tap.begin()
+        hidden = self.model(v.ids, v.positions, self.kv_caches, meta, tap)
+        rows = hidden if key.kind == "decode" else hidden.index_select(0, v.sample_rows)
+        return GraphOutputs(hidden, self.model.compute_logits(rows))

@@ -191,11 +191,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Live numbers for monitoring (requests running and waiting, cache use and hits)."""
-        sched, blocks, graphs = self.scheduler, self.blocks, self.runner.graphs
+        sched, blocks, policy = self.scheduler, self.blocks, self.runner.policy
         return EngineStats(len(sched.running), len(sched.waiting), blocks.usage(), blocks.hit_tokens,
-                           blocks.queried_tokens, self.num_generated_tokens,
-                           graphs.replays if graphs is not None else 0,
-                           dict(graphs.fallbacks) if graphs is not None else {})
+                           blocks.queried_tokens, self.num_generated_tokens, policy.graph_steps,
+                           dict(policy.eager_steps))
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -207,6 +206,8 @@ class LLMEngine:
         """
         self.idle.busy()
         sched = self.scheduler.schedule()
+        for req in sched.preempted:  # its slot goes back: it takes one anew when it runs again
+            self.runner.release(req)
         self.runner.copy_blocks(self.blocks.take_copies())  # copy-on-write of blocks shared by samples
         finished: list[Request] = []
         for req in sched.dropped:  # unreachable while max_model_len fits the cache; kept as a guard
@@ -384,7 +385,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int  # prompt tokens served from the prefix cache, since start
     prefix_cache_queried_tokens: int  # prompt tokens looked up in it, since start
     generated_tokens: int
-    graph_steps: int = 0  # decode steps replayed from a CUDA graph, since start
+    graph_steps: int = 0  # steps replayed from a CUDA graph, since start
     graph_fallbacks: dict[str, int] = field(default_factory=dict)  # steps run eagerly with graphs on, by reason
 
     @property

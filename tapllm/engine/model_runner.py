@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 import torch
 
 from tapllm.backends import Backend, select_backend
+from tapllm.backends.policy import StepPolicy, default_graph_sizes
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.logits_processors import TokenCounts
 from tapllm.engine.request import Request
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem
 from tapllm.engine.block_tables import BlockTables
-from tapllm.engine.cuda_graphs import GraphRunner
-from tapllm.engine.graph_tap import NO_TAP, TapShape, tap_shape
+from tapllm.engine.graph_step import GraphStep
 from tapllm.engine.staging import Download, Staging
-from tapllm.engine.step_inputs import StepLayout, lay_out, upload, upload_graph_step
+from tapllm.engine.step_inputs import StepBatch, StepLayout, lay_out, upload, upload_graph
 from tapllm.engine.step_tap import StepTap
 from tapllm.hidden_states.sink import CopySink
 from tapllm.layers.linear import Linear
@@ -74,12 +74,12 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, com
     return flat.view(dtype).view(shape)
 
 
-def _linear_path(device: torch.device, dtype: torch.dtype) -> str:
-    if device.type != "cpu":
+def _linear_path(backend: Backend, dtype: torch.dtype) -> str:
+    if backend.prepack:
+        return "prepacked for oneDNN"
+    if backend.device.type != "cpu" or backend.name == "cuda":
         return "F.linear"
     support = cpu_support()
-    if dtype in support.packable:
-        return "prepacked for oneDNN"
     return f"plain F.linear ({support.reason or 'no oneDNN packing for ' + str(dtype)})"
 
 
@@ -120,17 +120,21 @@ class ModelRunner:
             fill_dummy_weights(self.model, engine_config.seed)
         else:
             self.model.load_weights(weights)
-        self.model.prepare_for_inference(device)
+        ec = engine_config
+        sizes = default_graph_sizes(ec.max_num_seqs, ec.max_num_batched_tokens, ec.cuda_graph_sizes,
+                                    ec.cuda_graph_token_sizes)
+        self.backend: Backend = select_backend(device, model_config.dtype, enforce_eager=ec.enforce_eager,
+                                               backend=ec.backend,
+                                               graphs=sizes if sizes.decode or sizes.mixed else None)
+        self.model.prepare_for_inference(self.backend.prepack and self.quant is None)
         if device.type == "cpu":
             trim_heap()  # the load's freed temporaries leave the resident set
         self.model.eval()
-        self.backend: Backend = select_backend(device, model_config.dtype, enforce_eager=engine_config.enforce_eager,
-                                               graph_sizes=engine_config.graph_sizes(device))
         self.model.use_backend(self.backend)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; linear layers: %s",
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
-            _linear_path(device, model_config.dtype) if self.quant is None else self.quant.describe(),
+            _linear_path(self.backend, model_config.dtype) if self.quant is None else self.quant.describe(),
         )
         logger.info("%s", self.backend.describe())
         # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
@@ -141,10 +145,10 @@ class ModelRunner:
         self.token_masks = MaskComputer()  # structured output
         self.num_blocks = self._num_blocks()
         # One more block than requests get: the padding rows of a CUDA graph's batch write there.
-        self.trash_block = self.num_blocks
+        self.padding_block = self.num_blocks
         width = min(-(-model_config.max_model_len // engine_config.block_size), self.num_blocks)
         self.block_tables = BlockTables(engine_config.max_num_seqs, width, engine_config.block_size, device,
-                                        pad_block=self.trash_block)
+                                        padding_block=self.padding_block)
         shape = (model_config.num_kv_heads, self.num_blocks + 1, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
             (_zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit),
@@ -157,37 +161,35 @@ class ModelRunner:
             self.num_blocks * engine_config.block_size * model_config.kv_bytes_per_token / 1e9,
             "committed at start" if engine_config.kv_cache_precommit else "committed as written",
         )
-        self.graphs: GraphRunner | None = None
-        if self.backend.graph_sizes:
-            if self.model.needs_prompt_lengths:
-                logger.info("CUDA graphs off: %s reads each row's prompt length", model_config.architecture)
-            else:
-                self.use_graphs(self.backend.graph_sizes, capture=True)
-
-    @torch.inference_mode()
-    def use_graphs(self, sizes: tuple[int, ...], capture: bool = True) -> GraphRunner:
-        """Replay decode steps of up to ``max(sizes)`` rows from graphs (captured now for the plain
-        step); ``capture=False`` runs the same code without a graph (CPU, tests)."""
-        bs = self.ecfg.block_size
-        self.graphs = GraphRunner(self.model, self.kv_caches, self.block_tables, sizes, self.backend.attention,
-                                  {**{p: (self.mcfg.hidden_size,) for p in HIDDEN_POINTS}, **point_shapes(self.model)},
-                                  self.mcfg.dtype, self.device, self.trash_block * bs,
-                                  capture=capture)
-        if capture:
-            before = torch.cuda.memory_allocated(self.device)
-            self.graphs.capture_plain()
-            logger.info("CUDA graphs: %d batch sizes (%s) captured in %.1fs, %.2f GB",
-                        len(sizes), ", ".join(map(str, sizes)), self.graphs.capture_seconds,
-                        (torch.cuda.memory_allocated(self.device) - before) / 1e9)
-        return self.graphs
+        self.graph_step: GraphStep | None = None
+        graphs = self.backend.graphs
+        off = None
+        if graphs is None:
+            off = "off" if self.backend.name == "cuda" else f"none on the {self.backend.name} backend"
+        elif self.model.needs_prompt_lengths:
+            off = f"off: {model_config.architecture} reads each row's prompt length"
+        else:
+            self.graph_step = GraphStep(self.model, self.kv_caches, self.block_tables, graphs, self.backend.attention,
+                                        {**{p: (model_config.hidden_size,) for p in HIDDEN_POINTS},
+                                         **point_shapes(self.model)}, model_config.num_layers, model_config.dtype,
+                                        device, capture=not self.backend.graphs_emulated)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            with torch.inference_mode():
+                self.graph_step.warm_up()
+            if device.type == "cuda":
+                logger.info("CUDA graphs: %d captured in %.1fs, %.2f GB", len(graphs.keys()),
+                            self.graph_step.graphs.capture_seconds,
+                            (torch.cuda.memory_allocated(device) - before) / 1e9)
+        self.policy = StepPolicy(graphs if self.graph_step is not None else None, off)
 
     def describe(self) -> str:
         """The lines of :meth:`tapllm.LLM.describe`."""
         mc, ec = self.mcfg, self.ecfg
-        linear = _linear_path(self.device, mc.dtype) if self.quant is None else self.quant.describe()
+        linear = _linear_path(self.backend, mc.dtype) if self.quant is None else self.quant.describe()
+        graphs = self.backend.describe_graphs() if self.graph_step is not None else (self.policy.off or "off")
         return "\n".join([
             f"model: {mc.architecture} ({mc.path.name}), {mc.num_layers} blocks, hidden {mc.hidden_size}, {mc.dtype}",
-            self.backend.describe(),
+            self.backend.describe().replace(f"CUDA graphs: {self.backend.describe_graphs()}", f"CUDA graphs: {graphs}"),
             f"linear layers: {linear}",
             f"KV cache: {self.num_blocks} blocks of {ec.block_size} tokens "
             f"({self.num_blocks * ec.block_size * mc.kv_bytes_per_token / 1e9:.2f} GB) on {self.device}",
@@ -229,38 +231,56 @@ class ModelRunner:
     def execute(self, items: list[ScheduledItem]) -> StepResult:
         """Run one step of ``items``; returns the sampled tokens and the requests that failed alone.
 
-        Raises only for errors that belong to the whole batch (the engine then isolates them).
+        The step is laid out on the host, the decider (:class:`~tapllm.backends.policy.StepPolicy`)
+        picks a graph or the eager step, its inputs go up in one upload, the forward runs, and the
+        results (captures, prompt logprobs, samples) come back. Raises only for errors that belong
+        to the whole batch (the engine then isolates them).
         """
         items = sorted(items, key=lambda it: it.num_tokens != 1)  # decodes first
         self.capture_sink.pending.clear()  # a previous failed step may have left staged copies
         lay = lay_out(items, self.block_tables)
-        tap = StepTap.build(lay.captures, lay.steers, self.device, self.capture_sink)
-        # Prompt-only requests need the blocks up to their deepest capture; a step of only such
-        # requests stops there (their blocks are salted by that depth: see InputProcessor.prepare).
-        depths = [it.request.depth for it in items]
-        depth = None if None in depths else max(depths)
-        shape = self._graph_shape(lay, tap, depth)
-        logits = hidden = None
-        if shape is not None:
-            batch = upload_graph_step(lay, self.staging, self.block_tables, self.graphs.inputs_for(len(lay.ids)),
-                                      self.graphs.trash_slot, vocab_size=self.mcfg.vocab_size, device=self.device)
+        key = None
+        if self.graph_step is not None:
+            key, _ = self.policy.choose(self.graph_step.shape(lay))
+        if key is not None:
+            gs = self.graph_step
+            batch, inputs = upload_graph(lay, self.staging, self.block_tables, lambda host: gs.fill(lay, key, host),
+                                         gs.inputs.size, vocab_size=self.mcfg.vocab_size, device=self.device,
+                                         rows=len(lay.ids) if key.kind == "decode" else None)
+            pending_mask = self._submit_masks(batch)
+            out = gs.run(key, inputs)
+            hidden, logits = out.hidden, out.logits
+            logits = logits.index_select(0, batch.sample_index) if batch.sample_index is not None else \
+                logits[: len(lay.sample_rows)]
+            failed_captures = self.graph_step.deliver(lay, self.capture_sink)
         else:
+            tap = StepTap.build(lay.captures, lay.steers, self.device, self.capture_sink)
+            # Prompt-only requests need the blocks up to their deepest capture; a step of only such
+            # requests stops there (their blocks are salted by that depth: see InputProcessor.prepare).
+            depths = [it.request.depth for it in items]
+            depth = None if None in depths else max(depths)
             batch = upload(lay, self.staging, self.block_tables, attn=self.backend.attention,
                            prompt_lengths=self.model.needs_prompt_lengths, vocab_size=self.mcfg.vocab_size,
                            device=self.device)
-        # Grammar masks of this step's constrained rows are computed while the forward runs.
-        pending_mask = self.token_masks.submit(
+            pending_mask = self._submit_masks(batch)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
+            logits = None
+            failed_captures = tap.finish() if tap is not None else {}
+        return self._results(items, batch, hidden, logits, failed_captures, pending_mask)
+
+    def _submit_masks(self, batch: StepBatch) -> object:
+        """Grammar masks of the step's constrained rows, computed while the forward runs."""
+        return self.token_masks.submit(
             [(i, req.grammar) for i, (_, req) in enumerate(batch.sample_rows) if req.grammar is not None],
             self.mcfg.vocab_size)
-        if shape is not None:
-            logits = self.graphs.run(shape, len(lay.ids), tap.steering if tap is not None else None,
-                                     tap.capture if tap is not None else None)
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
+
+    def _results(self, items: list[ScheduledItem], batch: StepBatch, hidden: torch.Tensor | None,
+                 logits: torch.Tensor | None, failed_captures: dict, pending_mask: object) -> StepResult:
+        """Captures' failures, prompt logprobs, then the samples (the one download the step waits for)."""
         result = StepResult()
-        if tap is not None:
+        if failed_captures:
             owner = {it.request.capture: it.request for it in items if it.request.capture is not None}
-            for capture, message in tap.finish().items():
+            for capture, message in failed_captures.items():
                 result.failed[owner[capture]] = RowFailure(message, "server_error")
         for it, row in batch.prompt_logprob_rows:
             req = it.request
@@ -280,8 +300,6 @@ class ModelRunner:
             if batch.sample_index is not None:  # all rows sample in a pure decode step: no gather
                 hidden = hidden.index_select(0, batch.sample_index)
             logits = self.model.compute_logits(hidden)
-        elif batch.sample_index is not None:  # a graph's padded rows, or forks sharing a row
-            logits = logits.index_select(0, batch.sample_index)
         mask = pending_mask.result() if pending_mask else None
         results = plan.sample(logits, self.token_counts, mask)
         failures = {row: RowFailure(message, "server_error") for row, message in (mask.errors if mask else {}).items()}
@@ -293,30 +311,11 @@ class ModelRunner:
                 result.sampled[req] = token
         return result
 
-    def _graph_shape(self, lay: StepLayout, tap: StepTap | None, depth: int | None) -> TapShape | None:
-        """The tap shape of the graph this step replays, or None (and the reason counted) for an eager step."""
-        graphs = self.graphs
-        if graphs is None:
-            return None
-        reason = None
-        if not lay.decode_only:
-            reason = "a prefill chunk in the step"
-        elif len(lay.ids) > graphs.max_size:
-            reason = f"more than {graphs.max_size} rows"
-        elif lay.prompt_logprob_rows:
-            reason = "prompt logprobs"
-        elif depth is not None:
-            reason = "prompt-only requests stop early"
-        else:
-            shape, reason = tap_shape(tap.capture, tap.steering) if tap is not None else (NO_TAP, None)
-            if reason is None:
-                return shape
-        graphs.fall_back(reason)
-        return None
-
     def release(self, req: Request) -> None:
-        """Forget a request that finished or was aborted (its block-table row is free again)."""
+        """Forget a request that finished, was aborted or preempted (its slot is free again)."""
         self.block_tables.release(req)
+        if self.graph_step is not None:
+            self.graph_step.release(req)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -3,15 +3,17 @@
 :func:`lay_out` lays the step out on the host (decodes first, then prefill chunks, one row
 per token) as plain lists and row spans; :func:`upload` writes every number into the step's
 staging buffer, sends it in one copy and builds the :class:`StepBatch` from the device
-views. A step replayed from a CUDA graph is laid out the same way and uploaded by
-:func:`upload_graph_step`, padded to its graph's batch size. The sampling plan's numbers go
-in the same upload.
+views. A step replayed from a CUDA graph is laid out the same way; its rows go to the graph's
+input buffers and :func:`upload_sampling` sends the rest. The sampling plan's numbers go in the
+same upload.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tapllm.backends.ops import AttentionOps
@@ -44,6 +46,7 @@ class StepLayout:
     captures: list[CaptureSpan] = field(default_factory=list)
     steers: list[SteerSpan] = field(default_factory=list)
     prompt_logprob_rows: list[tuple[ScheduledItem, int]] = field(default_factory=list)
+    item_slots: list[int] = field(default_factory=list)  # each item's slot (its block-table row)
 
     @property
     def decode_only(self) -> bool:
@@ -77,6 +80,7 @@ def lay_out(items: list[ScheduledItem], tables: BlockTables) -> StepLayout:
         ids.extend(req.token_ids[start : start + n])
         table = req.block_table
         trow = tables.row(req, start // bs, diff)
+        lay.item_slots.append(trow)
         if n == 1:
             pos.append(start)
             slots.append(table[start // bs] * bs + start % bs)
@@ -175,36 +179,31 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
                      lay.prompt_logprob_rows)
 
 
-def upload_graph_step(lay: StepLayout, staging: Staging, tables: BlockTables, graph_inputs: torch.Tensor,
-                      trash_slot: int, *, vocab_size: int, device: torch.device) -> StepBatch:
-    """A decode step's inputs for a CUDA graph of ``graph_inputs.shape[1]`` rows, uploaded in one copy.
+def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: Callable[[np.ndarray], None],
+                 size: int, *, vocab_size: int, device: torch.device, rows: int | None
+                 ) -> tuple[StepBatch, torch.Tensor]:
+    """A graph step's upload, in one copy: its rows' inputs (``fill`` writes the ``size`` int64 numbers of
+    ``tapllm.engine.input_buffers``), the block-table entries that changed, the sampling plan's numbers.
+    Returns the batch and the device view of the inputs.
 
-    ``graph_inputs`` (``[5, rows]`` on the device: ids, positions, slots, lengths, table rows) is
-    what the graph reads; the rows past the step's are padding: they write their key and value
-    to ``trash_slot`` and attend to that one slot, whose block no request holds.
+    ``rows``: a decode graph's logits are its batch rows, gathered when the sampled rows are not all of
+    them in order; None: a mixed graph's logits are already the sampled rows.
     """
-    n, b = len(lay.ids), graph_inputs.shape[1]
-    pad = b - n
     staging.begin()
-    s_inputs, grid = staging.zeros(5 * b, torch.int64, (5, b))
-    grid[0, :n] = lay.ids
-    grid[1, :n] = lay.pos
-    grid[2, :n] = lay.slots
-    grid[2, n:] = trash_slot
-    grid[3, :n] = lay.decode_lens
-    grid[3, n:] = 1
-    grid[4, :n] = lay.decode_rows
-    grid[4, n:] = tables.pad_row
+    s_inputs, host = staging.zeros(size, torch.int64)
+    fill(host)
     s_diff = staging.add(lay.diff, torch.int64, (len(lay.diff) // 3, 3))
-    s_sample, sampling = _sampling_sections(lay, staging, vocab_size, device, n + pad)
+    if rows is None:
+        s_sample, sampling = None, (SamplingPlan([r for _, r in lay.sample_rows], vocab_size, staging, device)
+                                    if lay.sample_rows else None)
+    else:
+        s_sample, sampling = _sampling_sections(lay, staging, vocab_size, device, rows)
     views = staging.upload()
     tables.apply(views[s_diff])
-    graph_inputs.copy_(views[s_inputs])
     if sampling is not None:
         sampling.bind(views)
-    return StepBatch(graph_inputs[0], graph_inputs[1], None, lay.sample_rows,
-                     views[s_sample] if s_sample is not None else None, sampling, lay.captures, lay.steers,
-                     lay.prompt_logprob_rows)
+    return StepBatch(None, None, None, lay.sample_rows, views[s_sample] if s_sample is not None else None, sampling,
+                     lay.captures, lay.steers, lay.prompt_logprob_rows), views[s_inputs]
 
 
 def _sampling_sections(lay: StepLayout, staging: Staging, vocab_size: int, device: torch.device, rows: int

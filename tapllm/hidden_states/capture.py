@@ -1,8 +1,13 @@
-"""One request's capture buffers: CPU rows by absolute position, or on-device reducers.
+"""One request's capture: its rows as they arrive, chunk by chunk, or on-device reducers.
 
-Rows are written by absolute position and a high-water mark (``next_pos``) records how far
-capture has got, so a request that is preempted and recomputed, or whose prefix came from
-the cache, ends with exactly one row per position.
+Each step hands the request the rows of the positions ``[a, b)`` it captured, as one chunk per
+point; the chunks are joined in position order when the request finishes. A high-water mark
+(``next_pos``) records how far capture has got, so a request that is preempted and recomputed,
+or whose prefix came from the cache, ends with exactly one row per position. A chunk is either
+copied for the request (:meth:`RequestCapture.consume`: rows on the model's device, through the
+step's copy sink) or is already a host tensor the step made for many requests at once
+(:meth:`RequestCapture.take`: a graph step's capture buffer, copied back once; the request keeps
+a view of its part).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from tapllm.sae.features import FeatureBuffers
 
 
 class RequestCapture:
-    """One request's capture state: CPU buffers by absolute position, or on-device reducers."""
+    """One request's capture state: its chunks of rows, or on-device reducers (see the module docstring)."""
 
     def __init__(self, sel: Selection, spec: HiddenStatesSpec, num_prompt: int, device: torch.device,
                  lens_fn: LensFn | None = None) -> None:
@@ -38,15 +43,8 @@ class RequestCapture:
         self.reducers: dict[str, Reducer] | None = None
         if sel.reduce and not sel.last_only:
             self.reducers = {p: self._new_reducer(p) for p in sel.points}
-        self.buffers: dict[str, torch.Tensor] = {}
-        if self.reducers is None:
-            if sel.last_only:
-                cap = 1
-            elif sel.lo < num_prompt:
-                cap = min(sel.hi, num_prompt) - sel.lo  # prompt rows are known up front
-            else:
-                cap = min(sel.hi - sel.lo, 16)  # generated rows grow by doubling
-            self.buffers = {p: self._empty(p, cap) for p in sel.points}
+        # per point, (first position, rows [positions, layers, *shape]) in the order they arrived
+        self.chunks: dict[str, list[tuple[int, torch.Tensor]]] = {p: [] for p in sel.points}
         self.lens: LensBuffers | None = None
         if sel.lens_k:
             if lens_fn is None:
@@ -61,12 +59,12 @@ class RequestCapture:
         r.start(len(self.sel.layer_keys(point)), math.prod(self.sel.shapes[point]), self.device)
         return r
 
-    def _empty(self, point: str, rows: int) -> torch.Tensor:
-        shape = (rows, len(self.sel.layer_keys(point)), *self.sel.shapes[point])
-        # attention patterns leave the keys past each row's position zero: allocate zeros
-        if point == "attn_pattern":
-            return torch.zeros(shape, dtype=self.sel.dtype, device=self.out_device)
-        return torch.empty(shape, dtype=self.sel.dtype, device=self.out_device)
+    @property
+    def takes_host_rows(self) -> bool:
+        """True when the request keeps its rows exactly as captured (no reduction, projection, lens,
+        head selection, other dtype or device), so a step's host copy of them can be handed over as is."""
+        return (self.reducers is None and self.proj is None and self.lens is None and self.heads is None
+                and self.out_device.type == "cpu" and "attn_pattern" not in self.sel.points)
 
     def first_needed(self, num_tokens: int) -> int:
         """The first position this request still has to run to capture what it asked for."""
@@ -96,22 +94,48 @@ class RequestCapture:
             rows = rows.index_select(2, self.heads)
         if self.proj is not None:
             rows = rows.float() @ self.proj.T
-        if point == "attn_pattern" and rows.shape[-1] < self.sel.shapes[point][-1]:
-            rows = torch.nn.functional.pad(rows, (0, self.sel.shapes[point][-1] - rows.shape[-1]))
         if self.reducers is not None:
+            if point == "attn_pattern" and rows.shape[-1] < self.sel.shapes[point][-1]:
+                rows = torch.nn.functional.pad(rows, (0, self.sel.shapes[point][-1] - rows.shape[-1]))
             positions = torch.arange(a, b, device=rows.device)
             self.reducers[point].update(rows.float().reshape(*rows.shape[:2], -1), positions)
             return
         if self.sel.last_only:
-            sink.write(self.buffers[point], rows[-1:])
-            return
-        buf = self.buffers[point]
-        need = b - self.sel.lo
-        if need > buf.shape[0]:
-            grown = self._empty(point, min(max(need, 2 * buf.shape[0]), self.sel.hi - self.sel.lo))
-            grown[: buf.shape[0]].copy_(buf)
-            self.buffers[point] = buf = grown
-        sink.write(buf[a - self.sel.lo : need], rows)
+            rows, a = rows[-1:], b - 1
+        dest = torch.empty(rows.shape, dtype=self.sel.dtype, device=self.out_device)
+        sink.write(dest, rows)
+        self._keep(point, a, dest)
+
+    def take(self, point: str, rows: torch.Tensor, a: int, b: int) -> None:
+        """Keep host rows ``[b - a, layers, *shape]`` of positions ``[a, b)`` as they are (a view of a step's
+        host buffer, filled by the time the engine reads results); only when :attr:`takes_host_rows`."""
+        if self.sel.last_only:
+            rows, a = rows[-1:], b - 1
+        self._keep(point, a, rows if rows.dtype == self.sel.dtype else rows.to(self.sel.dtype))
+
+    def _keep(self, point: str, a: int, rows: torch.Tensor) -> None:
+        if self.sel.last_only:
+            self.chunks[point] = [(a, rows)]
+        else:
+            self.chunks[point].append((a, rows))
+
+    def _joined(self, point: str, n: int, positions: torch.Tensor) -> torch.Tensor:
+        """The kept chunks of ``point`` as one ``[n, layers, *shape]`` tensor (its rows at ``positions``)."""
+        sel = self.sel
+        shape = (n, len(sel.layer_keys(point)), *sel.shapes[point])
+        chunks = self.chunks[point]
+        if point == "attn_pattern" and n:  # a chunk holds the keys its step had computed; the rest stay zero
+            out = torch.zeros(shape, dtype=sel.dtype, device=self.out_device)
+            first = int(positions[0])
+            for a, rows in chunks:
+                out[a - first : a - first + rows.shape[0], ..., : rows.shape[-1]] = rows
+            return out
+        if not chunks:
+            return torch.empty(shape, dtype=sel.dtype, device=self.out_device)
+        out = torch.cat([rows for _, rows in chunks]) if len(chunks) > 1 else chunks[0][1]
+        if out.shape[0] != n:
+            raise RuntimeError(f"hidden_states: {out.shape[0]} rows of {point!r} were captured for {n} positions")
+        return out
 
     def advance(self, a: int, b: int) -> None:
         """Record that positions ``[a, b)`` were captured this step."""
@@ -120,7 +144,7 @@ class RequestCapture:
             self.last_pos = b - 1
 
     def fork(self) -> RequestCapture:
-        """An independent copy of this capture's state (buffers, reducers, lens), for another sample
+        """An independent copy of this capture's state (chunks, reducers, lens), for another sample
         that continues from the same positions: what was captured so far is captured once, and copied.
 
         Read-only parts (the projection, head indices, the model's lens function) stay shared.
@@ -149,11 +173,10 @@ class RequestCapture:
             elif sel.reduce:  # positions="last" with a reduction: reduce the one kept row
                 r = self._new_reducer(point)
                 if n:
-                    r.update(self.buffers[point][:n].float().reshape(n, layers, -1), positions)
+                    r.update(self._joined(point, n, positions).float().reshape(n, layers, -1), positions)
                 out = reduced[point] = r.finish()
             else:
-                buf = self.buffers[point]
-                out = buf[:n].clone() if n < buf.shape[0] else buf
+                out = self._joined(point, n, positions)
             if sel.reduce and out.dim() == 2 and len(shape) > 1:  # [layers, prod(shape)] -> [layers, *shape]
                 out = out.reshape(layers, *shape)
             if point == "attn_pattern" and not sel.reduce:  # keys 0..last captured position

@@ -5,8 +5,14 @@ step's writes to host buffers are queued; :meth:`CopySink.flush` packs them per 
 copies them to pinned host memory on a side stream, after the step's work, without
 waiting; the rows reach the requests' buffers at :meth:`CopySink.settle`, which the next
 step calls before it touches any buffer (so the copy overlaps that step's forward) and the
-engine calls before it reads a finished request's states. A write whose buffer lives on the
-device itself (``HiddenStatesSpec(device="cuda")``) is a device copy, made at once.
+engine calls before it reads a finished request's states. Every source tensor stays referenced
+until its copy is done: a source made for the copy (a cast, a slice's contiguous copy) belongs to
+the main stream's allocator, which would otherwise hand its memory to the next step while the side
+stream still reads it. A write whose buffer lives on the device itself
+(``HiddenStatesSpec(device="cuda")``) is a device copy, made at once.
+
+A graph step copies its whole capture buffer's used part to the host at once and hands requests
+views of it; :meth:`CopySink.track` makes :meth:`settle` wait for that copy too.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ class CopySink:
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._host: list[dict[torch.dtype, torch.Tensor]] = [{}, {}]  # two pinned sets: one in flight, one filling
         self._turn = 0
-        self._inflight: list[tuple[int, torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        # (pinned set, done, (dest, host) pairs to scatter, tensors kept alive until done)
+        self._inflight: list[tuple[int, torch.cuda.Event, list[tuple[torch.Tensor, torch.Tensor]], list]] = []
         self._stream: torch.cuda.Stream | None = None
 
     def write(self, dest: torch.Tensor, src: torch.Tensor) -> None:
@@ -32,6 +39,12 @@ class CopySink:
         else:
             self.pending.append((dest, src.to(dest.dtype)))
 
+    def track(self, host: torch.Tensor, src: torch.Tensor) -> None:
+        """Wait at :meth:`settle` for an asynchronous copy of ``src`` into ``host`` issued on the current stream."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(src.device))
+        self._inflight.append((-1, done, [], [src, host]))
+
     def flush(self) -> None:
         """Start the queued copies to the host (a no-op unless staged)."""
         if not self.pending:
@@ -39,6 +52,7 @@ class CopySink:
         by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dest, src in self.pending:
             by_dtype.setdefault(dest.dtype, []).append((dest, src))
+        sources = [src for _, src in self.pending]
         self.pending = []
         device = next(iter(by_dtype.values()))[0][1].device
         if device.type != "cuda":  # staged without a GPU (tests): the same bookkeeping, copied at once
@@ -51,14 +65,14 @@ class CopySink:
         main = torch.cuda.current_stream(device)
         self._stream.wait_stream(main)
         turn, self._turn = self._turn, self._turn ^ 1
-        if any(t == turn for t, _, _ in self._inflight):  # its pinned set is still being read: finish first
+        if any(t == turn for t, _, _, _ in self._inflight):  # its pinned set is still being read: finish first
             self.settle()
         hosts = self._host[turn]
         scatter: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.cuda.stream(self._stream):
             for dtype, pairs in by_dtype.items():
                 flat = torch.cat([src.reshape(-1) for _, src in pairs])
-                flat.record_stream(self._stream)  # the allocator keeps it until the side stream is done
+                sources.append(flat)
                 host = hosts.get(dtype)
                 if host is None or host.numel() < flat.numel():
                     host = torch.empty(max(flat.numel(), 2 * (host.numel() if host is not None else 0)),
@@ -73,13 +87,13 @@ class CopySink:
                     offset += n
             done = torch.cuda.Event()
             done.record(self._stream)
-        self._inflight.append((turn, done, scatter))
+        self._inflight.append((turn, done, scatter, sources))
 
     def settle(self) -> None:
-        """Wait for the copies started by :meth:`flush` and put their rows in the requests' buffers."""
+        """Wait for the copies started by :meth:`flush` and :meth:`track` and put their rows in the requests' buffers."""
         inflight, self._inflight = self._inflight, []
         with torch.inference_mode():  # buffers grown during a step are inference tensors
-            for _, done, scatter in inflight:
+            for _, done, scatter, _ in inflight:
                 done.synchronize()
                 for dest, host in scatter:
                     dest.copy_(host)

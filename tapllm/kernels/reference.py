@@ -184,3 +184,34 @@ def check_all(ops: Any) -> str | None:
         if problem:
             return problem
     return None
+
+
+def tap_site(x: torch.Tensor, site: Any, tables: Any, row_slot: torch.Tensor, positions: torch.Tensor) -> None:
+    """A graph step's tap at ``site`` (``tapllm.tap.sites.Site``), row by row from ``tables``
+    (``tapllm.tap.tables.TapTables``): each operation rounded to ``x``'s dtype, then the capture."""
+    from tapllm.tap.tables import OP_ADD, OP_DIRECTION, OP_SCALE
+
+    for r in range(x.shape[0]):
+        slot, pos = int(row_slot[r]), int(positions[r])
+        row = x[r].reshape(site.groups, site.group_width)
+        xf = row.float()
+        first, count = int(tables.st_first[slot, site.index]), int(tables.st_count[slot, site.index])
+        for i in range(first, first + count):
+            kind, lo, hi, prow, stride = (int(v) for v in tables.ops[i])
+            if not lo <= pos < hi:
+                continue
+            v = tables.pool[prow + (pos - lo) * stride, : site.width].reshape(site.groups, site.group_width)
+            if kind == OP_ADD:
+                xf = xf + v
+            elif kind == OP_SCALE:
+                xf = xf * v
+            elif kind == OP_DIRECTION:
+                xf = xf + (float(tables.op_value[i]) - (xf * v).sum(-1, keepdim=True)) * v
+            else:
+                xf = torch.where(torch.isnan(v), xf, v)
+            xf = xf.to(x.dtype).float()
+        if count:
+            row.copy_(xf.to(x.dtype))
+        base, off = int(tables.row_base[r]), int(tables.cap_off[slot, site.index])
+        if base >= 0 and off >= 0:
+            tables.cap_out[base + off : base + off + site.width].copy_(xf.reshape(-1).to(tables.cap_out.dtype))

@@ -68,6 +68,20 @@ class PrefillBatch:
                    max(c.length for c in chunks) if max_len is None else max_len)
 
 
+@dataclass(slots=True)
+class UnifiedBatch:
+    """A graph step's sequences for the attention kernel that serves decodes and prefill chunks in one launch.
+
+    Sequence ``s`` owns batch rows ``cu_q[s] .. cu_q[s + 1] - 1``, its row ``j`` at position ``ctx[s] + j``;
+    its blocks are row ``seq_rows[s]`` of ``table`` (the engine's block table, read in place).
+    """
+
+    cu_q: torch.Tensor  # [S + 1]
+    ctx: torch.Tensor  # [S]
+    seq_rows: torch.Tensor  # [S]
+    table: torch.Tensor  # [slots, width]
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionOptions:
     """How one layer attends: its score scale, sliding window and logit soft-cap."""
@@ -91,6 +105,7 @@ class AttentionMetadata:
     prompt_lens: torch.Tensor | None = None  # [T] prompt length of each row's request (models that ask)
     attn: AttentionOps | None = None  # the backend's paged-attention kernels; None: the PyTorch code here
     prefill_batch: PrefillBatch | None = None  # the prefill chunks as tensors, when ``attn`` attends them
+    unified: UnifiedBatch | None = None  # a graph step's sequences: one kernel attends every row
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def decode_mask_for(self, window: int | None) -> torch.Tensor:
@@ -173,6 +188,10 @@ def paged_attention(
         # attention weight; 0 * NaN is NaN, so a value that is not finite (one request's overflow)
         # must never reach the cache where another request could read it that way.
         v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, _finite(v).transpose(0, 1))
+    if meta.unified is not None:
+        u = meta.unified
+        return meta.attn.unified_attention(q, k_cache, v_cache, u.table, u.seq_rows, u.cu_q, u.ctx, opts.scale,
+                                           opts.window or 0, opts.softcap or 0.0)
     nd = meta.num_decodes
     if nd == q.shape[0]:
         return _decode_attention(q, k_cache, v_cache, meta, opts)

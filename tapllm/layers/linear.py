@@ -5,9 +5,9 @@ small row counts of decoding that dominates, so weights are reordered once at lo
 torch.compile's CPU freezing does). The public ``torch.utils.mkldnn.to_mkldnn``
 (``MkldnnLinear``) converts every input to and from oneDNN's tensor format, which costs more
 than it saves at decode sizes, and torch.compile's freezing costs a compile per shape; so the
-private ``torch.ops.mkldnn`` packing ops are used, only where ``tapllm.utils.platform``'s probe
-packed and ran a trial linear in that dtype on this CPU (bf16 packing needs AVX512-BW/VL/DQ
-or AVX-NE-CONVERT); everywhere else the layer is a plain ``F.linear``. With the CPU backend,
+private ``torch.ops.mkldnn`` packing ops are used, where the backend says so (``Backend.prepack``:
+where ``tapllm.utils.platform``'s probe packed and ran a trial linear in that dtype on this CPU;
+bf16 packing needs AVX512-BW/VL/DQ or AVX-NE-CONVERT); everywhere else the layer is a plain ``F.linear``. With the CPU backend,
 steps of at most ``Backend.gemv_rows`` rows read the packed weight in place with tapllm's GEMV
 (``tapllm.kernels.gemv``).
 """
@@ -19,12 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapllm.backends.ops import GemvOps
-from tapllm.utils.platform import cpu_support
-
-
-def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """True when weights of ``dtype`` on ``device`` can be prepacked for oneDNN (see the probe)."""
-    return device.type == "cpu" and dtype in cpu_support().packable
 
 
 class Linear(nn.Module):
@@ -70,11 +64,8 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Prepack every :class:`Linear` of ``model`` when the platform allows; returns whether it did."""
-    if not packing_available(device, dtype):
-        return False
+def pack_linears(model: nn.Module) -> None:
+    """Prepack every :class:`Linear` of ``model`` (the backend decided it: ``Backend.prepack``)."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.pack()
-    return True

@@ -23,7 +23,7 @@ from tapllm.backends import Backend, ElementwiseOps
 from tapllm.config import ModelConfig
 from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU
 from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
-from tapllm.layers.linear import Linear, pack_linears, packing_available
+from tapllm.layers.linear import Linear, pack_linears
 from tapllm.layers.norm import RMSNorm
 from tapllm.models.stack import DecoderStack
 from tapllm.quant.embedding import QuantEmbedding
@@ -287,8 +287,8 @@ class CausalLM(nn.Module):
                                         self.stack_block, Attention, GatedMLP)
 
     # ---- weights -----------------------------------------------------------------------
-    def prepare_for_inference(self, device: torch.device) -> None:
-        """After loading: prepack linear weights where the platform benefits (see layers/linear.py);
+    def prepare_for_inference(self, prepack: bool) -> None:
+        """After loading: prepack linear weights when the backend says so (see layers/linear.py);
         a quantized model's tied LM head shares the quantized embedding's blocks (or, with the
         embedding kept in float, is quantized from it)."""
         quant: Quantization | None = getattr(self, "quant", None)
@@ -302,10 +302,11 @@ class CausalLM(nn.Module):
             self.head_blocks = None
         if self.lm_head is None and quant is not None and block_shape(quant, self.cfg.hidden_size):
             self.lm_head = QuantLinear.from_weight(self.embed_tokens.weight.data, None, quant)
-        if self.lm_head is None and packing_available(device, self.cfg.dtype):
+        if self.lm_head is None and prepack:
             self.lm_head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.cfg.dtype)
             self.lm_head.weight.data = self.embed_tokens.weight.data
-        pack_linears(self, device, self.cfg.dtype)
+        if prepack:
+            pack_linears(self)
 
     def checkpoint_names(self, name: str, tensor: torch.Tensor) -> Placement:
         """Where a checkpoint tensor goes: ``[(parameter, first row or None, tensor)]``; ``[]`` skips it.

@@ -145,10 +145,10 @@ class SAE:
         ``tapllm.layers.linear``): at decode sizes a prepacked matmul is several times faster.
         Returns whether it did. The engine packs its own device copies; results equal the plain
         matmuls up to float rounding."""
-        from tapllm.layers.linear import packing_available
+        from tapllm.backends.select import prepack_available
 
         if self._packed is not None or self.cfg.architecture == "gated" or \
-                not packing_available(self.device, self.dtype):
+                not prepack_available(self.device, self.dtype):
             return self._packed is not None
         reorder = torch.ops.mkldnn._reorder_linear_weight
         self._packed = (reorder(self.W_enc.T.contiguous(), 16), reorder(self.W_dec.T.contiguous(), 16))

@@ -1,0 +1,237 @@
+"""Steps run from CUDA graphs: each running request's slot tables, the step's inputs, the replay, its captures.
+
+A request that captures or steers writes its slot's rows of the tap tables when it first runs in
+its slot (again after a preemption, when its capture resumes elsewhere) and clears them when it
+leaves (:meth:`GraphStep.release`); a step then only says which slot and position each row has.
+What a table cannot hold (attention patterns, SAE feature edits, operands past the tables' size)
+is remembered per request, and the steps holding it run eagerly with that reason.
+
+After a replay, :meth:`GraphStep.deliver` hands each capturing request its rows: the host worked
+out, from its mirror of the tables, where every captured row went in the capture buffer; the part
+used is copied to the host once, and a request that keeps its rows as captured takes a view of
+its block of it. A request that reduces, projects, selects heads, reads the lens or SAE features
+takes its block on the device and goes through its usual consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tapllm.backends.policy import GraphKey, GraphSizes, StepShape
+from tapllm.engine.block_tables import BlockTables
+from tapllm.engine.cuda_graphs import GraphOutputs, GraphRunner
+from tapllm.engine.input_buffers import InputBuffers
+from tapllm.engine.request import Request
+from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
+from tapllm.engine.step_inputs import StepLayout
+from tapllm.hidden_states.capture import RequestCapture
+from tapllm.hidden_states.sink import CopySink
+from tapllm.sae.features import FeatureBatch
+from tapllm.tap.sites import Sites
+from tapllm.tap.tables import TapTables
+
+logger = logging.getLogger("tapllm")
+
+POOL_ROWS_PER_SEQ = 8  # steering pool rows per slot, on average (a request may use more while others use less)
+OPS_PER_SEQ = 32
+CAPTURE_POINTS_PER_TOKEN = 8  # the capture buffer holds this many hidden-size rows per token of the largest step
+
+
+@dataclass(slots=True)
+class _Joined:
+    slot: int
+    preemptions: int
+    layout: RecordLayout | None = None
+    blocked: str | None = None
+
+
+@dataclass(slots=True)
+class _Delivery:
+    """One request's block of a step's capture buffer: positions ``[a, b)`` at numbers ``[start, start + n*rec)``."""
+
+    capture: RequestCapture
+    layout: RecordLayout
+    a: int
+    b: int
+    start: int
+    features: bool = False
+    rows: dict = field(default_factory=dict)
+
+
+class GraphStep:
+    """The graph path of the model runner (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, tables: BlockTables, sizes: GraphSizes,
+                 attn: object, shapes: dict[str, tuple[int, ...]], num_layers: int, dtype: torch.dtype,
+                 device: torch.device, *, capture: bool) -> None:
+        self.device = device
+        self.block_tables = tables
+        rows = max(sizes.mixed[-1] if sizes.mixed else 0, sizes.decode[-1] if sizes.decode else 0)
+        self.sites = Sites(num_layers, shapes)
+        slots = tables.table.shape[0]
+        hidden = shapes["resid_post"][0]
+        self.taps = TapTables(self.sites, slots, rows, device, dtype, max_ops=OPS_PER_SEQ * slots,
+                              pool_rows=POOL_ROWS_PER_SEQ * slots,
+                              capture_numbers=CAPTURE_POINTS_PER_TOKEN * hidden * rows)
+        self.inputs = InputBuffers(rows, sizes.max_seqs, tables.padding_slot, device)
+        self.graphs = GraphRunner(model, kv_caches, tables, self.inputs, self.taps, attn, sizes.keys(), device,
+                                  capture=capture)
+        self._generation = tables.generation
+        self._joined: dict[Request, _Joined] = {}
+
+    def warm_up(self) -> None:
+        """Capture every graph (start-up)."""
+        self.graphs.warm_up()
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def shape(self, lay: StepLayout) -> StepShape:
+        """The step's shape for the decider; requests new to their slot write their tables first."""
+        tapped = False
+        blocked = None
+        for it, slot in zip(lay.items, lay.item_slots):
+            req = it.request
+            if req.capture is None and req.steering is None:
+                continue
+            joined = self._join(req, slot)
+            if joined.blocked is not None:
+                blocked = blocked or joined.blocked
+            tapped = tapped or self.taps.taps(slot)
+        if self.block_tables.generation != self._generation:
+            blocked = "the block table moved"
+        return StepShape(lay.decode_only, len(lay.ids), len(lay.items), len(lay.sample_rows), tapped, blocked)
+
+    def _join(self, req: Request, slot: int) -> _Joined:
+        joined = self._joined.get(req)
+        if joined is not None and joined.slot == slot and joined.preemptions == req.num_preemptions:
+            return joined
+        if joined is not None and joined.slot != slot:
+            self.taps.clear(joined.slot)
+        joined = self._joined[req] = _Joined(slot, req.num_preemptions)
+        capture = layout = None
+        ops: list = []
+        if req.capture is not None:
+            capture, layout, joined.blocked = slot_capture(req.capture, self.sites)
+        if joined.blocked is None and req.steering is not None:
+            ops, joined.blocked = slot_ops(req.steering, self.sites)
+        if joined.blocked is None:
+            joined.blocked = self.taps.write(slot, capture, ops)
+        if joined.blocked is not None:
+            self.taps.clear(slot)
+        joined.layout = layout
+        return joined
+
+    def release(self, req: Request) -> None:
+        """Forget ``req``'s slot tables (it finished, was aborted or preempted)."""
+        joined = self._joined.pop(req, None)
+        if joined is not None:
+            self.taps.clear(joined.slot)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def fill(self, lay: StepLayout, key: GraphKey, host: np.ndarray) -> None:
+        """Write ``lay``'s rows, padded to ``key``'s graph, into ``host`` (the step's upload section)."""
+        rows, seqs = self.graphs.extent(key)
+        last = []
+        row_slot = []
+        for it, slot in zip(lay.items, lay.item_slots):
+            row_slot.extend([slot] * it.num_tokens)
+            last.extend([0] * (it.num_tokens - 1) + [1])
+        kw = {}
+        if key.kind == "mixed":
+            cu, ctx = [0], []
+            for it in lay.items:
+                cu.append(cu[-1] + it.num_tokens)
+                ctx.append(it.start)
+            kw = dict(cu_q=cu, ctx=ctx, seq_rows=lay.item_slots, sample_rows=[r for r, _ in lay.sample_rows])
+        self._row_slot, self._last = row_slot, last
+        self.inputs.fill(host, rows, seqs, ids=lay.ids, positions=lay.pos, row_slot=row_slot, last_rows=last, **kw)
+
+    def run(self, key: GraphKey, uploaded: torch.Tensor) -> GraphOutputs:
+        """Copy the step's uploaded inputs into the graph's buffers and replay ``key``'s graph."""
+        self.inputs.load(uploaded)
+        return self.graphs.run(key)
+
+    def deliver(self, lay: StepLayout, sink: CopySink) -> dict[RequestCapture, str]:
+        """Hand each capturing request its rows of the step just replayed (see the module docstring);
+        returns the captures that failed alone."""
+        entries: list[_Delivery] = []
+        base = None
+        for it, row in _capture_items(lay):
+            req = it.request
+            window = req.capture.window(it.start, it.num_tokens)
+            if window is None:
+                continue
+            if base is None:
+                base, total = self.taps.places(np.asarray(self._row_slot), np.asarray(lay.pos),
+                                               np.asarray(self._last))
+            rows = base[row : row + it.num_tokens]
+            inside = np.flatnonzero(rows >= 0)
+            a, b = window
+            if len(inside) != b - a:
+                raise RuntimeError(f"request {req.request_id}: the graph captured {len(inside)} rows where its "
+                                   f"window holds {b - a}")
+            layout = self._joined[req].layout
+            entries.append(_Delivery(req.capture, layout, a, b, int(rows[inside[0]]),
+                                     req.capture.sel.features is not None))
+        if not entries:
+            return {}
+        sink.settle()
+        host = None
+        if any(e.capture.takes_host_rows for e in entries):
+            end = max(e.start + (e.b - e.a) * e.layout.size for e in entries if e.capture.takes_host_rows)
+            host = _to_host(self.taps.cap_out[:end], sink)
+        failed: dict[RequestCapture, str] = {}
+        for e in entries:
+            n, size = e.b - e.a, e.layout.size
+            on_host = e.capture.takes_host_rows
+            block = (host if on_host else self.taps.cap_out)[e.start : e.start + n * size].view(n, size)
+            for point in e.capture.sel.points:
+                keys, start, width = e.layout.part(point)
+                rows = block[:, start : start + width].view(n, len(keys), *e.capture.sel.shapes[point])
+                try:
+                    if on_host:
+                        e.capture.take(point, rows, e.a, e.b)
+                    else:
+                        e.capture.consume(point, rows, e.a, e.b, sink)
+                except Exception as exc:  # noqa: BLE001 - belongs to this request alone
+                    failed[e.capture] = f"hidden_states: capturing {point!r} failed: {type(exc).__name__}: {exc}"
+                    break
+        features = [e for e in entries if e.features and e.capture not in failed]
+        if features:
+            failed.update(FeatureBatch(features).run(self._device_rows, sink, failed))
+        sink.flush()
+        for e in entries:
+            if e.capture not in failed:
+                e.capture.advance(e.a, e.b)
+        return failed
+
+    def _device_rows(self, e: _Delivery, point: str, key: int) -> torch.Tensor:
+        """``e``'s rows of ``point`` at layer ``key`` in the capture buffer: ``[b - a, width]``."""
+        n, size = e.b - e.a, e.layout.size
+        keys, start, width = e.layout.part(point)
+        each = width // len(keys)
+        first = start + keys.index(key) * each
+        return self.taps.cap_out[e.start : e.start + n * size].view(n, size)[:, first : first + each]
+
+
+def _capture_items(lay: StepLayout):
+    """(item, first batch row) of every item whose request captures."""
+    row = 0
+    for it in lay.items:
+        if it.request.capture is not None:
+            yield it, row
+        row += it.num_tokens
+
+
+def _to_host(t: torch.Tensor, sink: CopySink) -> torch.Tensor:
+    """A host copy of ``t``, for requests to keep views of: pinned and asynchronous on CUDA (the sink
+    waits for it before any result is read), a plain copy on the CPU."""
+    if t.device.type == "cpu":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    sink.track(host, t)
+    return host

@@ -1,0 +1,50 @@
+"""The tap of a graph step: every site reads the slot tables (``tapllm.tap.tables``) through one kernel.
+
+Unlike the eager step's tap (``tapllm.engine.step_tap``), built for one step from its requests,
+this tap is the same object for every step a graph replays: at each site it launches the site
+kernel (``tapllm.kernels.triton_tap``), which looks each row's slot up and steers and captures what
+that slot asked for, and nothing else. Before the first block, :meth:`TableTap.begin` places each
+captured row in the capture buffer. Since any slot may steer any point, the tap says it steers
+every steerable point, so the model never fuses a residual add past a point a steer could change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tapllm.kernels.triton_tap import tap_site
+from tapllm.tap.points import BY_NAME
+from tapllm.tap.tables import TapTables
+
+
+class TableTap:
+    """The :class:`tapllm.tap.Tap` of a graph step (see the module docstring)."""
+
+    def __init__(self, tables: TapTables, row_slot: torch.Tensor, positions: torch.Tensor,
+                 last_rows: torch.Tensor) -> None:
+        self.tables = tables
+        self.row_slot = row_slot
+        self.positions = positions
+        self.last_rows = last_rows
+
+    def begin(self) -> None:
+        """Each captured row's place in the capture buffer (device ops: part of the graph)."""
+        self.tables.prologue(self.row_slot, self.positions, self.last_rows)
+
+    def __call__(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        index = self.tables.sites.index.get((point, layer))
+        if index is not None:
+            tap_site(x, self.tables.sites.all[index], self.tables, self.row_slot, self.positions)
+        return x
+
+    def steers(self, point: str, layer: int) -> bool:
+        return BY_NAME[point].steerable and (point, layer) in self.tables.sites.index
+
+    def touches(self, layer: int) -> bool:
+        return True
+
+    def wants_pattern(self, layer: int) -> bool:
+        return False
+
+    def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: object) -> None:
+        raise RuntimeError("a graph step's tap captures no attention pattern")
