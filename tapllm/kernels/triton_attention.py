@@ -1,17 +1,19 @@
 """Attention over tapllm's paged KV cache in Triton: the CUDA backend's decode, prefill and KV write.
 
-The three ops mirror the fused CPU kernels' signatures (``meta.kernels.decode_attention``,
-``prefill_attention`` and ``kv_write`` in :mod:`tapllm.layers.attention`), so a backend can
-swap them in; plain PyTorch (:func:`tapllm.layers.attention.paged_attention` without kernels)
-stays their definition. Triton is imported only when an op runs or :func:`available` is
-asked. The kernels are compiled for CUDA tensors; with ``TRITON_INTERPRET=1`` set before
-triton is imported, Triton's interpreter runs them instead, on CPU tensors too (the tests).
+The three ops mirror the fused CPU kernels' signatures
+(``meta.kernels.decode_attention``, ``prefill_attention`` and ``kv_write`` in
+:mod:`tapllm.layers.attention`), so a backend can swap them in; plain PyTorch
+(:func:`tapllm.layers.attention.paged_attention` without kernels) stays their definition.
+Triton is imported only when an op runs or :func:`available` is asked. The kernels are
+compiled for CUDA tensors; with ``TRITON_INTERPRET=1`` set before triton is imported,
+Triton's interpreter runs them instead, on CPU tensors too (the tests).
 
 - :func:`decode_attention` reads each sequence's keys from its blocks in place, splits long
-  contexts over several programs (flash-decoding, the number of splits chosen from shapes
-  only) and merges them in a second kernel. Nothing in it reads a value on the host and its
-  launches depend on shapes only, so a CUDA graph captured once replays with new lengths and
-  tables; rows of length 0 (a graph bucket's padding) read nothing and give zeros.
+  contexts over several programs (flash-decoding: the number of programs per row chosen from
+  shapes only, each row sharing its own keys among as many of them as it needs) and merges
+  them in a second kernel. Nothing in it reads a value on the host and its launches depend on
+  shapes only, so a CUDA graph captured once replays with new lengths and tables; rows of
+  length 0 (a graph bucket's padding) read nothing and give zeros.
 - :func:`prefill_attention` attends every prefill chunk of a step in one launch: fresh prompts
   and chunks that continue a cached context alike, since every chunk's keys (its own
   included, already written) are read from the cache.
@@ -149,6 +151,22 @@ def decode_splits(batch: int, kv_heads: int, max_keys: int) -> int:
     return max(1, min(for_occupancy, _cdiv(tiles, _MIN_SPLIT_TILES), _MAX_SPLITS))
 
 
+def row_splits(length: int, splits: int, window: int = 0) -> int:
+    """How many of its ``splits`` programs a decode row of ``length`` keys uses (as the kernels
+    plan it): one per ``_MIN_SPLIT_TILES`` tiles of its visible keys, at least one."""
+    first = max(length - window, 0) if window > 0 else 0
+    span = length - first // _DECODE_BLOCK_N * _DECODE_BLOCK_N
+    return max(1, min(splits, _cdiv(span, _MIN_SPLIT_TILES * _DECODE_BLOCK_N)))
+
+
+def _partials(batch: int, heads: int, splits: int, dim: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split kernel's partial buffers (sum, max, denominator); only the splits a row uses are written."""
+    return (torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=device),
+            torch.empty(batch, heads, splits, dtype=torch.float32, device=device),
+            torch.empty(batch, heads, splits, dtype=torch.float32, device=device))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      lens: torch.Tensor, scale: float, window: int | None = 0,
                      softcap: float | None = 0.0) -> torch.Tensor:
@@ -158,9 +176,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``block_tables[b]`` ([B, W]) of the head-major caches ``[Hkv, blocks, block_size, D]``; its
     query sits at position ``lens[b] - 1``. ``window`` > 0 keeps keys ``j > lens[b] - 1 - window``;
     ``softcap`` > 0 maps scores to ``tanh(s / softcap) * softcap`` before the softmax. A row of
-    length 0 gives zeros. Launches depend only on shapes (CUDA-graph safe); ``lens`` must not
-    exceed ``W * block_size`` (longer ones are clamped there) and table entries past a row's
-    length are never read.
+    length 0 gives zeros. Launches depend only on shapes (CUDA-graph safe): every row has
+    :func:`decode_splits` programs per KV head and shares its own visible keys evenly among as
+    many of them as it needs (:func:`row_splits`), whatever the table's width; ``lens`` must
+    not exceed ``W * block_size`` (longer ones are clamped there) and table entries past a
+    row's length are never read.
     """
     op = "decode_attention"
     heads, kv_heads, page, dim = _check_cache(op, q, k_cache, v_cache)
@@ -179,28 +199,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = q.contiguous()
     group = heads // kv_heads
     splits = decode_splits(batch, kv_heads, width * page)
-    split_keys = _cdiv(_cdiv(width * page, splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
     block_d = _pow2(dim)
-    if splits > 1:
-        part_acc = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_m = part_l = out  # not touched by the direct variant
+    # the direct variant (one split) touches no partial buffer
+    part_acc, part_m, part_l = _partials(batch, heads, splits, dim, q.device) if splits > 1 else (out, out, out)
     kernels.decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, lens, out, part_acc, part_m, part_l,
-        qk_mul, cap_mul, window, split_keys, splits, width,
+        qk_mul, cap_mul, window, splits, width,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_G=_pow2(group), BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N,
-        SOFTCAP=has_cap, WINDOW=has_window, DIRECT=splits == 1, PRECISION=_precision(q.dtype),
-        UPCAST=interpret and q.dtype == torch.bfloat16,
+        MIN_TILES=_MIN_SPLIT_TILES, SOFTCAP=has_cap, WINDOW=has_window, SPLIT=splits > 1,
+        PRECISION=_precision(q.dtype), UPCAST=interpret and q.dtype == torch.bfloat16,
         num_warps=4 if block_d <= 128 else 8, num_stages=2)
     if splits > 1:
         kernels.decode_reduce_kernel[(batch, heads)](
-            part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, BLOCK_S=_pow2(splits, 2), BLOCK_D=block_d, num_warps=4)
+            part_acc, part_m, part_l, lens, out, window, splits, width, lens.stride(0), out.stride(0), out.stride(1),
+            HEAD_DIM=dim, PAGE=page, BLOCK_S=_pow2(splits, 2), BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N,
+            MIN_TILES=_MIN_SPLIT_TILES, WINDOW=has_window, num_warps=4)
     return out
 
 
@@ -242,7 +258,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_q = block_m // group
     kernels.prefill_kernel[(_cdiv(max_len, block_q), chunks, kv_heads)](
         q, k_cache, v_cache, out, starts, lens, contexts, tables,
-        qk_mul, cap_mul, window, width,
+        qk_mul, cap_mul, window, width, q.shape[0],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tables.stride(0), tables.stride(1), starts.stride(0), lens.stride(0), contexts.stride(0),
