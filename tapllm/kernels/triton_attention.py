@@ -1,6 +1,6 @@
-"""Attention over tapllm's paged KV cache in Triton: the CUDA backend's decode, prefill and KV write.
+"""Attention over tapllm's paged KV cache in Triton: the CUDA backend's decode, prefill, unified step and KV write.
 
-The three ops mirror the fused CPU kernels' signatures
+Decode, prefill and the KV write mirror the fused CPU kernels' signatures
 (``meta.kernels.decode_attention``, ``prefill_attention`` and ``kv_write`` in
 :mod:`tapllm.layers.attention`), so a backend can swap them in; plain PyTorch
 (:func:`tapllm.layers.attention.paged_attention` without kernels) stays their definition.
@@ -17,6 +17,10 @@ Triton's interpreter runs them instead, on CPU tensors too (the tests).
 - :func:`prefill_attention` attends every prefill chunk of a step in one launch: fresh prompts
   and chunks that continue a cached context alike, since every chunk's keys (its own
   included, already written) are read from the cache.
+- :func:`unified_attention` attends a whole ragged step, chunks and decodes alike, in one
+  launch whose grid depends only on the step's token bucket and maximum number of sequences
+  (graph-safe): the rows' split among sequences, their contexts and their rows of the
+  engine's block table are read from device tensors.
 - :func:`kv_write` stores new keys and values at flat slots (a negative slot is skipped),
   zeroing values that are not finite, as the eager path does.
 
@@ -265,6 +269,57 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
         SOFTCAP=has_cap, WINDOW=has_window, PRECISION=_precision(q.dtype),
+        UPCAST=interpret and q.dtype == torch.bfloat16,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_rows: torch.Tensor, cu_q: torch.Tensor, ctx: torch.Tensor, scale: float,
+                      window: int | None = 0, softcap: float | None = 0.0) -> torch.Tensor:
+    """Causal attention of a ragged step (prefill chunks and decodes alike), one launch: ``q`` [T, H, D] -> same.
+
+    Sequence ``s`` of ``S`` owns batch rows ``cu_q[s] .. cu_q[s + 1] - 1`` (``cu_q`` [S + 1],
+    non-decreasing from 0; a padding sequence owns none); its row ``j`` sits at position
+    ``ctx[s] + j`` and attends keys ``0 .. ctx[s] + j`` (its own written already), read in place
+    from the blocks in row ``seq_rows[s]`` of ``block_table`` [R, W]. A decode is a sequence of
+    one row. Rows at or past ``cu_q[S]`` are padding and give zeros. ``window``/``softcap`` as in
+    :func:`decode_attention`. The grid depends on ``T``, ``S`` and the shapes only, and nothing
+    is read on the host, so a CUDA graph captured once replays with any split of up to ``T``
+    rows among up to ``S`` sequences. Positions past ``W * block_size`` are never read; the
+    index tensors' values are not checked (that would need a sync).
+    """
+    op = "unified_attention"
+    heads, kv_heads, page, dim = _check_cache(op, q, k_cache, v_cache)
+    for name, t, dims in (("block_table", block_table, 2), ("seq_rows", seq_rows, 1), ("cu_q", cu_q, 1),
+                          ("ctx", ctx, 1)):
+        _check_index(op, name, t, dims, q.device)
+    seqs, rows, width = seq_rows.shape[0], q.shape[0], block_table.shape[1]
+    if cu_q.shape[0] != seqs + 1 or ctx.shape[0] != seqs:
+        raise ValueError(f"{op}: for {seqs} sequences (seq_rows) cu_q must have {seqs + 1} entries and ctx "
+                         f"{seqs}; got {cu_q.shape[0]} and {ctx.shape[0]}")
+    qk_mul, cap_mul, window, has_cap, has_window = _score_args(op, scale, window, softcap)
+    kernels, interpret = _launcher(op, q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if rows == 0:
+        return out
+    if seqs == 0 or width == 0:
+        return out.zero_()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = heads // kv_heads
+    block_d = _pow2(dim)
+    block_m, block_n, warps, stages = _prefill_config(q.dtype, block_d, group)
+    block_q = block_m // group
+    kernels.unified_kernel[(_cdiv(rows, block_q) + seqs, kv_heads)](
+        q, k_cache, v_cache, out, block_table, seq_rows, cu_q, ctx,
+        qk_mul, cap_mul, window, width, rows, seqs,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), block_table.stride(1), seq_rows.stride(0), cu_q.stride(0), ctx.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_S=_pow2(seqs, 2), SOFTCAP=has_cap, WINDOW=has_window, PRECISION=_precision(q.dtype),
         UPCAST=interpret and q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages)
     return out

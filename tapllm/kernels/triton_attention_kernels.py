@@ -282,6 +282,53 @@ def prefill_kernel(
 
 
 @triton.jit
+def unified_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_rows_ptr, cu_ptr, ctx_ptr,
+    qk_mul, cap_mul, window, table_width, num_rows, num_seqs,
+    stride_qt, stride_qh, stride_kh, stride_kblk, stride_kt, stride_vh, stride_vblk, stride_vt,
+    stride_tr, stride_tw, stride_sr, stride_cu, stride_ctx, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One (program, KV head) of a ragged step: program ``p`` zeroes the padding rows among batch rows
+    ``p * BLOCK_Q ..`` and attends one query block of one sequence, or nothing.
+
+    Sequence ``s``'s query blocks are programs ``cu[s] // BLOCK_Q + s ..``: these starts grow by at
+    least the blocks of the sequence before, and the last ends by ``num_rows // BLOCK_Q + num_seqs``,
+    so a grid of ``cdiv(num_rows, BLOCK_Q) + num_seqs`` programs covers every block of any split
+    of the rows; a program finds its sequence by counting the starts at or before it.
+    """
+    p = tl.program_id(0)
+    kvh = tl.program_id(1)
+    used = tl.minimum(tl.load(cu_ptr + num_seqs * stride_cu).to(tl.int32), num_rows)
+    if p * BLOCK_Q + BLOCK_Q > used:
+        rows = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        tok = p * BLOCK_Q + rows // GROUP
+        pad = (rows < BLOCK_Q * GROUP) & (tok >= used) & (tok < num_rows)
+        o_rows = tok.to(tl.int64) * stride_ot + (kvh * GROUP + rows % GROUP) * stride_oh
+        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], out_ptr.dtype.element_ty),
+                 mask=pad[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_seqs
+    firsts = tl.load(cu_ptr + offs_s * stride_cu, mask=s_ok, other=0).to(tl.int32) // BLOCK_Q + offs_s
+    s = tl.sum((s_ok & (firsts <= p)).to(tl.int32), 0) - 1
+    start = tl.load(cu_ptr + s * stride_cu).to(tl.int32)
+    n = tl.load(cu_ptr + (s + 1) * stride_cu).to(tl.int32) - start
+    t0 = (p - (start // BLOCK_Q + s)) * BLOCK_Q
+    if t0 < n:
+        row = tl.load(seq_rows_ptr + s * stride_sr).to(tl.int64)
+        ctx = tl.load(ctx_ptr + s * stride_ctx).to(tl.int32)
+        _query_block(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr + row * stride_tr, start, n, ctx, t0, kvh,
+                     num_rows, table_width * PAGE, window, qk_mul, cap_mul,
+                     stride_qt, stride_qh, stride_kh, stride_kblk, stride_kt, stride_vh, stride_vblk, stride_vt,
+                     stride_tw, stride_ot, stride_oh, GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_Q, BLOCK_D, BLOCK_N,
+                     SOFTCAP, WINDOW, PRECISION, UPCAST)
+
+
+@triton.jit
 def kv_write_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cblk, stride_ct, stride_slot,
