@@ -7,8 +7,11 @@ as the CUDA backend runs decode steps, replayed from a CUDA graph (GPU time per 
 Triton op once more launched from Python. Printed: time per call, the K/V bytes read over
 that time, and the ratios. Prefill: the Triton kernel on
 chunks in one launch against SDPA's causal kernel per chunk on contiguous K/V (keys repeated
-per query head beforehand, so it may take its flash path). Heads are Llama-3-8B's (32 query
-heads, 8 KV heads, head size 128), bf16, block size 16.
+per query head beforehand, so it may take its flash path). Unified: a ragged step (chunks and
+decodes) in one graph-safe launch against the same step split over the prefill and decode
+kernels. Decode rows also run in a table as wide as a 128k context (what a graph captured at
+max_model_len passes): each row splits its own keys, so the width costs nothing. Heads are
+Llama-3-8B's (32 query heads, 8 KV heads, head size 128), bf16, block size 16.
 
 Run: ``PYTHONPATH=. python benchmarks/triton_attention.py`` (needs CUDA and triton).
 """
@@ -57,8 +60,12 @@ def _graphed(fn, calls: int = 20):
     return lambda: graph.replay(), calls
 
 
-def decode(batch: int, length: int, dtype: torch.dtype) -> None:
+def decode(batch: int, length: int, dtype: torch.dtype, width_keys: int = 0) -> None:
+    """``width_keys``: pad the block table to this many keys (entries past a row's length are never read)."""
     k_cache, v_cache, tables = _paged(batch, length, dtype)
+    if width_keys > tables.shape[1] * PAGE:
+        pad = tables.new_zeros(batch, width_keys // PAGE - tables.shape[1])
+        tables = torch.cat([tables, pad], dim=1)
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HEADS, DIM, dtype=dtype, device="cuda")
     scale = DIM**-0.5
@@ -82,7 +89,8 @@ def decode(batch: int, length: int, dtype: torch.dtype) -> None:
         times[name] = _bench(replay) / n
     gbs = 2 * batch * length * KV_HEADS * DIM * q.element_size() / (times["triton"] * 1e-3) / 1e9
     splits = ta.decode_splits(batch, KV_HEADS, tables.shape[1] * PAGE)
-    print(f"decode B={batch:<4} L={length:<6} splits={splits:<3} graphed: triton {times['triton'] * 1e3:7.1f} us "
+    print(f"decode B={batch:<4} L={length:<6} W={tables.shape[1] * PAGE:<6} splits={splits:<3} "
+          f"(row uses {ta.row_splits(length, splits)}) graphed: triton {times['triton'] * 1e3:7.1f} us "
           f"({gbs:5.0f} GB/s)  eager {times['eager'] * 1e3:7.1f} us  sdpa(dense) {times['sdpa_dense'] * 1e3:7.1f} us  "
           f"eager/triton {times['eager'] / times['triton']:5.2f}x  "
           f"sdpa/triton {times['sdpa_dense'] / times['triton']:5.2f}x"
@@ -128,6 +136,45 @@ def prefill(chunks: list[tuple[int, int]], dtype: torch.dtype) -> None:
           f"sdpa {t_sdpa:7.3f} ms  sdpa/triton {t_sdpa / t_triton:5.2f}x")
 
 
+def unified(seqs: list[tuple[int, int]], dtype: torch.dtype) -> None:
+    """A step of sequences as (context, new rows): one unified launch against the prefill kernel on
+    its chunks plus the decode kernel on its decodes (rows of one token)."""
+    totals = [c + n for c, n in seqs]
+    need = [-(-t // PAGE) for t in totals]
+    k_cache, v_cache, _ = _paged(1, sum(need) * PAGE, dtype)
+    order = torch.randperm(k_cache.shape[1] - 1, device="cuda") + 1
+    tables = torch.zeros(len(seqs), max(need), dtype=torch.int32, device="cuda")
+    used = 0
+    for i, nb in enumerate(need):
+        tables[i, :nb] = order[used : used + nb]
+        used += nb
+    cu = [0]
+    for _, n in seqs:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], HEADS, DIM, dtype=dtype, device="cuda")
+    as_index = lambda xs: torch.tensor(xs, dtype=torch.int32, device="cuda")  # noqa: E731
+    seq_rows, cu_q, ctx = as_index(list(range(len(seqs)))), as_index(cu), as_index([c for c, _ in seqs])
+    dec = [i for i, (_, n) in enumerate(seqs) if n == 1]
+    chunk = [i for i, (_, n) in enumerate(seqs) if n > 1]
+    scale = DIM**-0.5
+    qd, dec_tables, dec_lens = q[: len(dec)], tables[dec], as_index([totals[i] for i in dec])
+    starts, lens = as_index([cu[i] for i in chunk]), as_index([seqs[i][1] for i in chunk])
+    contexts, chunk_tables = as_index([seqs[i][0] for i in chunk]), tables[chunk]
+    max_len = max([seqs[i][1] for i in chunk] + [1])
+
+    def split() -> None:
+        if chunk:
+            ta.prefill_attention(q, k_cache, v_cache, starts, lens, contexts, chunk_tables, scale, 0, 0.0, max_len)
+        if dec:
+            ta.decode_attention(qd, k_cache, v_cache, dec_tables, dec_lens, scale)
+
+    t_unified = _bench(lambda: ta.unified_attention(q, k_cache, v_cache, tables, seq_rows, cu_q, ctx, scale))
+    t_split = _bench(split)
+    shown = seqs if len(seqs) <= 6 else f"{len(chunk)} chunks, {len(dec)} decodes"
+    print(f"unified step={shown}  unified {t_unified:7.3f} ms  prefill+decode kernels {t_split:7.3f} ms  "
+          f"split/unified {t_split / t_unified:5.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -136,8 +183,13 @@ def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for batch, length in ((1, 4096), (1, 32768), (16, 4096), (64, 2048), (256, 1024)):
         decode(batch, length, dtype)
+    for batch, length in ((1, 8192), (8, 8192)):
+        decode(batch, length, dtype, width_keys=131072)
     for chunks in ([(0, 4096)], [(0, 512)] * 8, [(6144, 2048)], [(0, 1000), (3000, 500), (0, 37), (100, 2000)]):
         prefill(chunks, dtype)
+        unified(chunks, dtype)
+    for seqs in ([(4000, 1)] * 64, [(1000, 1)] * 256, [(2000, 1)] * 32 + [(0, 2048)], [(8000, 1)] * 4 + [(512, 512)]):
+        unified(seqs, dtype)
 
 
 if __name__ == "__main__":

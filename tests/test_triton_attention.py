@@ -1,45 +1,26 @@
-"""tapllm's Triton attention kernels against the plain-PyTorch attention they replace.
+"""tapllm's Triton attention kernels (decode, prefill, KV write) against the plain-PyTorch attention they replace.
 
-Triton fixes its mode when it is first imported: interpreted under ``TRITON_INTERPRET=1``,
-compiled otherwise, for the whole process. On a machine without CUDA this module sets the
-variable while it is collected, imports triton (no earlier test module imports it) and removes
-the variable again, so other tests never see it; the interpreter tests set it again for
-themselves. There the kernels run in the interpreter on CPU tensors, at small shapes (it runs
-every program in numpy). On a CUDA machine the tests marked ``cuda`` compile the kernels,
-compare at real sizes and replay a captured CUDA graph; the interpreter tests run there when
-the whole run is started with ``TRITON_INTERPRET=1``. The interpreter needs a Triton whose
-interpreter accepts NumPy 2.4 (3.9 does; 3.6's turns scalar tensors into ints in a way NumPy
-2.4 rejects, triton-lang/triton#9171).
-
-Every cache slot that holds no key of the batch (stale rows of a partly filled block, unused
-blocks, the blocks that padding table entries point at) holds NaN in the kernels' copy and 0
-in the reference's copy: a kernel that read one, even with zero weight, would give NaN.
+The interpreter's set-up, the tolerances and the NaN-poisoned paged cache are in
+``triton_paged`` (shared with the other Triton test modules).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from triton_paged import (  # first: it decides Triton's mode before triton is imported
+    CUDA,
+    CUDA_CASES,
+    INTERPRETED,
+    TOL,
+    Paged,
+    cuda,
+    interpret,  # noqa: F401 - a fixture
+    options,
+)
 
-CUDA = torch.cuda.is_available()
-_SET_HERE = not CUDA and "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ
-if _SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:  # triton, and the kernels' module, decide their mode here
-    from tapllm.kernels.triton_attention_kernels import INTERPRETED
-except ImportError:
-    INTERPRETED = None
-finally:
-    if _SET_HERE:
-        del os.environ["TRITON_INTERPRET"]
-if INTERPRETED is None:
-    pytest.skip("triton is not importable", allow_module_level=True)
-
-from tapllm.kernels import triton_attention as ta  # noqa: E402
-from tapllm.layers.attention import (  # noqa: E402
+from tapllm.kernels import triton_attention as ta
+from tapllm.layers.attention import (
     AttentionMetadata,
     AttentionOptions,
     PrefillBatch,
@@ -50,66 +31,6 @@ from tapllm.layers.attention import (  # noqa: E402
     gather_keys,
     paged_attention,
 )
-
-# Kernel minus float32 reference on the same (rounded) inputs: float32 sums in another order;
-# half precisions also round the softmax weights before the weighted sum of values, and the output.
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-cuda = pytest.mark.skipif(not CUDA or INTERPRETED, reason="needs a CUDA device and compiled kernels")
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    """CPU tensors run in Triton's interpreter (with the variable set, as Triton expects, for this test)."""
-    if not INTERPRETED:
-        if CUDA:
-            pytest.skip("compiled kernels on this CUDA machine (TRITON_INTERPRET=1 runs these in the interpreter)")
-        pytest.fail("triton was imported before this module could set TRITON_INTERPRET=1: run the file alone, "
-                    "or with TRITON_INTERPRET=1 set")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def _opts(dim: int, window: int, softcap: float) -> AttentionOptions:
-    return AttentionOptions(scale=dim**-0.5, window=window or None, softcap=softcap or None)
-
-
-class Paged:
-    """Sequences of ``totals`` tokens in scattered blocks of head-major caches.
-
-    ``k``/``v`` are the kernels' caches (``dtype``, NaN wherever no sequence has a key);
-    ``k32``/``v32`` the reference's (float32 of the same values, 0 there). ``tables`` rows
-    are padded to ``width`` with block 0, which no sequence uses.
-    """
-
-    def __init__(self, g: torch.Generator, totals: list[int], kv_heads: int, dim: int, page: int,
-                 dtype: torch.dtype, spare: int = 2, index_dtype: torch.dtype = torch.int64,
-                 scale: float = 1.0) -> None:
-        need = [-(-n // page) for n in totals]
-        self.width = max(need + [1]) + spare
-        num_blocks = sum(need) + 3
-        order = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-        self.poison = 0  # only padding entries point at it (and a masked-off table read yields it)
-        self.tables_list: list[list[int]] = []
-        valid = torch.zeros(num_blocks, page, dtype=torch.bool)
-        for n, nb in zip(totals, need):
-            blocks = [order.pop() for _ in range(nb)]
-            self.tables_list.append(blocks)
-            for p in range(n):
-                valid[blocks[p // page], p % page] = True
-        self.tables = torch.tensor([t + [self.poison] * (self.width - len(t)) for t in self.tables_list],
-                                   dtype=index_dtype).reshape(len(totals), self.width)
-        self.page, self.valid = page, valid
-        shape = (kv_heads, num_blocks, page, dim)
-        self.k = (torch.randn(shape, generator=g) * scale).to(dtype)
-        self.v = torch.randn(shape, generator=g).to(dtype)
-        self.k32 = self.k.float().masked_fill(~valid[None, :, :, None], 0.0)
-        self.v32 = self.v.float().masked_fill(~valid[None, :, :, None], 0.0)
-        self.k.masked_fill_(~valid[None, :, :, None], float("nan"))
-        self.v.masked_fill_(~valid[None, :, :, None], float("nan"))
-
-    def to(self, device: str) -> Paged:
-        for name in ("tables", "k", "v", "k32", "v32"):
-            setattr(self, name, getattr(self, name).to(device))
-        return self
 
 
 def _decode_reference(q: torch.Tensor, paged: Paged, tables: torch.Tensor, lens: torch.Tensor,
@@ -155,7 +76,7 @@ def test_decode_matches_the_eager_path(interpret, heads, kv_heads, dim, page, dt
     paged = Paged(g, lens, kv_heads, dim, page, dtype, scale=2.0)
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     for window, softcap in ((0, 0.0), (7, 0.0), (0, 3.0), (16, 5.0)):
-        _check_decode(q, paged, torch.tensor(lens), _opts(dim, window, softcap), dtype)
+        _check_decode(q, paged, torch.tensor(lens), options(dim, window, softcap), dtype)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -171,7 +92,7 @@ def test_decode_long_contexts_split_over_programs_with_padding_rows(interpret, i
     qkv = torch.randn(len(lens), 4 * 64 + 32, generator=g)
     q = qkv[:, : 4 * 64].view(len(lens), 4, 64)  # rows strided as the fused projection's
     for window, softcap in ((0, 0.0), (100, 0.0), (1, 0.0), (0, 10.0)):
-        _check_decode(q, paged, torch.tensor(lens, dtype=index_dtype), _opts(64, window, softcap), torch.float32,
+        _check_decode(q, paged, torch.tensor(lens, dtype=index_dtype), options(64, window, softcap), torch.float32,
                       tables)
 
 
@@ -235,7 +156,7 @@ def test_prefill_matches_the_eager_path(interpret, heads, kv_heads, dim, page, d
     g = torch.Generator().manual_seed(heads * dim + page + 1)
     paged, q, starts, lens, contexts = _prefill_case(g, chunks, heads, kv_heads, dim, page, dtype)
     for window, softcap in ((0, 0.0), (5, 0.0), (0, 3.0), (20, 5.0)):
-        _check_prefill(q, paged, starts, lens, contexts, chunks, _opts(dim, window, softcap), dtype)
+        _check_prefill(q, paged, starts, lens, contexts, chunks, options(dim, window, softcap), dtype)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -247,7 +168,7 @@ def test_prefill_rows_outside_chunks_are_zero_and_window_of_one(interpret, index
     paged, q, starts, lens, contexts = _prefill_case(g, chunks, 4, 2, 64, 16, torch.float32, lead=3,
                                                      index_dtype=index_dtype)
     for window, max_len in ((0, 9), (1, 9), (3, 64)):
-        _check_prefill(q, paged, starts, lens, contexts, chunks, _opts(64, window, 0.0), torch.float32, max_len)
+        _check_prefill(q, paged, starts, lens, contexts, chunks, options(64, window, 0.0), torch.float32, max_len)
     got = ta.prefill_attention(q, paged.k, paged.v, starts, lens, contexts, paged.tables, 0.125)  # max_len read
     assert torch.equal(got[:3], torch.zeros_like(got[:3]))
 
@@ -351,18 +272,6 @@ def test_available_and_bad_input():
 # ---- on the GPU, compiled, at real sizes ----------------------------------------------------------
 
 
-# (heads, kv_heads, head_dim, block_size, dtype): real model shapes (Llama-3-8B's, MHA, GQA 3 and 8, head 256)
-CUDA_CASES = [
-    (32, 8, 128, 16, torch.bfloat16),
-    (32, 8, 128, 16, torch.float16),
-    (32, 8, 128, 16, torch.float32),
-    (16, 16, 64, 32, torch.bfloat16),
-    (12, 4, 80, 16, torch.bfloat16),
-    (8, 1, 96, 16, torch.float16),
-    (8, 2, 256, 8, torch.bfloat16),
-]
-
-
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("heads,kv_heads,dim,page,dtype", CUDA_CASES)
@@ -372,7 +281,7 @@ def test_cuda_decode(heads, kv_heads, dim, page, dtype):
         paged = Paged(g, lens, kv_heads, dim, page, dtype, scale=2.0).to("cuda")
         q = torch.randn(len(lens), heads, dim, generator=g).to(dtype).cuda()
         for window, softcap in ((0, 0.0), (4096 if len(lens) == 1 else 300, 0.0), (0, 30.0)):
-            _check_decode(q, paged, torch.tensor(lens, dtype=torch.int32).cuda(), _opts(dim, window, softcap), dtype)
+            _check_decode(q, paged, torch.tensor(lens, dtype=torch.int32).cuda(), options(dim, window, softcap), dtype)
 
 
 @cuda
@@ -385,7 +294,7 @@ def test_cuda_prefill(heads, kv_heads, dim, page, dtype):
     paged.to("cuda")
     q, starts, lens, contexts = q.cuda(), starts.cuda(), lens.cuda(), contexts.cuda()
     for window, softcap in ((0, 0.0), (600, 0.0), (0, 50.0)):
-        _check_prefill(q, paged, starts, lens, contexts, chunks, _opts(dim, window, softcap), dtype)
+        _check_prefill(q, paged, starts, lens, contexts, chunks, options(dim, window, softcap), dtype)
 
 
 @cuda
@@ -422,7 +331,7 @@ def test_cuda_graph_replays_decode_with_new_lengths_and_tables():
     q = torch.zeros(batch, heads, dim, dtype=dtype, device="cuda")
     k_cache = torch.zeros(kv_heads, 4 * width + 3, page, dim, dtype=dtype, device="cuda")
     v_cache = torch.zeros_like(k_cache)
-    opts = _opts(dim, 0, 0.0)
+    opts = options(dim, 0, 0.0)
 
     def step():
         return ta.decode_attention(q, k_cache, v_cache, tables, lens, opts.scale, 0, 0.0)

@@ -30,6 +30,14 @@ class TritonAttention:
         return self._k.prefill_attention(q, k_cache, v_cache, starts, lens, contexts, tables, scale, window,
                                          softcap, max_len)
 
+    def unified_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, seq_rows: torch.Tensor, cu_q: torch.Tensor, ctx: torch.Tensor,
+                          scale: float, window: int, softcap: float) -> torch.Tensor:
+        """A ragged step's prefill chunks and decodes in one graph-safe launch
+        (:func:`tapllm.kernels.triton_attention.unified_attention`)."""
+        return self._k.unified_attention(q, k_cache, v_cache, block_table, seq_rows, cu_q, ctx, scale, window,
+                                         softcap)
+
 
 def trial(device: torch.device) -> str | None:
     """Run the kernels once on ``device`` against the PyTorch reference; None when they agree,
@@ -81,4 +89,41 @@ def _compare(device: torch.device, ops: TritonAttention) -> str | None:
         err = float((got - want).abs().max() / want.abs().max())  # a trial at load, not inside a step
         if not err < 1e-4:
             return f"{name} attention disagrees with PyTorch ({err:.1e})"
+    return _compare_unified(device, ops)
+
+
+def _compare_unified(device: torch.device, ops: TritonAttention) -> str | None:
+    """A mixed step (two decodes, a fresh prompt, a chunk over cached context, then padding rows and
+    sequences) through :meth:`TritonAttention.unified_attention` against the PyTorch step."""
+    from tapllm.layers.attention import AttentionMetadata, AttentionOptions, PrefillChunk, paged_attention
+
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, bs, blocks = 4, 2, 64, 16, 12
+    tables = [[3, 0, 0], [5, 1, 0], [7, 2, 9], [4, 6, 8]]
+    seqs = [(0, 1), (16, 1), (0, 5), (20, 3)]  # (tokens cached before the step, new tokens)
+    rows = sum(n for _, n in seqs)
+    k_cache = torch.randn(kv_heads, blocks, bs, dim, generator=g).to(device)
+    v_cache = torch.randn(kv_heads, blocks, bs, dim, generator=g).to(device)
+    q = torch.randn(rows + 2, heads, dim, generator=g).to(device)
+    k = torch.randn(rows, kv_heads, dim, generator=g).to(device)
+    v = torch.randn(rows, kv_heads, dim, generator=g).to(device)
+    slots = [t[p // bs] * bs + p % bs for t, (c, n) in zip(tables, seqs) for p in range(c, c + n)]
+    lens = torch.tensor([c + 1 for c, _ in seqs[:2]], device=device)
+    mask = (torch.arange(3 * bs, device=device)[None, :] >= lens[:, None])[:, None, :]
+    chunks = [PrefillChunk(2, 5, 0, None), PrefillChunk(7, 3, 20, torch.tensor(tables[3], device=device))]
+    index = dict(dtype=torch.int32, device=device)
+    table = torch.tensor(tables + [[11, 11, 11]], **index)  # a row of no sequence in the step
+    seq_rows, cu_q = torch.tensor([0, 1, 2, 3, 4, 4], **index), torch.tensor([0, 1, 2, 7, 10, 10, 10], **index)
+    ctx = torch.tensor([c for c, _ in seqs] + [0, 0], **index)
+    for opts in (AttentionOptions(scale=dim**-0.5), AttentionOptions(scale=dim**-0.5, window=4, softcap=5.0)):
+        meta = AttentionMetadata(torch.tensor(slots, device=device), 2, torch.tensor(tables[:2], device=device),
+                                 mask, chunks, decode_lens=lens)
+        want = paged_attention(q[:rows], k, v, k_cache, v_cache, meta, opts)  # writes the step's keys
+        got = ops.unified_attention(q, k_cache, v_cache, table, seq_rows, cu_q, ctx, opts.scale, opts.window or 0,
+                                    opts.softcap or 0.0)
+        err = float((got[:rows] - want).abs().max() / want.abs().max())
+        if not err < 1e-4:
+            return f"unified attention disagrees with PyTorch ({err:.1e}; window={opts.window}, softcap={opts.softcap})"
+        if not bool((got[rows:] == 0).all()):
+            return "unified attention left padding rows that are not zero"
     return None

@@ -1,20 +1,26 @@
-"""Attention over tapllm's paged KV cache in Triton: the CUDA backend's decode, prefill and KV write.
+"""Attention over tapllm's paged KV cache in Triton: the CUDA backend's decode, prefill, unified step and KV write.
 
-The three ops mirror the fused CPU kernels' signatures (``meta.kernels.decode_attention``,
-``prefill_attention`` and ``kv_write`` in :mod:`tapllm.layers.attention`), so a backend can
-swap them in; plain PyTorch (:func:`tapllm.layers.attention.paged_attention` without kernels)
-stays their definition. Triton is imported only when an op runs or :func:`available` is
-asked. The kernels are compiled for CUDA tensors; with ``TRITON_INTERPRET=1`` set before
-triton is imported, Triton's interpreter runs them instead, on CPU tensors too (the tests).
+Decode, prefill and the KV write mirror the fused CPU kernels' signatures
+(``meta.kernels.decode_attention``, ``prefill_attention`` and ``kv_write`` in
+:mod:`tapllm.layers.attention`), so a backend can swap them in; plain PyTorch
+(:func:`tapllm.layers.attention.paged_attention` without kernels) stays their definition.
+Triton is imported only when an op runs or :func:`available` is asked. The kernels are
+compiled for CUDA tensors; with ``TRITON_INTERPRET=1`` set before triton is imported,
+Triton's interpreter runs them instead, on CPU tensors too (the tests).
 
 - :func:`decode_attention` reads each sequence's keys from its blocks in place, splits long
-  contexts over several programs (flash-decoding, the number of splits chosen from shapes
-  only) and merges them in a second kernel. Nothing in it reads a value on the host and its
-  launches depend on shapes only, so a CUDA graph captured once replays with new lengths and
-  tables; rows of length 0 (a graph bucket's padding) read nothing and give zeros.
+  contexts over several programs (flash-decoding: the number of programs per row chosen from
+  shapes only, each row sharing its own keys among as many of them as it needs) and merges
+  them in a second kernel. Nothing in it reads a value on the host and its launches depend on
+  shapes only, so a CUDA graph captured once replays with new lengths and tables; rows of
+  length 0 (a graph bucket's padding) read nothing and give zeros.
 - :func:`prefill_attention` attends every prefill chunk of a step in one launch: fresh prompts
   and chunks that continue a cached context alike, since every chunk's keys (its own
   included, already written) are read from the cache.
+- :func:`unified_attention` attends a whole ragged step, chunks and decodes alike, in one
+  launch whose grid depends only on the step's token bucket and maximum number of sequences
+  (graph-safe): the rows' split among sequences, their contexts and their rows of the
+  engine's block table are read from device tensors.
 - :func:`kv_write` stores new keys and values at flat slots (a negative slot is skipped),
   zeroing values that are not finite, as the eager path does.
 
@@ -149,6 +155,22 @@ def decode_splits(batch: int, kv_heads: int, max_keys: int) -> int:
     return max(1, min(for_occupancy, _cdiv(tiles, _MIN_SPLIT_TILES), _MAX_SPLITS))
 
 
+def row_splits(length: int, splits: int, window: int = 0) -> int:
+    """How many of its ``splits`` programs a decode row of ``length`` keys uses (as the kernels
+    plan it): one per ``_MIN_SPLIT_TILES`` tiles of its visible keys, at least one."""
+    first = max(length - window, 0) if window > 0 else 0
+    span = length - first // _DECODE_BLOCK_N * _DECODE_BLOCK_N
+    return max(1, min(splits, _cdiv(span, _MIN_SPLIT_TILES * _DECODE_BLOCK_N)))
+
+
+def _partials(batch: int, heads: int, splits: int, dim: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split kernel's partial buffers (sum, max, denominator); only the splits a row uses are written."""
+    return (torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=device),
+            torch.empty(batch, heads, splits, dtype=torch.float32, device=device),
+            torch.empty(batch, heads, splits, dtype=torch.float32, device=device))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      lens: torch.Tensor, scale: float, window: int | None = 0,
                      softcap: float | None = 0.0) -> torch.Tensor:
@@ -158,9 +180,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``block_tables[b]`` ([B, W]) of the head-major caches ``[Hkv, blocks, block_size, D]``; its
     query sits at position ``lens[b] - 1``. ``window`` > 0 keeps keys ``j > lens[b] - 1 - window``;
     ``softcap`` > 0 maps scores to ``tanh(s / softcap) * softcap`` before the softmax. A row of
-    length 0 gives zeros. Launches depend only on shapes (CUDA-graph safe); ``lens`` must not
-    exceed ``W * block_size`` (longer ones are clamped there) and table entries past a row's
-    length are never read.
+    length 0 gives zeros. Launches depend only on shapes (CUDA-graph safe): every row has
+    :func:`decode_splits` programs per KV head and shares its own visible keys evenly among as
+    many of them as it needs (:func:`row_splits`), whatever the table's width; ``lens`` must
+    not exceed ``W * block_size`` (longer ones are clamped there) and table entries past a
+    row's length are never read.
     """
     op = "decode_attention"
     heads, kv_heads, page, dim = _check_cache(op, q, k_cache, v_cache)
@@ -179,28 +203,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = q.contiguous()
     group = heads // kv_heads
     splits = decode_splits(batch, kv_heads, width * page)
-    split_keys = _cdiv(_cdiv(width * page, splits), _DECODE_BLOCK_N) * _DECODE_BLOCK_N
     block_d = _pow2(dim)
-    if splits > 1:
-        part_acc = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
-        part_m = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_m = part_l = out  # not touched by the direct variant
+    # the direct variant (one split) touches no partial buffer
+    part_acc, part_m, part_l = _partials(batch, heads, splits, dim, q.device) if splits > 1 else (out, out, out)
     kernels.decode_split_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, lens, out, part_acc, part_m, part_l,
-        qk_mul, cap_mul, window, split_keys, splits, width,
+        qk_mul, cap_mul, window, splits, width,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_G=_pow2(group), BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N,
-        SOFTCAP=has_cap, WINDOW=has_window, DIRECT=splits == 1, PRECISION=_precision(q.dtype),
-        UPCAST=interpret and q.dtype == torch.bfloat16,
+        MIN_TILES=_MIN_SPLIT_TILES, SOFTCAP=has_cap, WINDOW=has_window, SPLIT=splits > 1,
+        PRECISION=_precision(q.dtype), UPCAST=interpret and q.dtype == torch.bfloat16,
         num_warps=4 if block_d <= 128 else 8, num_stages=2)
     if splits > 1:
         kernels.decode_reduce_kernel[(batch, heads)](
-            part_acc, part_m, part_l, out, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=dim, BLOCK_S=_pow2(splits, 2), BLOCK_D=block_d, num_warps=4)
+            part_acc, part_m, part_l, lens, out, window, splits, width, lens.stride(0), out.stride(0), out.stride(1),
+            HEAD_DIM=dim, PAGE=page, BLOCK_S=_pow2(splits, 2), BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N,
+            MIN_TILES=_MIN_SPLIT_TILES, WINDOW=has_window, num_warps=4)
     return out
 
 
@@ -242,13 +262,64 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_q = block_m // group
     kernels.prefill_kernel[(_cdiv(max_len, block_q), chunks, kv_heads)](
         q, k_cache, v_cache, out, starts, lens, contexts, tables,
-        qk_mul, cap_mul, window, width,
+        qk_mul, cap_mul, window, width, q.shape[0],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tables.stride(0), tables.stride(1), starts.stride(0), lens.stride(0), contexts.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
         SOFTCAP=has_cap, WINDOW=has_window, PRECISION=_precision(q.dtype),
+        UPCAST=interpret and q.dtype == torch.bfloat16,
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_rows: torch.Tensor, cu_q: torch.Tensor, ctx: torch.Tensor, scale: float,
+                      window: int | None = 0, softcap: float | None = 0.0) -> torch.Tensor:
+    """Causal attention of a ragged step (prefill chunks and decodes alike), one launch: ``q`` [T, H, D] -> same.
+
+    Sequence ``s`` of ``S`` owns batch rows ``cu_q[s] .. cu_q[s + 1] - 1`` (``cu_q`` [S + 1],
+    non-decreasing from 0; a padding sequence owns none); its row ``j`` sits at position
+    ``ctx[s] + j`` and attends keys ``0 .. ctx[s] + j`` (its own written already), read in place
+    from the blocks in row ``seq_rows[s]`` of ``block_table`` [R, W]. A decode is a sequence of
+    one row. Rows at or past ``cu_q[S]`` are padding and give zeros. ``window``/``softcap`` as in
+    :func:`decode_attention`. The grid depends on ``T``, ``S`` and the shapes only, and nothing
+    is read on the host, so a CUDA graph captured once replays with any split of up to ``T``
+    rows among up to ``S`` sequences. Positions past ``W * block_size`` are never read; the
+    index tensors' values are not checked (that would need a sync).
+    """
+    op = "unified_attention"
+    heads, kv_heads, page, dim = _check_cache(op, q, k_cache, v_cache)
+    for name, t, dims in (("block_table", block_table, 2), ("seq_rows", seq_rows, 1), ("cu_q", cu_q, 1),
+                          ("ctx", ctx, 1)):
+        _check_index(op, name, t, dims, q.device)
+    seqs, rows, width = seq_rows.shape[0], q.shape[0], block_table.shape[1]
+    if cu_q.shape[0] != seqs + 1 or ctx.shape[0] != seqs:
+        raise ValueError(f"{op}: for {seqs} sequences (seq_rows) cu_q must have {seqs + 1} entries and ctx "
+                         f"{seqs}; got {cu_q.shape[0]} and {ctx.shape[0]}")
+    qk_mul, cap_mul, window, has_cap, has_window = _score_args(op, scale, window, softcap)
+    kernels, interpret = _launcher(op, q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if rows == 0:
+        return out
+    if seqs == 0 or width == 0:
+        return out.zero_()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = heads // kv_heads
+    block_d = _pow2(dim)
+    block_m, block_n, warps, stages = _prefill_config(q.dtype, block_d, group)
+    block_q = block_m // group
+    kernels.unified_kernel[(_cdiv(rows, block_q) + seqs, kv_heads)](
+        q, k_cache, v_cache, out, block_table, seq_rows, cu_q, ctx,
+        qk_mul, cap_mul, window, width, rows, seqs,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), block_table.stride(1), seq_rows.stride(0), cu_q.stride(0), ctx.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_S=_pow2(seqs, 2), SOFTCAP=has_cap, WINDOW=has_window, PRECISION=_precision(q.dtype),
         UPCAST=interpret and q.dtype == torch.bfloat16,
         num_warps=warps, num_stages=stages)
     return out
