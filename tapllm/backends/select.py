@@ -61,7 +61,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, *, enforce_eager: b
     if device.type == "cpu":
         return _cpu(device, dtype)
     if device.type == "cuda":
-        return _cuda(device, graph_sizes)
+        return _cuda(device, dtype, graph_sizes)
     return Backend("eager", device, notes=(f"no compiled ops for {device.type}",))
 
 
@@ -79,10 +79,15 @@ def _cpu(device: torch.device, dtype: torch.dtype) -> Backend:
                    stack=ops if hasattr(ops, "decoder_layers") else None, notes=notes)
 
 
-def _cuda(device: torch.device, graph_sizes: tuple[int, ...]) -> Backend:
-    from tapllm.backends.cuda import TritonAttention, trial
+def _cuda(device: torch.device, dtype: torch.dtype, graph_sizes: tuple[int, ...]) -> Backend:
+    from tapllm.backends.cuda import TritonAttention, TritonElementwise, elementwise_trial, trial
 
     problem = trial(device)
     if problem is not None:
         return Backend("eager", device, notes=(f"Triton attention off ({problem}): the plain PyTorch step",))
-    return Backend("cuda", device, attention=TritonAttention(), graph_sizes=graph_sizes)
+    problem = elementwise_trial(device, dtype)
+    if problem is not None:
+        notes = (f"Triton elementwise ops off ({problem}): PyTorch norms, rotary and activations",)
+        return Backend("cuda", device, attention=TritonAttention(), graph_sizes=graph_sizes, notes=notes)
+    return Backend("cuda", device, elementwise=TritonElementwise(), attention=TritonAttention(),
+                   graph_sizes=graph_sizes)
