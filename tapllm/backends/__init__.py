@@ -7,15 +7,17 @@
 - ``cpu``: tapllm's fused C++ kernels (norms, rotary, activations, KV write, paged decode and
   prefill attention), oneDNN-prepacked linears with a packed GEMV for steps of a few rows, and
   runs of untapped blocks of a decode step in one C++ call;
-- ``cuda``: Triton kernels reading the paged KV cache in place, and CUDA graphs of decode steps
-  at batch buckets (``cuda_graph_sizes``).
+- ``cuda``: Triton kernels reading the paged KV cache in place, Triton norms, rotary (fused with
+  the KV write) and gated activations, and CUDA graphs of decode steps at batch buckets
+  (``cuda_graph_sizes``).
 
 and records why (a probe that failed, an option that turned something off). Modules receive
 typed handles to the op families (:mod:`tapllm.backends.ops`); :meth:`Backend.describe` is
 what the start-up log and ``LLM.describe()`` print.
 """
 
-from tapllm.backends.ops import AttentionOps, ElementwiseOps, GemvOps, QuantOps, StackOps
+from tapllm.backends.ops import AttentionOps, ElementwiseOps, GemvOps, QuantOps, RotaryKVWriteOps, StackOps
 from tapllm.backends.select import Backend, select_backend
 
-__all__ = ["AttentionOps", "Backend", "ElementwiseOps", "GemvOps", "QuantOps", "StackOps", "select_backend"]
+__all__ = ["AttentionOps", "Backend", "ElementwiseOps", "GemvOps", "QuantOps", "RotaryKVWriteOps", "StackOps",
+           "select_backend"]

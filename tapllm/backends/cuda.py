@@ -1,8 +1,11 @@
-"""The CUDA backend's attention: tapllm's Triton kernels over the paged KV cache, behind a trial."""
+"""The CUDA backend's ops: tapllm's Triton kernels (attention over the paged KV cache; norms,
+rotary and gated activations), each family behind a trial against the PyTorch reference."""
 
 from __future__ import annotations
 
 import torch
+
+from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU, RMS_FLOAT_SCALE, RMS_GEMMA, RMS_LLAMA
 
 
 class TritonAttention:
@@ -126,4 +129,100 @@ def _compare_unified(device: torch.device, ops: TritonAttention) -> str | None:
             return f"unified attention disagrees with PyTorch ({err:.1e}; window={opts.window}, softcap={opts.softcap})"
         if not bool((got[rows:] == 0).all()):
             return "unified attention left padding rows that are not zero"
+    return None
+
+
+class TritonElementwise:
+    """:class:`~tapllm.backends.ops.RotaryKVWriteOps` on the Triton kernels of
+    ``tapllm.kernels.triton_elementwise``: the elementwise ops, and rotary fused with the KV write."""
+
+    __slots__ = ("_k",)
+
+    def __init__(self) -> None:
+        from tapllm.kernels import triton_elementwise
+
+        self._k = triton_elementwise
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int) -> torch.Tensor:
+        return self._k.rms_norm(x, weight, eps, mode)
+
+    def add_rms_norm_(self, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float,
+                      mode: int) -> torch.Tensor:
+        return self._k.add_rms_norm_(x, r, weight, eps, mode)
+
+    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self._k.rotary_(q, k, cos, sin)
+
+    def rotary_kv_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+        self._k.rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+    def gated_act(self, gate_up: torch.Tensor, act: int) -> torch.Tensor:
+        return self._k.gated_act(gate_up, act)
+
+
+def elementwise_trial(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run the elementwise kernels once on ``device`` in ``dtype`` (the model's) against the PyTorch
+    reference; None when they agree, else why they cannot be used."""
+    try:
+        from tapllm.kernels import triton_elementwise
+    except Exception as exc:  # noqa: BLE001 - any import failure means: the PyTorch ops
+        return f"cannot import the Triton kernels: {type(exc).__name__}: {exc}"
+    if not triton_elementwise.available(device):
+        return f"Triton cannot run on {device}"
+    try:
+        return _compare_elementwise(device, dtype, TritonElementwise())
+    except Exception as exc:  # noqa: BLE001 - a failed launch means: the PyTorch ops
+        return f"trial failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+
+
+# Kernel minus reference: float32 differs by the order of a sum; halves by a rounding flipped there.
+_TRIAL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _compare_elementwise(device: torch.device, dtype: torch.dtype, ops: TritonElementwise) -> str | None:
+    from tapllm.kernels import reference
+
+    g = torch.Generator().manual_seed(0)
+    tol = _TRIAL_TOL.get(dtype, _TRIAL_TOL[torch.float32])
+
+    def rand(*shape: int, of: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(of).to(device)
+
+    def differ(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+    x, r, w = rand(5, 200), rand(5, 200), rand(200)
+    for mode in (RMS_LLAMA, RMS_FLOAT_SCALE, RMS_GEMMA):
+        if differ(ops.rms_norm(x, w, 1e-5, mode), reference.rms_norm(x, w, 1e-5, mode)):
+            return f"rms_norm mode {mode} disagrees with PyTorch ({dtype})"
+    s = x.clone()
+    out = ops.add_rms_norm_(s, r, w, 1e-5, RMS_LLAMA)
+    if differ(s, x + r) or differ(out, reference.rms_norm(x + r, w, 1e-5, RMS_LLAMA)):
+        return f"add_rms_norm_ disagrees with PyTorch ({dtype})"
+    gate_up = rand(3, 2 * 150)
+    for act in (ACT_SILU, ACT_GELU_TANH):
+        if differ(ops.gated_act(gate_up, act), reference.gated_act(gate_up, act)):
+            return f"gated_act mode {act} disagrees with PyTorch ({dtype})"
+    heads, kv_heads, dim, page = 4, 2, 64, 16
+    qkv = rand(4, (heads + 2 * kv_heads) * dim)  # q, k, v: strided views, as the model's
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(4, heads, dim), k.view(4, kv_heads, dim), v.view(4, kv_heads, dim)
+    slots = torch.tensor([3, -1, 17, 40], device=device)
+    for rot, of in ((dim, dtype), (dim, torch.float32), (dim // 2, dtype)):
+        cos, sin = rand(4, rot, of=of), rand(4, rot, of=of)
+        want_q, want_k = reference.rotary(q, k, cos, sin)
+        q1, k1 = q.clone(), k.clone()
+        ops.rotary_(q1, k1, cos, sin)
+        if differ(q1, want_q) or differ(k1, want_k):
+            return f"rotary_ rotary_dim {rot} (cos {of}) disagrees with PyTorch ({dtype})"
+        caches = torch.zeros(2, kv_heads, 4, page, dim, dtype=dtype, device=device)
+        q2, k2 = q.clone(), k.clone()
+        ops.rotary_kv_write(q2, k2, v, cos, sin, caches[0], caches[1], slots)
+        kept = slots >= 0
+        stored = caches.view(2, kv_heads, -1, dim)[:, :, slots[kept]]
+        if differ(q2, want_q) or differ(k2, want_k) or differ(stored[0], want_k[kept].transpose(0, 1)) \
+                or differ(stored[1], v[kept].transpose(0, 1)) or caches.count_nonzero() != stored.count_nonzero():
+            return f"rotary_kv_write rotary_dim {rot} (cos {of}) disagrees with PyTorch ({dtype})"
     return None

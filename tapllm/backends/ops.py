@@ -3,8 +3,8 @@
 A backend (see :mod:`tapllm.backends`) hands each module the ops of its family, or ``None``,
 in which case the module runs its plain PyTorch code (the reference). The protocols below
 say exactly which calls a module may make; the CPU backend satisfies them with the C++ ops
-of ``tapllm.kernels`` (``torch.ops.tapllm_<isa>``), the CUDA backend its attention with
-Triton kernels.
+of ``tapllm.kernels`` (``torch.ops.tapllm_<isa>``), the CUDA backend its elementwise ops and
+attention with Triton kernels.
 """
 
 from __future__ import annotations
@@ -25,6 +25,15 @@ class ElementwiseOps(Protocol):
     def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None: ...
 
     def gated_act(self, gate_up: torch.Tensor, act: int) -> torch.Tensor: ...
+
+
+class RotaryKVWriteOps(ElementwiseOps, Protocol):
+    """Elementwise ops that also rotate q/k and store k/v into the paged cache in one launch (CUDA's
+    Triton ops); :class:`~tapllm.models.base.Attention` uses it where nothing steers k or v."""
+
+    def rotary_kv_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None: ...
 
 
 class AttentionOps(Protocol):

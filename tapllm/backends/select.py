@@ -90,7 +90,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, *, enforce_eager: b
     if os.environ.get("TAPLLM_KERNELS", "1") == "0":
         return Backend("eager", device, prepack=prepack, notes=("TAPLLM_KERNELS=0: the plain PyTorch step",))
     if backend == "cuda" or (backend == "auto" and device.type == "cuda"):
-        return _cuda(device, graphs)
+        return _cuda(device, dtype, graphs)
     if device.type == "cpu":
         return _cpu(device, dtype)
     return Backend("eager", device, notes=(f"no compiled ops for {device.type}",))
@@ -121,8 +121,8 @@ def _cpu(device: torch.device, dtype: torch.dtype) -> Backend:
                    notes=notes)
 
 
-def _cuda(device: torch.device, graphs: GraphSizes | None) -> Backend:
-    from tapllm.backends.cuda import TritonAttention, trial
+def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None) -> Backend:
+    from tapllm.backends.cuda import TritonAttention, TritonElementwise, elementwise_trial, trial
 
     emulated = device.type == "cpu"
     problem = trial(device)
@@ -131,4 +131,10 @@ def _cuda(device: torch.device, graphs: GraphSizes | None) -> Backend:
             raise ValueError(f"backend='cuda' on a CPU needs Triton's interpreter (TRITON_INTERPRET=1 before "
                              f"triton is first imported): {problem}")
         return Backend("eager", device, notes=(f"Triton attention off ({problem}): the plain PyTorch step",))
-    return Backend("cuda", device, attention=TritonAttention(), graphs=graphs, graphs_emulated=emulated)
+    problem = elementwise_trial(device, dtype)
+    if problem is not None:
+        notes = (f"Triton elementwise ops off ({problem}): PyTorch norms, rotary and activations",)
+        return Backend("cuda", device, attention=TritonAttention(), graphs=graphs, graphs_emulated=emulated,
+                       notes=notes)
+    return Backend("cuda", device, elementwise=TritonElementwise(), attention=TritonAttention(), graphs=graphs,
+                   graphs_emulated=emulated)

@@ -173,14 +173,20 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     opts: AttentionOptions,
+    write_kv: bool = True,
 ) -> torch.Tensor:
     """Store the new ``k``/``v`` [T, Hkv, D] in the cache and attend ``q`` [T, H, D]; returns [T, H, D].
 
     ``k_cache``/``v_cache`` are head-major, ``[Hkv, num_blocks, block_size, D]``, so that
     gathering a sequence's blocks yields a contiguous ``[S, D]`` matrix per head.
+    ``write_kv=False``: the caller has already stored ``k``/``v`` at ``meta.slot_mapping`` as
+    ``meta.attn.kv_write`` would (rotary fused with the write); only with ``meta.attn``.
     """
     num_kv, dim = k.shape[1], k.shape[2]
-    if meta.attn is not None:
+    if not write_kv:
+        if meta.attn is None:
+            raise ValueError("paged_attention: write_kv=False needs meta.attn (kernels that read the cache in place)")
+    elif meta.attn is not None:
         meta.attn.kv_write(k, v, k_cache, v_cache, meta.slot_mapping)  # zeroes non-finite V as below
     else:
         k_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))

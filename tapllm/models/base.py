@@ -49,6 +49,7 @@ class Attention(nn.Module):
     """
 
     ops: ElementwiseOps | None = None  # the backend's fused rotary (see CausalLM.use_backend)
+    fused_kv_write: bool = False  # ``ops`` has rotary_kv_write (RotaryKVWriteOps): rotary and KV write in one kernel
 
     def __init__(self, cfg: ModelConfig, layer: int, *, qkv_bias: bool, o_bias: bool, scale: float | None = None,
                  softcap: float | None = None, rotary_dim: int | None = None) -> None:
@@ -82,9 +83,16 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv, self.head_dim)
         v = v.reshape(t, self.num_kv, self.head_dim)
         q, k = self.norm_heads(q, k)
+        stored = False  # k and v already in the cache
         if self.rotary_dim and self.ops is not None and cos_sin[0].shape[-1] == self.rotary_dim:
-            cos, sin = cos_sin
-            self.ops.rotary_(q, k, cos.view(t, self.rotary_dim), sin.view(t, self.rotary_dim))
+            cos, sin = cos_sin[0].view(t, self.rotary_dim), cos_sin[1].view(t, self.rotary_dim)
+            # One kernel rotates and stores K/V where the attention kernels read the cache in place;
+            # not where a tap steers k or v, whose steered values must be what the cache holds.
+            stored = self.fused_kv_write and meta.attn is not None and not (tap.steers("k", i) or tap.steers("v", i))
+            if stored:
+                self.ops.rotary_kv_write(q, k, v, cos, sin, kv[0], kv[1], meta.slot_mapping)
+            else:
+                self.ops.rotary_(q, k, cos, sin)
         elif self.rotary_dim == self.head_dim:
             q, k = apply_rotary(q, k, cos_sin)
         elif self.rotary_dim:
@@ -92,7 +100,7 @@ class Attention(nn.Module):
             q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos_sin)
             q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         q, k, v = tap("q", i, q), tap("k", i, k), tap("v", i, v)
-        z = tap("z", i, paged_attention(q, k, v, kv[0], kv[1], meta, self.opts))
+        z = tap("z", i, paged_attention(q, k, v, kv[0], kv[1], meta, self.opts, write_kv=not stored))
         if tap.wants_pattern(i):
             tap.pattern(i, q, kv[0], self.opts)
         return self.o_proj(z.reshape(t, self.q_size))
@@ -277,6 +285,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | GatedMLP):
                 module.ops = backend.elementwise if backend is not None else None
+                if isinstance(module, Attention):
+                    module.fused_kv_write = module.ops is not None and hasattr(module.ops, "rotary_kv_write")
             elif isinstance(module, QuantLinear | QuantEmbedding):
                 module.ops = backend.quant if backend is not None else None
             elif isinstance(module, Linear):
