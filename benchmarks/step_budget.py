@@ -148,25 +148,19 @@ def model_folder(root: Path, layers: int) -> Path:
     return folder
 
 
-def cuda_llm(folder: Path, dtype: str, max_seqs: int) -> Any:
-    """An engine whose decode steps run the CUDA backend's graph body on the CPU (see the module docstring)."""
+def cuda_llm(folder: Path, dtype: str, max_seqs: int, **kw: Any) -> Any:
+    """An engine on the CUDA backend, run on the CPU (see the module docstring)."""
     from tapllm import LLM
-    from tapllm.backends.cuda import TritonAttention
-    from tapllm.backends.select import Backend
 
-    llm = LLM(folder, dtype=dtype, load_format="dummy", max_num_seqs=max_seqs, max_model_len=1024,
-              enable_prefix_caching=False)
-    runner = llm.engine.runner
-    sizes = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64) if b <= max_seqs)
-    runner.backend = Backend("cuda", torch.device("cpu"), attention=TritonAttention(), graph_sizes=sizes)
-    runner.model.use_backend(runner.backend)
-    runner.use_graphs(sizes, capture=False)
-    return llm
+    sizes = [b for b in (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64) if b <= max_seqs]
+    kw.setdefault("cuda_graph_token_sizes", [])
+    return LLM(folder, dtype=dtype, load_format="dummy", max_num_seqs=max_seqs, max_model_len=1024,
+               enable_prefix_caching=False, backend="cuda", cuda_graph_sizes=sizes, **kw)
 
 
 def graph_body(runner: Any) -> tuple[Any, str]:
-    """The object and method name of the function a decode graph holds (hooked to tell body from host)."""
-    return runner.graphs, "_forward"
+    """The object and method name of the function a graph holds (hooked to tell body from host)."""
+    return runner.graph_step.graphs, "body"
 
 
 # ---- the cases ----------------------------------------------------------------------------------
@@ -222,7 +216,7 @@ def decode_steps(llm: Any, make: Callable[[int], Any], batch: int, seed: int, pr
 
 
 class cpu_prefill:
-    """Run the prompts on the CPU backend's kernels (the same KV cache layout), then hand the steps back."""
+    """Run the prompts on the eager step (the same KV cache layout), then hand the steps back."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
@@ -230,13 +224,13 @@ class cpu_prefill:
     def __enter__(self) -> None:
         from tapllm.backends.select import select_backend
 
-        self.saved = self.runner.backend, self.runner.graphs
-        self.runner.backend = select_backend(torch.device("cpu"), self.runner.mcfg.dtype)
-        self.runner.graphs = None
+        self.saved = self.runner.backend, self.runner.graph_step
+        self.runner.backend = select_backend(torch.device("cpu"), self.runner.mcfg.dtype, enforce_eager=True)
+        self.runner.graph_step = None
         self.runner.model.use_backend(self.runner.backend)
 
     def __exit__(self, *exc: Any) -> None:
-        self.runner.backend, self.runner.graphs = self.saved
+        self.runner.backend, self.runner.graph_step = self.saved
         self.runner.model.use_backend(self.runner.backend)
 
 
@@ -367,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timed-steps", type=int, default=5, help="decode steps timed per cell (median)")
     p.add_argument("--skip-trace", action="store_true")
     args = p.parse_args(argv)
-    from tapllm.kernels import triton_attention
+    from tapllm.kernels import triton_attention, triton_tap
 
-    TRITON = TritonCount([triton_attention._kernels()])
+    TRITON = TritonCount([m for m in (triton_attention._kernels(), triton_tap._kernels()) if m is not None])
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     batches = [int(b) for b in args.batches.split(",")]
     report: dict[str, Any] = {"machine": _machine(), "torch": torch.__version__, "dtype": args.dtype,

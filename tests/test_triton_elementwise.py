@@ -273,7 +273,7 @@ def test_the_trial_at_load_decides_whether_the_cuda_backend_takes_the_ops(interp
     cpu = torch.device("cpu")
     for dtype in DTYPES:
         assert cuda_backend.elementwise_trial(cpu, dtype) is None
-    backend = _cuda(cpu, torch.float32, ())
+    backend = _cuda(cpu, torch.float32, None)
     assert backend.name == "cuda" and isinstance(backend.elementwise, cuda_backend.TritonElementwise)
     assert "norms/rotary/activations: fused kernels" in backend.describe() and not backend.notes
 
@@ -283,7 +283,7 @@ def test_the_trial_at_load_decides_whether_the_cuda_backend_takes_the_ops(interp
     monkeypatch.setattr(te, "gated_act", wrong)
     problem = cuda_backend.elementwise_trial(cpu, torch.bfloat16)
     assert problem == "gated_act mode 0 disagrees with PyTorch (torch.bfloat16)"
-    backend = _cuda(cpu, torch.bfloat16, ())
+    backend = _cuda(cpu, torch.bfloat16, None)
     assert backend.name == "cuda" and backend.elementwise is None and backend.attention is not None
     assert backend.notes == (f"Triton elementwise ops off ({problem}): PyTorch norms, rotary and activations",)
 

@@ -6,9 +6,7 @@ rounds to the tensor dtype exactly where the eager PyTorch code rounds
 (:mod:`tapllm.kernels.reference`), so that a result differs from eager only by the order of a
 sum (an RMS) or by the last bit of a transcendental.
 
-``EMULATE_RNE`` is set by the launcher in Triton's interpreter for bfloat16: the interpreter
-keeps bfloat16 as bit patterns and casts float32 to it by truncation, so there the rounding
-to nearest even that the GPU does is done on the float32 bits first (then the cast is exact).
+``EMULATE_RNE``: see :mod:`tapllm.kernels.triton_rounding`.
 """
 
 from __future__ import annotations
@@ -18,27 +16,13 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from tapllm.kernels import constants
+from tapllm.kernels.triton_rounding import cast_rne as _cast
+from tapllm.kernels.triton_rounding import round_rne as _round
 
 # The modes of tapllm.kernels.constants, as the kernels compare them (a kernel reads only constexpr globals).
 _RMS_LLAMA: tl.constexpr = tl.constexpr(constants.RMS_LLAMA)
 _RMS_FLOAT_SCALE: tl.constexpr = tl.constexpr(constants.RMS_FLOAT_SCALE)
 _ACT_SILU: tl.constexpr = tl.constexpr(constants.ACT_SILU)
-
-
-@triton.jit
-def _cast(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """Float32 ``x`` rounded to ``DTYPE`` (to nearest even)."""
-    if EMULATE_RNE:  # add half an ulp of bfloat16 (ties to even), then truncate; NaN kept as it is
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16 << 16
-        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)
-    return x.to(DTYPE)
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
-    """Float32 ``x`` rounded to ``DTYPE`` and back to float32 (what an eager op in ``DTYPE`` returns)."""
-    return _cast(x, DTYPE, EMULATE_RNE).to(tl.float32)
 
 
 @triton.jit

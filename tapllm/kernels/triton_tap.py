@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tapllm.kernels.triton_rounding import emulate_rne
 from tapllm.tap.sites import Site
 from tapllm.tap.tables import TapTables
 
@@ -67,4 +68,4 @@ def tap_site(x: torch.Tensor, site: Site, tables: TapTables, row_slot: torch.Ten
         tables.ops, tables.op_value, tables.pool,
         site.index, len(tables.sites), x.stride(0), stride_g, tables.pool.stride(0),
         GROUPS=site.groups, WIDTH=site.group_width, BLOCK_G=_pow2(site.groups), BLOCK_W=_pow2(site.group_width),
-        num_warps=4 if site.width <= 4096 else 8)
+        EMULATE_RNE=emulate_rne(kernels.INTERPRETED, x.dtype), num_warps=4 if site.width <= 4096 else 8)

@@ -5,7 +5,8 @@ kernel is about to run. One program per batch row: it looks its row's slot up in
 applies the slot's steering operations at this site whose position range holds the row's
 position (in the order the request listed them, each rounded to the tensor's dtype as the eager
 operation is), then, when the row is captured, stores it at the row's place in the capture buffer.
-A row with nothing to do loads three numbers and stops. Rows are ``GROUPS x WIDTH`` tiles (heads x
+A row with nothing to do loads three numbers and stops. The row keeps x's dtype's values between
+operations, so storing it (to x, or to a capture buffer of x's dtype) needs no further rounding. Rows are ``GROUPS x WIDTH`` tiles (heads x
 head_dim for head points), so a direction's coefficient is taken per group.
 """
 
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from tapllm.kernels.triton_rounding import round_rne
 from tapllm.tap import tables
 
 # An operation's kind is the first of its OP_FIELDS numbers (see tapllm.tap.tables); any other kind is a set.
@@ -30,6 +32,7 @@ def tap_site_kernel(
     op_ptr, op_value_ptr, pool_ptr,
     site, num_sites, stride_xt, stride_xg, stride_pool,
     GROUPS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     r = tl.program_id(0)
     slot = tl.load(row_slot_ptr + r).to(tl.int64)
@@ -65,7 +68,7 @@ def tap_site_kernel(
                         x = x + (tl.load(op_value_ptr + first + i) - coef)[:, None] * v
                     else:
                         x = tl.where(v == v, v, x)  # NaN in the pool row: this number is kept
-                    x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
+                    x = round_rne(x, x_ptr.dtype.element_ty, EMULATE_RNE)
             tl.store(src, x.to(x_ptr.dtype.element_ty), mask=ok)
         if captured:
             dst = cap_out_ptr + base + off + offs_g[:, None] * WIDTH + offs_w[None, :]
