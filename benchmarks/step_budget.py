@@ -99,7 +99,7 @@ class TritonCount:
         for mod in modules:
             for name in dir(mod):
                 k = getattr(mod, name)
-                if hasattr(k, "__getitem__") and type(k).__name__ in ("InterpretedFunction", "JITFunction"):
+                if name.endswith("_kernel") and type(k).__name__ in ("InterpretedFunction", "JITFunction"):
                     self._undo.append((mod, name, k))
                     setattr(mod, name, _Launch(self, name, k))
 
@@ -346,6 +346,123 @@ def kernels_per_block(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
             "per_step_kernels": len(per_step), "per_step": dict(Counter(per_step))}
 
 
+# ---- the serving trace ------------------------------------------------------------------------
+# What the trace's requests ask for, and how often (weights). Attention patterns and SAE feature
+# edits are left out: they run eagerly by design (docs/gpu.md says why).
+TRACE_KINDS = {"plain": 8, "capture": 6, "steer": 4, "both": 2, "sampled": 2, "logprobs": 1}
+
+
+def trace_requests(n: int, hidden: int, layers: int, seed: int) -> list[tuple[int, list[int], Any]]:
+    """``n`` requests as (arrival step, prompt, params): Poisson arrivals (about 2 a step), mixed taps and steers."""
+    import random
+
+    from tapllm import HiddenStatesSpec, SamplingParams, Steer
+    from tapllm.sae.model import SAE
+    from tapllm.sae.sae_config import SAEConfig
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    sae = SAE(SAEConfig("topk", hidden, 4 * hidden, point="resid_post", layer=layers - 1, k=8),
+              torch.randn(hidden, 4 * hidden, generator=g) / hidden**0.5, torch.zeros(4 * hidden),
+              torch.randn(4 * hidden, hidden, generator=g) / hidden**0.5, torch.zeros(hidden))
+    vectors = [torch.randn(hidden, generator=g) for _ in range(4)]
+
+    def spec() -> Any:
+        pick = rng.randrange(9)
+        some = sorted(rng.sample(range(layers), rng.randint(1, layers)))
+        return [HiddenStatesSpec(points="final", positions="last"),
+                HiddenStatesSpec(layers=some, points="resid_post", positions="all"),
+                HiddenStatesSpec(layers="all", points=["resid_pre", "attn_out"], positions="generated"),
+                HiddenStatesSpec(layers=some, points="resid_mid", positions="prompt", reduce="mean"),
+                HiddenStatesSpec(layers=some, points=["q", "mlp_post"], positions=(1, 6)),
+                HiddenStatesSpec(layers=[0], points=["k", "v", "z"], positions="last_prompt"),
+                HiddenStatesSpec(sae=sae, features="topk:4", positions="all"),
+                HiddenStatesSpec(layers="all", points="mlp_out", positions="all", reduce="max"),
+                HiddenStatesSpec(points="embed", positions="all")][pick]
+
+    def steers() -> list[Any]:
+        v = rng.choice(vectors)
+        layer = rng.randrange(layers)
+        return [[Steer(layers=[layer], point="resid_post", vector=v, scale=2.0)],
+                [Steer(layers=[layer], point="attn_out", op="ablate", vector=v, positions="generated")],
+                [Steer(layers=[layer], point="mlp_out", op="scale", scale=0.5),
+                 Steer(layers=[layer], point="mlp_out", vector=v, scale=0.5)],
+                [Steer(layers=[layer], point="resid_mid", op="clamp", vector=v, value=1.0, positions="prompt")],
+                [Steer(layers=[layer], point="z", heads=[0], vector=torch.ones(hidden // 8))],
+                [Steer(layers=[layer], point="mlp_post", op="scale", neurons=[1, 2, 3], scale=0.0)]][rng.randrange(6)]
+
+    out = []
+    step = 0
+    kinds, weights = zip(*TRACE_KINDS.items())
+    for i in range(n):
+        if rng.random() < 0.5:
+            step += 1
+        prompt = [rng.randrange(100, VOCAB) for _ in range(rng.randint(3, 40))]
+        kind = rng.choices(kinds, weights)[0]
+        kw: dict[str, Any] = dict(max_tokens=rng.randint(2, 12), temperature=0, ignore_eos=True)
+        if kind in ("capture", "both"):
+            kw["hidden_states"] = spec()
+        if kind in ("steer", "both"):
+            kw["steering"] = steers()
+        if kind == "sampled":
+            kw.update(temperature=0.8, top_p=0.9, seed=i)
+        if kind == "logprobs":
+            kw.update(logprobs=2, prompt_logprobs=1)
+        out.append((step, prompt, SamplingParams(**kw)))
+    return out
+
+
+def run_trace(llm: Any, reqs: list[tuple[int, list[int], Any]]) -> dict[str, Any]:
+    """Feed the requests to the engine at their arrival steps; returns every finished output by id."""
+    engine = llm.engine
+    outputs: dict[str, Any] = {}
+    pending = list(enumerate(reqs))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, params) = pending.pop(0)
+            engine.add(engine.input_processor.prepare(prompt, params, request_id=f"t{i}"))
+        for req in engine.step():
+            outputs[req.request_id] = engine.make_output(req)
+        step += 1
+    return outputs
+
+
+def trace(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The serving trace through the graph path and through the eager step (see the module docstring)."""
+    from tapllm import LLM
+
+    folder = model_folder(root, args.trace_layers)
+    reqs = trace_requests(args.trace_requests, 256, args.trace_layers, args.trace_seed)
+    common = dict(dtype="float32", load_format="dummy", max_num_seqs=16, max_num_batched_tokens=128,
+                  max_model_len=256, enable_prefix_caching=True)
+    graphed = LLM(folder, backend="cuda", cuda_graph_sizes=[1, 2, 4, 8, 16],
+                  cuda_graph_token_sizes=[16, 32, 64, 128], **common)
+    t0 = time.perf_counter()
+    got = run_trace(graphed, reqs)
+    seconds = time.perf_counter() - t0
+    want = run_trace(LLM(folder, enforce_eager=True, **common), reqs)
+    runner = graphed.engine.runner
+    policy, graphs = runner.policy, runner.graph_step.graphs
+    same, worst = 0, 0.0
+    for rid, a in want.items():
+        b = got[rid]
+        same += a.outputs[0].token_ids == b.outputs[0].token_ids
+        if a.hidden_states is not None:
+            for point in a.hidden_states.points:
+                x, y = a.hidden_states[point].float(), b.hidden_states[point].float()
+                if x.numel():
+                    worst = max(worst, float((x - y).abs().max()) / max(1.0, float(x.abs().max())))
+            if a.hidden_states.features is not None:
+                same -= not torch.equal(a.hidden_states.features.ids, b.hidden_states.features.ids)
+    steps = policy.graph_steps + sum(policy.eager_steps.values())
+    return {"requests": len(reqs), "steps": steps, "graph_steps": policy.graph_steps,
+            "eager_reasons": dict(policy.eager_steps), "eager_share": policy.eager_share,
+            "captures_after_warmup": graphs.captures_after_warmup, "distinct_graphs": graphs.distinct_graphs,
+            "buckets": graphs.buckets, "tokens_equal": f"{same}/{len(want)}", "max_state_error": worst,
+            "left_out": "attention patterns and SAE feature edits (eager by design)", "seconds": round(seconds, 1)}
+
+
 TRITON: TritonCount
 
 
@@ -360,10 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=12)
     p.add_argument("--timed-steps", type=int, default=5, help="decode steps timed per cell (median)")
     p.add_argument("--skip-trace", action="store_true")
+    p.add_argument("--trace-requests", type=int, default=500, help="requests in the serving trace (default 500)")
+    p.add_argument("--trace-layers", type=int, default=2, help="blocks of the trace's Llama (default 2)")
+    p.add_argument("--trace-seed", type=int, default=0)
     args = p.parse_args(argv)
-    from tapllm.kernels import triton_attention, triton_tap
+    from tapllm.kernels import triton_attention, triton_elementwise, triton_tap
 
-    TRITON = TritonCount([m for m in (triton_attention._kernels(), triton_tap._kernels()) if m is not None])
+    TRITON = TritonCount([m for m in (triton_attention._kernels(), triton_elementwise._kernels(),
+                                      triton_tap._kernels()) if m is not None])
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     batches = [int(b) for b in args.batches.split(",")]
     report: dict[str, Any] = {"machine": _machine(), "torch": torch.__version__, "dtype": args.dtype,
@@ -385,6 +506,14 @@ def main(argv: list[str] | None = None) -> int:
                 report["host_detail"].setdefault(case, {})[b] = row
                 print(f"{case:16s} b{b:<3d} host ops {row['host_ops']:4d}  host ms {row['host_ms']:.3f}  "
                       f"syncs {len(row['syncs'])}", flush=True)
+    if not args.skip_trace:
+        with tempfile.TemporaryDirectory() as tmp:
+            report["trace"] = trace(Path(tmp), args)
+        t = report["trace"]
+        print(f"trace: {t['requests']} requests, {t['steps']} steps: eager {t['eager_share']:.1%} "
+              f"({t['eager_reasons']}), captures after warm-up {t['captures_after_warmup']}, "
+              f"{t['distinct_graphs']} graphs for {t['buckets']} buckets; equal to the eager path: tokens "
+              f"{t['tokens_equal']}, states within {t['max_state_error']:.1e} of their scale", flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")

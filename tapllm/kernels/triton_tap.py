@@ -69,3 +69,11 @@ def tap_site(x: torch.Tensor, site: Site, tables: TapTables, row_slot: torch.Ten
         site.index, len(tables.sites), x.stride(0), stride_g, tables.pool.stride(0),
         GROUPS=site.groups, WIDTH=site.group_width, BLOCK_G=_pow2(site.groups), BLOCK_W=_pow2(site.group_width),
         EMULATE_RNE=emulate_rne(kernels.INTERPRETED, x.dtype), num_warps=4 if site.width <= 4096 else 8)
+
+
+def site_args(tables: TapTables, row_slot: torch.Tensor, positions: torch.Tensor) -> tuple:
+    """What a fused kernel passes to ``triton_tap_kernels.site_wants``/``apply_site`` (after the site's
+    index): ``(num_sites, row_slot, positions, row_base, cap_off, cap_out, st_first, st_count, ops, op_value,
+    pool, pool row stride)``."""
+    return (len(tables.sites), row_slot, positions, tables.row_base, tables.cap_off, tables.cap_out,
+            tables.st_first, tables.st_count, tables.ops, tables.op_value, tables.pool, tables.pool.stride(0))

@@ -27,6 +27,49 @@ OP_FIELDS = tl.constexpr(tables.OP_FIELDS)
 
 
 @triton.jit
+def site_wants(r, site, num_sites, row_slot_ptr, row_base_ptr, cap_off_ptr, st_count_ptr):
+    """(steering operations, capture offset, row base) of row ``r`` at ``site``; nothing to do unless
+    ``count > 0`` or ``(base >= 0) & (off >= 0)``."""
+    entry = tl.load(row_slot_ptr + r).to(tl.int64) * num_sites + site
+    return tl.load(st_count_ptr + entry), tl.load(cap_off_ptr + entry), tl.load(row_base_ptr + r)
+
+
+@triton.jit
+def apply_site(x, lane, ok, r, count, off, base, site, num_sites, row_slot_ptr, pos_ptr, cap_out_ptr, st_first_ptr,
+               op_ptr, op_value_ptr, pool_ptr, stride_pool, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """Row ``r``'s tile ``x`` (float32 ``[groups, width]`` holding ``DTYPE`` values; ``lane`` each number's
+    place in the site's row, ``ok`` the numbers that exist) after the slot's operations at ``site``, each
+    rounded to ``DTYPE``; the result is also stored in the capture buffer when the row is captured there.
+    ``count``/``off``/``base`` come from :func:`site_wants`. A kernel that computes a site's tensor may call
+    this on the row it holds instead of launching :func:`tap_site_kernel`."""
+    if count > 0:
+        entry = tl.load(row_slot_ptr + r).to(tl.int64) * num_sites + site
+        pos = tl.load(pos_ptr + r)
+        first = tl.load(st_first_ptr + entry).to(tl.int64)
+        for i in range(count):
+            op = op_ptr + (first + i) * OP_FIELDS
+            kind = tl.load(op)
+            lo = tl.load(op + 1)
+            hi = tl.load(op + 2)
+            if (pos >= lo) & (pos < hi):
+                row = tl.load(op + 3) + (pos - lo) * tl.load(op + 4)
+                v = tl.load(pool_ptr + row * stride_pool + lane, mask=ok, other=0.0)
+                if kind == _ADD:
+                    x = x + v
+                elif kind == _SCALE:
+                    x = x * v
+                elif kind == _DIRECTION:
+                    coef = tl.sum(x * v, axis=1, keep_dims=True)
+                    x = x + (tl.load(op_value_ptr + first + i) - coef) * v
+                else:
+                    x = tl.where(v == v, v, x)  # NaN in the pool row: this number is kept
+                x = round_rne(x, DTYPE, EMULATE_RNE)
+    if (base >= 0) & (off >= 0):
+        tl.store(cap_out_ptr + base + off + lane, x.to(cap_out_ptr.dtype.element_ty), mask=ok)
+    return x
+
+
+@triton.jit
 def tap_site_kernel(
     x_ptr, row_slot_ptr, pos_ptr, row_base_ptr, cap_off_ptr, cap_out_ptr, st_first_ptr, st_count_ptr,
     op_ptr, op_value_ptr, pool_ptr,
@@ -34,45 +77,21 @@ def tap_site_kernel(
     GROUPS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_W: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
+    """One row of a site's tensor ``x`` (``[T, GROUPS, WIDTH]``, strided rows): steered in place, captured."""
     r = tl.program_id(0)
-    slot = tl.load(row_slot_ptr + r).to(tl.int64)
-    entry = slot * num_sites + site
-    count = tl.load(st_count_ptr + entry)
-    base = tl.load(row_base_ptr + r)
-    off = tl.load(cap_off_ptr + entry)
-    captured = (base >= 0) & (off >= 0)
-    if (count > 0) | captured:
+    count, off, base = site_wants(r, site, num_sites, row_slot_ptr, row_base_ptr, cap_off_ptr, st_count_ptr)
+    if (count > 0) | ((base >= 0) & (off >= 0)):
         offs_g = tl.arange(0, BLOCK_G)
         offs_w = tl.arange(0, BLOCK_W)
         ok = (offs_g < GROUPS)[:, None] & (offs_w < WIDTH)[None, :]
         src = x_ptr + r.to(tl.int64) * stride_xt + offs_g[:, None] * stride_xg + offs_w[None, :]
         x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        lane = offs_g[:, None] * WIDTH + offs_w[None, :]
+        y = apply_site(x, lane, ok, r, count, off, base, site, num_sites, row_slot_ptr, pos_ptr, cap_out_ptr,
+                       st_first_ptr, op_ptr, op_value_ptr, pool_ptr, stride_pool, x_ptr.dtype.element_ty,
+                       EMULATE_RNE)
         if count > 0:
-            pos = tl.load(pos_ptr + r)
-            lane = offs_g[:, None] * WIDTH + offs_w[None, :]
-            first = tl.load(st_first_ptr + entry).to(tl.int64)
-            for i in range(count):
-                op = op_ptr + (first + i) * OP_FIELDS
-                kind = tl.load(op)
-                lo = tl.load(op + 1)
-                hi = tl.load(op + 2)
-                if (pos >= lo) & (pos < hi):
-                    row = tl.load(op + 3) + (pos - lo) * tl.load(op + 4)
-                    v = tl.load(pool_ptr + row * stride_pool + lane, mask=ok, other=0.0)
-                    if kind == _ADD:
-                        x = x + v
-                    elif kind == _SCALE:
-                        x = x * v
-                    elif kind == _DIRECTION:
-                        coef = tl.sum(x * v, axis=1)
-                        x = x + (tl.load(op_value_ptr + first + i) - coef)[:, None] * v
-                    else:
-                        x = tl.where(v == v, v, x)  # NaN in the pool row: this number is kept
-                    x = round_rne(x, x_ptr.dtype.element_ty, EMULATE_RNE)
-            tl.store(src, x.to(x_ptr.dtype.element_ty), mask=ok)
-        if captured:
-            dst = cap_out_ptr + base + off + offs_g[:, None] * WIDTH + offs_w[None, :]
-            tl.store(dst, x.to(cap_out_ptr.dtype.element_ty), mask=ok)
+            tl.store(src, y.to(x_ptr.dtype.element_ty), mask=ok)
 
 
 # Whether @triton.jit made interpreted kernels (TRITON_INTERPRET=1 when triton was imported): they run on CPU tensors.
