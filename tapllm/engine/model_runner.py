@@ -246,7 +246,9 @@ class ModelRunner:
             gs = self.graph_step
             batch, inputs = upload_graph(lay, self.staging, self.block_tables, lambda host: gs.fill(lay, key, host),
                                          gs.inputs.size, vocab_size=self.mcfg.vocab_size, device=self.device,
-                                         rows=len(lay.ids) if key.kind == "decode" else None)
+                                         rows=len(lay.ids) if key.kind == "decode" else None,
+                                         writes=gs.taps.pending)
+            gs.taps.pending = []
             pending_mask = self._submit_masks(batch)
             out = gs.run(key, inputs)
             hidden, logits = out.hidden, out.logits

@@ -27,6 +27,10 @@ from tapllm.layers.attention import AttentionMetadata, PrefillBatch, PrefillChun
 from tapllm.tap import RowSpan
 
 
+_DTYPES = {np.dtype(np.int64).str: torch.int64, np.dtype(np.int32).str: torch.int32,
+           np.dtype(np.float32).str: torch.float32}
+
+
 @dataclass(slots=True)
 class StepLayout:
     """A step's rows on the host: what :func:`upload` sends."""
@@ -180,11 +184,12 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
 
 
 def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: Callable[[np.ndarray], None],
-                 size: int, *, vocab_size: int, device: torch.device, rows: int | None
-                 ) -> tuple[StepBatch, torch.Tensor]:
+                 size: int, *, vocab_size: int, device: torch.device, rows: int | None,
+                 writes: list[tuple[torch.Tensor, np.ndarray]] | None = None) -> tuple[StepBatch, torch.Tensor]:
     """A graph step's upload, in one copy: its rows' inputs (``fill`` writes the ``size`` int64 numbers of
-    ``tapllm.engine.input_buffers``), the block-table entries that changed, the sampling plan's numbers.
-    Returns the batch and the device view of the inputs.
+    ``tapllm.engine.input_buffers``), the block-table entries that changed, the sampling plan's numbers, and
+    ``writes`` (device rows and their new host values: the slot tables of requests that joined), copied into
+    place on the device after the upload. Returns the batch and the device view of the inputs.
 
     ``rows``: a decode graph's logits are its batch rows, gathered when the sampled rows are not all of
     them in order; None: a mixed graph's logits are already the sampled rows.
@@ -192,6 +197,7 @@ def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: C
     staging.begin()
     s_inputs, host = staging.zeros(size, torch.int64)
     fill(host)
+    s_writes = [(dest, staging.add(values, _DTYPES[values.dtype.str])) for dest, values in writes or ()]
     s_diff = staging.add(lay.diff, torch.int64, (len(lay.diff) // 3, 3))
     if rows is None:
         s_sample, sampling = None, (SamplingPlan([r for _, r in lay.sample_rows], vocab_size, staging, device)
@@ -199,6 +205,8 @@ def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: C
     else:
         s_sample, sampling = _sampling_sections(lay, staging, vocab_size, device, rows)
     views = staging.upload()
+    for dest, i in s_writes:
+        dest.copy_(views[i].view(dest.shape))
     tables.apply(views[s_diff])
     if sampling is not None:
         sampling.bind(views)
