@@ -1,9 +1,10 @@
-"""Token sampling on the device, with per-request parameters and per-request random generators.
+"""Token sampling on the device, with per-request parameters and per-request seeded draws.
 
 A step's sampling is planned on the host before its forward pass (:class:`SamplingPlan`):
 which rows draw and with what temperature, top-k, top-p and min-p, which rows have logits
-controls or want logprobs, and one uniform per drawing row from that request's own
-generator (so a seeded request gets the same tokens whatever else shares its batch). The
+controls or want logprobs, and one uniform per drawing row from its request's seed and the index
+of the token it samples (:mod:`tapllm.engine.rng`: so a seeded request gets the same tokens
+whatever else shares its batch, and the same tokens from a CUDA graph's sampler). The
 plan's numbers travel in the step's one upload (:mod:`tapllm.engine.staging`). On the device,
 :meth:`SamplingPlan.sample` turns the logits into one float64 vector of results (the tokens,
 then the logprobs asked for), which the step copies back in its one download and
@@ -28,11 +29,12 @@ import torch
 
 from tapllm.engine.logits_processors import ControlledRow, TokenCounts, apply_controls
 from tapllm.engine.request import Request
+from tapllm.engine.rng import as_int64, uniform_host
 from tapllm.engine.staging import Staging
 from tapllm.outputs import Logprob
 from tapllm.structured.masks import TokenMask
 
-_NONFINITE, _NO_TOKEN = -1, -2  # failure codes in the token slot of a row's result
+NONFINITE, NO_TOKEN = -1, -2  # failure codes in the token slot of a row's result
 _TOP_P_HEAD = 256  # on CPU, tokens ordered first for top-p (the whole row only when they hold too little)
 
 
@@ -75,9 +77,9 @@ class SamplingPlan:
             if self.nucleus:
                 self._add(staging, "nucleus", self.nucleus, torch.int64)
                 self._add(staging, "top_p", [drawn[i].top_p for i in self.nucleus], torch.float32)
-            self._sections["uniform"], uniforms = staging.host_tensor(len(self.draw), torch.float64)
-            for i, j in enumerate(self.draw):  # each from its own request's generator, written in place
-                torch.rand(1, dtype=torch.float64, generator=requests[j].generator, out=uniforms[i:i + 1])
+            self._sections["uniform"], uniforms = staging.zeros(len(self.draw), torch.float64)
+            uniforms[:] = uniform_host(_seeds([requests[j] for j in self.draw]),
+                                       np.array([requests[j].num_tokens for j in self.draw], dtype=np.int64))
         if self.controlled:
             self._add(staging, "controlled", self.controlled, torch.int64)
         if self.penalized:
@@ -120,8 +122,8 @@ class SamplingPlan:
             tokens = tokens.index_copy(0, v["draw"], self._draw(processed.index_select(0, v["draw"])))
         tokens = tokens.double()
         if ok_codes is not None:
-            tokens = tokens.masked_fill(ok_codes, _NO_TOKEN)
-        tokens = tokens.masked_fill(~ok, _NONFINITE)
+            tokens = tokens.masked_fill(ok_codes, NO_TOKEN)
+        tokens = tokens.masked_fill(~ok, NONFINITE)
         if self.penalized and counts is not None:
             chosen = tokens.index_select(0, v["controlled"]).index_select(0, v["penalized"]).clamp(min=0).long()
             counts.record_on_device(v["count_slots"], chosen)
@@ -169,7 +171,7 @@ class SamplingPlan:
             if row in failures or token >= 0:
                 continue
             req = self.requests[row]
-            if token == _NONFINITE:
+            if token == NONFINITE:
                 cause = "invalid_request_error" if req.steering else "server_error"
                 hint = " (its steering is too strong for this dtype)" if req.steering else ""
                 failures[row] = RowFailure(f"the model produced non-finite logits for this request{hint}", cause)
@@ -196,6 +198,14 @@ class SamplingPlan:
                 req.logprobs.append(entry)
                 req.cumulative_logprob += chosen
         return tokens
+
+
+def _seeds(requests: list[Request]) -> np.ndarray:
+    """The drawing requests' seeds as int64 (each is given one at admission)."""
+    missing = [r.request_id for r in requests if r.seed is None]
+    if missing:
+        raise ValueError(f"requests {missing} sample at random but have no seed (LLMEngine.add gives each one)")
+    return np.array([as_int64(r.seed) for r in requests], dtype=np.int64)
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
