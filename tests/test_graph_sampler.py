@@ -86,24 +86,39 @@ def _random_logits(g: torch.Generator, rows: int, vocab: int, dtype: torch.dtype
 
 def _plan_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                  counters: list[int]) -> torch.Tensor:
-    staging = Staging(CPU)
+    staging = Staging(logits.device)
     staging.begin()
     requests = [Request(f"r{i}", 0, None, [7] * c, p, None if p.greedy else s)
                 for i, (p, s, c) in enumerate(zip(params, seeds, counters))]
-    plan = SamplingPlan(requests, logits.shape[-1], staging, CPU)
+    plan = SamplingPlan(requests, logits.shape[-1], staging, logits.device)
     plan.bind(staging.upload())
     return plan.sample(logits, None, None)
 
 
-def _slot_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], counters: list[int],
-                 g: np.random.Generator) -> torch.Tensor:
+def _slots(params: list[SamplingParams], seeds: list[int], vocab: int, device: torch.device,
+           g: np.random.Generator) -> tuple[SlotSampling, torch.Tensor]:
+    """A slot table holding ``params`` (in slots picked at random, with free slots between) and their slots."""
     n = len(params)
-    sampling = SlotSampling(n + 3, logits.shape[-1], CPU)
+    sampling = SlotSampling(n + 3, vocab, device)
     slots = g.permutation(n + 3)[:n]
     for slot, p, s in zip(slots, params, seeds):
         sampling.write(int(slot), p, s)
+    return sampling, torch.from_numpy(slots).long().to(device)
+
+
+def _slot_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], counters: list[int],
+                 g: np.random.Generator) -> torch.Tensor:
+    sampling, slots = _slots(params, seeds, logits.shape[-1], logits.device, g)
     draw = not all(p.greedy for p in params)
-    return sampling.sample(logits, torch.from_numpy(slots).long(), torch.tensor(counters), draw)
+    return sampling.sample(logits, slots, torch.tensor(counters, device=logits.device), draw)
+
+
+def _random_case(g: np.random.Generator, tg: torch.Generator, vocab: int, dtype: torch.dtype, rows: int):
+    logits = _random_logits(tg, rows, vocab, dtype)
+    params = [_random_params(g, vocab) for _ in range(rows)]
+    seeds = [int(s) for s in g.integers(-2**63, 2**63 - 1, rows, endpoint=True)]
+    counters = [int(c) for c in g.integers(1, 5000, rows)]
+    return logits, params, seeds, counters
 
 
 class _Searches:
@@ -133,11 +148,7 @@ def test_slot_sampler_gives_the_plans_tokens(dtype, vocab, monkeypatch):
     g, tg = np.random.default_rng(vocab), torch.Generator().manual_seed(vocab)
     searches = _Searches(monkeypatch)
     for trial in range(40):
-        rows = int(g.integers(1, 12))
-        logits = _random_logits(tg, rows, vocab, dtype)
-        params = [_random_params(g, vocab) for _ in range(rows)]
-        seeds = [int(s) for s in g.integers(-2**63, 2**63 - 1, rows, endpoint=True)]
-        counters = [int(c) for c in g.integers(1, 5000, rows)]
+        logits, params, seeds, counters = _random_case(g, tg, vocab, dtype, int(g.integers(1, 12)))
         expected = _plan_tokens(logits, params, seeds, counters)
         planned = searches.take()
         got = _slot_tokens(logits, params, seeds, counters, g)
@@ -204,6 +215,48 @@ def test_slot_sampling_reads_nothing_on_the_host():
         sampling.sample(logits, slots, counters, draw=True)
         sampling.sample(logits, slots, counters, draw=False)
     assert functions.host == [] and copies.syncs == []
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_plans_tokens_and_a_graph_replays_them():
+    """On the GPU: host and device uniforms agree, the slot sampler gives the plan's tokens (the plan
+    sorts only its nucleus rows there), and a CUDA graph of it replays them with new inputs and slots."""
+    cuda = torch.device("cuda")
+    seeds, counters = np.arange(-5000, 5000, dtype=np.int64) * 7919, np.arange(10_000, dtype=np.int64) * 31
+    assert np.array_equal(uniform_host(seeds, counters),
+                          uniform_device(torch.from_numpy(seeds).to(cuda), torch.from_numpy(counters).to(cuda)).cpu().numpy())
+    g, tg = np.random.default_rng(5), torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in (37, 1000, 151_936):
+            for _ in range(4 if vocab > 1000 else 15):
+                logits, params, seeds, counters = _random_case(g, tg, vocab, dtype, int(g.integers(1, 40)))
+                logits = logits.to(cuda)
+                assert torch.equal(_slot_tokens(logits, params, seeds, counters, g),
+                                   _plan_tokens(logits, params, seeds, counters))
+    rows, vocab = 16, 32_000
+    logits, params, seeds, counters = _random_case(g, tg, vocab, torch.bfloat16, rows)
+    sampling, slots = _slots(params, seeds, vocab, cuda, g)
+    inputs = (logits.to(cuda), slots, torch.tensor(counters, device=cuda))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture, as CUDA graphs require
+        sampling.sample(*inputs, draw=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sampling.sample(*inputs, draw=True)
+    for trial in range(6):
+        logits, params, seeds, counters = _random_case(g, tg, vocab, torch.bfloat16, rows)
+        for slot, p, s in zip(slots.tolist(), params, seeds):  # new requests join the same slots
+            sampling.write(slot, p, s)
+        order = g.permutation(rows)
+        inputs[0].copy_(logits[order])
+        inputs[1].copy_(slots[order])
+        inputs[2].copy_(torch.tensor(counters)[order])
+        graph.replay()
+        expected = _plan_tokens(logits.to(cuda)[order], [params[i] for i in order], [seeds[i] for i in order],
+                                [counters[i] for i in order])
+        assert torch.equal(out, expected), trial
 
 
 # ---- the engine ------------------------------------------------------------------------------
