@@ -42,15 +42,33 @@ def as_int64(seed: int) -> int:
 
 def _bits53(seed: Lanes, counter: Lanes) -> Lanes:
     """53 random bits (an int64 in [0, 2**53)) per ``(seed, counter)``: the same code runs on NumPy
-    int64 arrays and torch int64 tensors (their ``*``, ``>>``, ``^``, ``&``, ``+`` agree here)."""
-    k0, k1 = seed & _LANE, (seed >> 32) & _LANE
-    x0, x1 = counter & _LANE, (counter >> 32) & _LANE
-    x2 = x3 = x0 * 0
+    int64 arrays and torch int64 tensors (their ``*``, ``>>``, ``^``, ``&``, ``+`` agree here).
+
+    The four lanes are held as two pairs, ``even = (x0, x2)`` and ``odd = (x1, x3)`` (a leading
+    axis of 2), so that a round is five whole-array ops: ``(x0, x2) * (M0, M1)`` gives the
+    products ``(p0, p1)``; the new evens are ``(hi(p1) ^ x1 ^ k0, hi(p0) ^ x3 ^ k1)`` and the new
+    odds ``(lo(p1), lo(p0))``, the halves of the products in swapped order.
+    """
+    host = isinstance(seed, np.ndarray)
+    stack, flip = (np.stack, lambda a: a[::-1]) if host else (torch.stack, lambda a: a.flip(0))
+    key = stack([seed & _LANE, (seed >> 32) & _LANE])
+    odd = stack([(counter >> 32) & _LANE, counter * 0])
+    even = stack([counter & _LANE, counter * 0])
+    mul, weyl = _pair(_MUL, seed, host), _pair(_WEYL, seed, host)
     for _ in range(ROUNDS):
-        p0, p1 = x0 * _MUL[0], x2 * _MUL[1]
-        x0, x1, x2, x3 = (p1 >> 32) ^ x1 ^ k0, p1 & _LANE, (p0 >> 32) ^ x3 ^ k1, p0 & _LANE
-        k0, k1 = (k0 + _WEYL[0]) & _LANE, (k1 + _WEYL[1]) & _LANE
-    return ((x0 >> 11) << 32) | x1
+        product = even * mul
+        even = flip(product >> 32) ^ odd ^ key
+        odd = flip(product & _LANE)
+        key = (key + weyl) & _LANE
+    return ((even[0] >> 11) << 32) | odd[0]
+
+
+def _pair(values: tuple[int, int], like: Lanes, host: bool) -> Lanes:
+    """``values`` as a ``(2, 1, ...)`` int64 array or tensor that broadcasts against a stacked pair
+    of ``like`` (on a device: made by a kernel, not copied from the host)."""
+    shape = (2,) + (1,) * like.ndim
+    first = np.arange(2, dtype=np.int64) if host else torch.arange(2, dtype=torch.int64, device=like.device)
+    return (first * (values[1] - values[0]) + values[0]).reshape(shape)
 
 
 def uniform_host(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
