@@ -11,8 +11,8 @@ plan's (ties included) for the same logits, parameters and counters. The uniform
 :func:`tapllm.engine.rng.uniform_device`, bit for bit the plan's host ones.
 
 Logprobs and the logits controls (penalties, bias, bans, allowed ids, grammar masks) are not
-here: they stay with the plan, outside any graph. A drawing step sorts each row twice (top-k,
-then top-p), as the plan does on CUDA for the rows that use them.
+here: they stay with the plan, outside any graph. A drawing step sorts every row twice (for
+top-k, then top-p) where the plan sorts only the rows that use them: the price of static shapes.
 """
 
 from __future__ import annotations
