@@ -224,7 +224,7 @@ class EngineConfig:
             ``kv_cache_precommit``) and the heap's free memory, so a burst of requests does not
             leave the process bigger. ``None``: never.
         enable_prefix_caching: share KV blocks between requests with equal prefixes.
-        seed: seeds the generators of requests that set no seed of their own.
+        seed: draws the seeds of requests that set no seed of their own.
         enable_hidden_states: serve ``hidden_states`` requests at all (a service may turn it off).
         hidden_states_max_bytes_per_request: refuse a request whose captured states could
             exceed this many bytes (``None``: no limit). Generous by default for offline use.

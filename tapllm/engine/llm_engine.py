@@ -135,7 +135,7 @@ class LLMEngine:
             seed = params.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            req.generator = torch.Generator().manual_seed(seed)
+            req.seed = seed
         req.detokenizer = self.output_processor.detokenizer(req)
         if not req.encode_only:
             req.samples = [self._new_sample(req, i, seed, prepared.grammar) for i in range(1, params.num_samples)]
@@ -160,7 +160,7 @@ class LLMEngine:
     def _new_sample(self, req: Request, index: int, seed: int | None, grammar: Grammar | None) -> Request:
         """Sample ``index`` of ``req``'s prompt, waiting to fork from it once the prompt is computed."""
         sample = Request(f"{req.request_id}#{index}", req.arrival, req.prompt, req.prompt_token_ids, req.params,
-                         None if seed is None else torch.Generator().manual_seed(sample_seed(seed, index)),
+                         None if seed is None else sample_seed(seed, index),
                          cache_salt=req.cache_salt, status=RequestStatus.WAITING, selection=req.selection,
                          steering=req.steering, max_tokens=req.max_tokens,
                          controls=req.controls, track_cumulative=req.track_cumulative, sample_index=index,

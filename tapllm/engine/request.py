@@ -6,8 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from tapllm.engine.logits_processors import LogitsControls
 from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.tokenizer import IncrementalDetokenizer
@@ -75,7 +73,7 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # what its random draws come from (tapllm.engine.rng); None: it never draws
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
