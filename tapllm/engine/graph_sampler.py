@@ -67,6 +67,14 @@ class SlotSampling:
             raise ValueError("seed is required for a request that samples at random (temperature > 0)")
         self.table[slot].copy_(torch.from_numpy(_row(params, 0 if seed is None else seed, self.vocab)))
 
+    def pending_write(self, slot: int, params: SamplingParams, seed: int | None) -> tuple[torch.Tensor, np.ndarray]:
+        """What :meth:`write` copies, as (device row, host values), for a step's upload to carry."""
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot must be in [0, {self.slots}), got {slot}")
+        if seed is None and not params.greedy:
+            raise ValueError("seed is required for a request that samples at random (temperature > 0)")
+        return self.table[slot], _row(params, 0 if seed is None else seed, self.vocab)
+
     # ---- on the device -----------------------------------------------------------------
     def sample(self, logits: torch.Tensor, slots: torch.Tensor, counters: torch.Tensor, draw: bool) -> torch.Tensor:
         """One result per row of ``logits`` [R, V]: float64, the token id, or ``-1`` where the row's

@@ -24,6 +24,7 @@ import torch
 from tapllm.backends.policy import GraphKey, GraphSizes, StepShape
 from tapllm.engine.block_tables import BlockTables
 from tapllm.engine.cuda_graphs import GraphOutputs, GraphRunner
+from tapllm.engine.graph_sampler import SlotSampling
 from tapllm.engine.input_buffers import InputBuffers
 from tapllm.engine.request import Request
 from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
@@ -67,7 +68,7 @@ class GraphStep:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, tables: BlockTables, sizes: GraphSizes,
                  attn: object, shapes: dict[str, tuple[int, ...]], num_layers: int, dtype: torch.dtype,
-                 device: torch.device, *, capture: bool) -> None:
+                 vocab_size: int, device: torch.device, *, capture: bool) -> None:
         self.device = device
         self.block_tables = tables
         rows = max(sizes.mixed[-1] if sizes.mixed else 0, sizes.decode[-1] if sizes.decode else 0)
@@ -78,10 +79,12 @@ class GraphStep:
                               pool_rows=POOL_ROWS_PER_SEQ * slots,
                               capture_numbers=CAPTURE_POINTS_PER_TOKEN * hidden * rows)
         self.inputs = InputBuffers(rows, sizes.max_seqs, tables.padding_slot, device)
-        self.graphs = GraphRunner(model, kv_caches, tables, self.inputs, self.taps, attn, sizes.keys(), device,
-                                  capture=capture)
+        self.sampler = SlotSampling(slots, vocab_size, device)
+        self.graphs = GraphRunner(model, kv_caches, tables, self.inputs, self.taps, self.sampler, attn, sizes.keys(),
+                                  device, vocab_size=vocab_size, dtype=dtype, capture=capture)
         self._generation = tables.generation
         self._joined: dict[Request, _Joined] = {}
+        self.pending: list[tuple[torch.Tensor, np.ndarray]] = []  # sampling rows of slots joined this step
 
     def warm_up(self) -> None:
         """Capture every graph (start-up)."""
@@ -94,8 +97,6 @@ class GraphStep:
         blocked = None
         for it, slot in zip(lay.items, lay.item_slots):
             req = it.request
-            if req.capture is None and req.steering is None:
-                continue
             joined = self._join(req, slot)
             if joined.blocked is not None:
                 blocked = blocked or joined.blocked
@@ -111,6 +112,9 @@ class GraphStep:
         if joined is not None and joined.slot != slot:
             self.taps.clear(joined.slot)
         joined = self._joined[req] = _Joined(slot, req.num_preemptions)
+        self.pending.append(self.sampler.pending_write(slot, req.params, req.seed))
+        if req.capture is None and req.steering is None:
+            return joined
         capture = layout = None
         ops: list = []
         if req.capture is not None:
@@ -148,6 +152,12 @@ class GraphStep:
             kw = dict(cu_q=cu, ctx=ctx, seq_rows=lay.item_slots, sample_rows=[r for r, _ in lay.sample_rows])
         self._row_slot, self._last = row_slot, last
         self.inputs.fill(host, rows, seqs, ids=lay.ids, positions=lay.pos, row_slot=row_slot, last_rows=last, **kw)
+
+    def writes(self) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """The table rows written since the last step (slots joined), for the step's upload; then forgotten."""
+        out = self.pending + self.taps.pending
+        self.pending, self.taps.pending = [], []
+        return out
 
     def run(self, key: GraphKey, uploaded: torch.Tensor) -> GraphOutputs:
         """Copy the step's uploaded inputs into the graph's buffers and replay ``key``'s graph."""

@@ -15,7 +15,7 @@ from tapllm.backends.policy import StepPolicy, default_graph_sizes
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.logits_processors import TokenCounts
 from tapllm.engine.request import Request
-from tapllm.engine.sampler import RowFailure
+from tapllm.engine.sampler import RowFailure, graph_samples, read_tokens
 from tapllm.engine.scheduler import ScheduledItem
 from tapllm.engine.block_tables import BlockTables
 from tapllm.engine.graph_step import GraphStep
@@ -172,7 +172,7 @@ class ModelRunner:
             self.graph_step = GraphStep(self.model, self.kv_caches, self.block_tables, graphs, self.backend.attention,
                                         {**{p: (model_config.hidden_size,) for p in HIDDEN_POINTS},
                                          **point_shapes(self.model)}, model_config.num_layers, model_config.dtype,
-                                        device, capture=not self.backend.graphs_emulated)
+                                        model_config.vocab_size, device, capture=not self.backend.graphs_emulated)
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             with torch.inference_mode():
                 self.graph_step.warm_up()
@@ -244,17 +244,22 @@ class ModelRunner:
             key, _ = self.policy.choose(self.graph_step.shape(lay))
         if key is not None:
             gs = self.graph_step
+            # The graph's sampler takes every row unless one needs the plan (logprobs, controls, a grammar) or
+            # a row samples for several requests (forks of a prompt); then the plan samples the graph's logits.
+            own = all(graph_samples(req) for _, req in lay.sample_rows) and \
+                len({r for r, _ in lay.sample_rows}) == len(lay.sample_rows)
             batch, inputs = upload_graph(lay, self.staging, self.block_tables, lambda host: gs.fill(lay, key, host),
                                          gs.inputs.size, vocab_size=self.mcfg.vocab_size, device=self.device,
-                                         rows=len(lay.ids) if key.kind == "decode" else None,
-                                         writes=gs.taps.pending)
-            gs.taps.pending = []
+                                         rows=len(lay.ids) if key.kind == "decode" else None, writes=gs.writes(),
+                                         plan=not own)
             pending_mask = self._submit_masks(batch)
             out = gs.run(key, inputs)
             hidden, logits = out.hidden, out.logits
+            failed_captures = self.graph_step.deliver(lay, self.capture_sink)
+            if own:
+                return self._graph_sampled(items, batch, out, failed_captures)
             logits = logits.index_select(0, batch.sample_index) if batch.sample_index is not None else \
                 logits[: len(lay.sample_rows)]
-            failed_captures = self.graph_step.deliver(lay, self.capture_sink)
         else:
             tap = StepTap.build(lay.captures, lay.steers, self.device, self.capture_sink)
             # Prompt-only requests need the blocks up to their deepest capture; a step of only such
@@ -269,6 +274,25 @@ class ModelRunner:
             logits = None
             failed_captures = tap.finish() if tap is not None else {}
         return self._results(items, batch, hidden, logits, failed_captures, pending_mask)
+
+    def _graph_sampled(self, items: list[ScheduledItem], batch: StepBatch, out: object, failed_captures: dict
+                       ) -> StepResult:
+        """Results of a graph step whose tokens the graph sampled (drawing rows by its sampler graph)."""
+        result = self._results(items, batch, out.hidden, None, failed_captures, None)
+        requests = [req for _, req in batch.sample_rows]
+        if not requests:
+            return result
+        tokens = out.tokens
+        if any(not req.params.greedy for req in requests):
+            tokens = self.graph_step.graphs.draw(len(requests))
+        failures: dict[int, RowFailure] = {}
+        for row, (req, token) in enumerate(zip(requests, read_tokens(self.download.fetch(tokens[: len(requests)]),
+                                                                     requests, failures))):
+            if row in failures:
+                result.failed.setdefault(req, failures[row])
+            elif req not in result.failed:
+                result.sampled[req] = token
+        return result
 
     def _submit_masks(self, batch: StepBatch) -> object:
         """Grammar masks of the step's constrained rows, computed while the forward runs."""

@@ -167,19 +167,7 @@ class SamplingPlan:
     def read(self, results: np.ndarray, failures: dict[int, RowFailure]) -> list[int]:
         """Tokens per row from the downloaded ``results``; failed rows go to ``failures`` (by row)."""
         n = self.rows
-        tokens = results[:n].astype(np.int64).tolist()
-        for row, token in enumerate(tokens):
-            if row in failures or token >= 0:
-                continue
-            req = self.requests[row]
-            if token == NONFINITE:
-                cause = "invalid_request_error" if req.steering else "server_error"
-                hint = " (its steering is too strong for this dtype)" if req.steering else ""
-                failures[row] = RowFailure(f"the model produced non-finite logits for this request{hint}", cause)
-            else:
-                failures[row] = RowFailure(
-                    "no token can be sampled: allowed_token_ids, bad_words and min_tokens together exclude every "
-                    "token (or a bias or penalty made the logits non-finite)", "invalid_request_error")
+        tokens = read_tokens(results[:n], self.requests, failures)
         if self.logprob_rows:
             width = 2 + 2 * self.max_k
             block = results[n:].reshape(len(self.logprob_rows), width)
@@ -207,6 +195,31 @@ def _seeds(requests: list[Request]) -> np.ndarray:
     if missing:
         raise ValueError(f"requests {missing} sample at random but have no seed (LLMEngine.add gives each one)")
     return np.array([as_int64(r.seed) for r in requests], dtype=np.int64)
+
+
+def read_tokens(results: np.ndarray, requests: list[Request], failures: dict[int, RowFailure]) -> list[int]:
+    """Tokens per row from a sampler's downloaded codes (one per row of ``requests``); a row whose code
+    says it failed goes to ``failures`` (by row) with why."""
+    tokens = results.astype(np.int64).tolist()
+    for row, token in enumerate(tokens):
+        if row in failures or token >= 0:
+            continue
+        req = requests[row]
+        if token == NONFINITE:
+            cause = "invalid_request_error" if req.steering else "server_error"
+            hint = " (its steering is too strong for this dtype)" if req.steering else ""
+            failures[row] = RowFailure(f"the model produced non-finite logits for this request{hint}", cause)
+        else:
+            failures[row] = RowFailure(
+                "no token can be sampled: allowed_token_ids, bad_words and min_tokens together exclude every "
+                "token (or a bias or penalty made the logits non-finite)", "invalid_request_error")
+    return tokens
+
+
+def graph_samples(req: Request) -> bool:
+    """Whether a request's row can be sampled by the graph's sampler (``engine/graph_sampler.py``): no
+    logprobs, logits controls or grammar (those stay with :class:`SamplingPlan`)."""
+    return req.params.logprobs is None and not req.track_cumulative and req.controls is None and req.grammar is None
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

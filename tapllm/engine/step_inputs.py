@@ -185,11 +185,13 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
 
 def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: Callable[[np.ndarray], None],
                  size: int, *, vocab_size: int, device: torch.device, rows: int | None,
-                 writes: list[tuple[torch.Tensor, np.ndarray]] | None = None) -> tuple[StepBatch, torch.Tensor]:
+                 writes: list[tuple[torch.Tensor, np.ndarray]] | None = None, plan: bool = True
+                 ) -> tuple[StepBatch, torch.Tensor]:
     """A graph step's upload, in one copy: its rows' inputs (``fill`` writes the ``size`` int64 numbers of
     ``tapllm.engine.input_buffers``), the block-table entries that changed, the sampling plan's numbers, and
     ``writes`` (device rows and their new host values: the slot tables of requests that joined), copied into
-    place on the device after the upload. Returns the batch and the device view of the inputs.
+    place on the device after the upload. Returns the batch and the device view of the inputs. ``plan``
+    False: the graph samples every row itself, and no sampling plan is made.
 
     ``rows``: a decode graph's logits are its batch rows, gathered when the sampled rows are not all of
     them in order; None: a mixed graph's logits are already the sampled rows.
@@ -199,7 +201,9 @@ def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: C
     fill(host)
     s_writes = [(dest, staging.add(values, _DTYPES[values.dtype.str])) for dest, values in writes or ()]
     s_diff = staging.add(lay.diff, torch.int64, (len(lay.diff) // 3, 3))
-    if rows is None:
+    if not plan:
+        s_sample, sampling = None, None
+    elif rows is None:
         s_sample, sampling = None, (SamplingPlan([r for _, r in lay.sample_rows], vocab_size, staging, device)
                                     if lay.sample_rows else None)
     else:
