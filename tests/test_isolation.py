@@ -95,15 +95,15 @@ def test_a_steer_that_overflows_the_activations_fails_its_request_alone(tiny_mod
 def test_a_forward_pass_error_is_isolated_to_its_request(llm, solo, monkeypatch):
     """An unexpected error inside the batched forward: the step is rerun in halves to find its owner."""
     runner = llm.engine.runner
-    real = runner.execute
+    real = runner.launch
     poisoned = random_prompts([10], seed=99)[0]
 
-    def execute(items):
+    def launch(items):
         if any(it.request.prompt_token_ids == poisoned for it in items):
             raise RuntimeError("kernel failure")
         return real(items)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "launch", launch)
     outs = llm.generate(GOOD[:3] + [poisoned] + GOOD[3:], _good_params(), use_tqdm=False)
     failed = outs.pop(3)
     assert failed.outputs[0].finish_reason == "error" and "kernel failure" in failed.error

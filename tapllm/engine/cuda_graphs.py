@@ -60,13 +60,15 @@ class GraphRunner:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, tables: BlockTables, inputs: InputBuffers,
                  taps: TapTables | None, sampler: SlotSampling, attn: AttentionOps, keys: list[GraphKey],
-                 device: torch.device, *, vocab_size: int, dtype: torch.dtype, capture: bool = True) -> None:
+                 device: torch.device, *, last_token: torch.Tensor, vocab_size: int, dtype: torch.dtype,
+                 capture: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.tables = tables
         self.inputs = inputs
         self.taps = taps
         self.sampler = sampler
+        self.last_token = last_token  # [slots]: each slot's latest sampled token (inputs read it where they say -1)
         self.attn = attn
         self.device = device
         self.capture = capture
@@ -151,7 +153,7 @@ class GraphRunner:
         rows, seqs = self.extent(key)
         host = torch.zeros(self.inputs.size, dtype=torch.int64)
         self.inputs.fill(host.numpy(), rows, seqs, ids=[], positions=[], row_slot=[], last_rows=[], cu_q=[0], ctx=[],
-                         seq_rows=[], sample_rows=[])
+                         seq_rows=[], sample_rows=[], sample_slot=[])
         self.inputs.load(host.to(self.device))
 
     # ---- replay -------------------------------------------------------------------------------
@@ -184,6 +186,7 @@ class GraphRunner:
         """What a sampler graph holds: every row's token by its slot's parameters."""
         self.tokens[:size].copy_(self.sampler.sample(self.logits[:size], self.sample_slots[:size],
                                                      self.counters[:size], draw=True))
+        self.last_token.index_copy_(0, self.sample_slots[:size], self.tokens[:size].clamp(min=0).long())
 
     def extent(self, key: GraphKey) -> tuple[int, int]:
         """(rows, sequences) of ``key``'s inputs."""
@@ -210,16 +213,18 @@ class GraphRunner:
         if key.tapped:
             tap = TableTap(self.taps, v.row_slot, v.positions, v.last_rows)
             tap.begin()
-        hidden = self.model(v.ids, v.positions, self.kv_caches, meta, tap)
+        ids = torch.where(v.ids < 0, self.last_token.index_select(0, v.row_slot), v.ids)
+        hidden = self.model(ids, v.positions, self.kv_caches, meta, tap)
         if key.kind == "decode":  # every row samples
             rows, slots, positions = hidden, v.row_slot, v.positions
         else:
             rows = hidden.index_select(0, v.sample_rows)
-            slots, positions = v.row_slot.index_select(0, v.sample_rows), v.positions.index_select(0, v.sample_rows)
+            slots, positions = v.sample_slot, v.positions.index_select(0, v.sample_rows)
         n = rows.shape[0]
         logits = self.logits[:n]
         logits.copy_(self.model.compute_logits(rows))
         self.sample_slots[:n].copy_(slots)
         torch.add(positions, 1, out=self.counters[:n])
         self.tokens[:n].copy_(self.sampler.sample(logits, self.sample_slots[:n], self.counters[:n], draw=False))
+        self.last_token.index_copy_(0, self.sample_slots[:n], self.tokens[:n].clamp(min=0).long())
         return GraphOutputs(hidden, logits, self.tokens[:n])

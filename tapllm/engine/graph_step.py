@@ -68,7 +68,7 @@ class GraphStep:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, tables: BlockTables, sizes: GraphSizes,
                  attn: object, shapes: dict[str, tuple[int, ...]], num_layers: int, dtype: torch.dtype,
-                 vocab_size: int, device: torch.device, *, capture: bool) -> None:
+                 vocab_size: int, last_token: torch.Tensor, device: torch.device, *, capture: bool) -> None:
         self.device = device
         self.block_tables = tables
         rows = max(sizes.mixed[-1] if sizes.mixed else 0, sizes.decode[-1] if sizes.decode else 0)
@@ -81,7 +81,7 @@ class GraphStep:
         self.inputs = InputBuffers(rows, sizes.max_seqs, tables.padding_slot, device)
         self.sampler = SlotSampling(slots, vocab_size, device)
         self.graphs = GraphRunner(model, kv_caches, tables, self.inputs, self.taps, self.sampler, attn, sizes.keys(),
-                                  device, vocab_size=vocab_size, dtype=dtype, capture=capture)
+                                  device, last_token=last_token, vocab_size=vocab_size, dtype=dtype, capture=capture)
         self._generation = tables.generation
         self._joined: dict[Request, _Joined] = {}
         self.pending: list[tuple[torch.Tensor, np.ndarray]] = []  # sampling rows of slots joined this step
@@ -149,7 +149,8 @@ class GraphStep:
             for it in lay.items:
                 cu.append(cu[-1] + it.num_tokens)
                 ctx.append(it.start)
-            kw = dict(cu_q=cu, ctx=ctx, seq_rows=lay.item_slots, sample_rows=[r for r, _ in lay.sample_rows])
+            kw = dict(cu_q=cu, ctx=ctx, seq_rows=lay.item_slots, sample_rows=[r for r, _ in lay.sample_rows],
+                      sample_slot=[row_slot[r] for r, _ in lay.sample_rows])
         self._row_slot, self._last = row_slot, last
         self.inputs.fill(host, rows, seqs, ids=lay.ids, positions=lay.pos, row_slot=row_slot, last_rows=last, **kw)
 
@@ -164,13 +165,17 @@ class GraphStep:
         self.inputs.load(uploaded)
         return self.graphs.run(key)
 
-    def deliver(self, lay: StepLayout, sink: CopySink) -> dict[RequestCapture, str]:
-        """Hand each capturing request its rows of the step just replayed (see the module docstring);
-        returns the captures that failed alone."""
+    def deliver(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset = frozenset()
+                ) -> dict[RequestCapture, str]:
+        """Hand each capturing request its rows of the step just replayed (see the module docstring), except
+        requests in ``stopped`` (they ended at the step before: these rows are past their end); returns the
+        captures that failed alone."""
         entries: list[_Delivery] = []
         base = None
         for it, row in _capture_items(lay):
             req = it.request
+            if req in stopped or req.finished:
+                continue
             window = req.capture.window(it.start, it.num_tokens)
             if window is None:
                 continue

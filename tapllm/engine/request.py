@@ -85,6 +85,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_pending: int = 0  # tokens sampled on the device whose value the host has not taken yet (a step ahead)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -146,8 +147,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens so far."""
-        return len(self.token_ids)
+        """Prompt plus generated tokens so far, those still on their way from the device included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:

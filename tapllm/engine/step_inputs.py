@@ -81,7 +81,8 @@ def lay_out(items: list[ScheduledItem], tables: BlockTables) -> StepLayout:
     for it in items:
         req, start, n = it.request, it.start, it.num_tokens
         row = len(ids)
-        ids.extend(req.token_ids[start : start + n])
+        chunk = req.token_ids[start : start + n]
+        ids.extend(chunk if len(chunk) == n else chunk + [-1] * (n - len(chunk)))  # -1: still on the device
         table = req.block_table
         trow = tables.row(req, start // bs, diff)
         lay.item_slots.append(trow)
@@ -111,12 +112,18 @@ def lay_out(items: list[ScheduledItem], tables: BlockTables) -> StepLayout:
 
 
 def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: AttentionOps | None,
-           prompt_lengths: bool, vocab_size: int, device: torch.device) -> StepBatch:
+           prompt_lengths: bool, vocab_size: int, device: torch.device, last_token: torch.Tensor | None = None
+           ) -> StepBatch:
     """The model's inputs for ``lay``, uploaded in one copy; ``attn`` is the backend's attention
-    kernels (None: the PyTorch attention, which wants other metadata)."""
+    kernels (None: the PyTorch attention, which wants other metadata). A row whose token is not on the
+    host yet (id -1: the host is a step ahead) reads its slot's entry of ``last_token`` on the device."""
     bs = tables.block_size
     staging.begin()
     s_ids = staging.add(lay.ids, torch.int64)
+    s_fed = None
+    if last_token is not None and min(lay.ids, default=0) < 0:
+        s_fed = staging.add([slot for it, slot in zip(lay.items, lay.item_slots) for _ in range(it.num_tokens)],
+                            torch.int64)
     s_pos = staging.add(lay.pos, torch.int64)
     s_slots = staging.add(lay.slots, torch.int64)
     s_diff = staging.add(lay.diff, torch.int64, (len(lay.diff) // 3, 3))
@@ -148,6 +155,9 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
     tables.apply(views[s_diff])
     if sampling is not None:
         sampling.bind(views)
+    ids = views[s_ids]
+    if s_fed is not None:
+        ids = torch.where(ids < 0, last_token.index_select(0, views[s_fed]), ids)
     decode_bt = decode_mask = lens = None
     if nd:
         lens = views[s_lens]
@@ -178,7 +188,7 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
         attn=attn,
         prefill_batch=prefill_batch,
     )
-    return StepBatch(views[s_ids], views[s_pos], meta, lay.sample_rows,
+    return StepBatch(ids, views[s_pos], meta, lay.sample_rows,
                      views[s_sample] if s_sample is not None else None, sampling, lay.captures, lay.steers,
                      lay.prompt_logprob_rows)
 
