@@ -13,6 +13,7 @@ import torch
 
 from conftest import random_prompts
 from tapllm import LLM, SAE, HiddenStatesSpec, SamplingParams, Steer
+from tapllm.hidden_states import HIDDEN_POINTS
 from tapllm.kernels import triton_tap
 from tapllm.sae.sae_config import SAEConfig
 
@@ -132,6 +133,22 @@ def test_what_a_graph_cannot_hold_runs_eagerly_and_says_why(tiny_models):
     assert reasons["a steer edits SAE features"] >= 2
     stats = graphed.engine.stats()
     assert stats.graph_fallbacks == dict(reasons) and stats.graph_steps == graphed.engine.runner.policy.graph_steps
+
+
+def test_a_step_whose_captures_overrun_the_buffer_runs_eagerly(tiny_models):
+    """The capture buffer holds 8 hidden-size rows per token of the largest step; a step capturing more
+    (every point of every block at every position of 22 prompt tokens, with steps of at most 32) runs
+    eagerly instead of writing past it, and the later decode steps replay graphs."""
+    folder = tiny_models["llama"]
+    graphed = _graphed(folder, max_num_batched_tokens=32)
+    spec = HiddenStatesSpec(layers="all", points=list(HIDDEN_POINTS), positions="all")
+    prompts = random_prompts([10, 12], seed=13)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, hidden_states=spec)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    policy = graphed.engine.runner.policy
+    assert policy.eager_steps == {"the step's captures exceed the capture buffer": 1}, policy.eager_steps
+    assert policy.graph_steps == 2
+    _same(_eager(folder).generate(prompts, params, use_tqdm=False), got)
 
 
 def test_every_graph_is_captured_at_start_and_none_after(tiny_models):

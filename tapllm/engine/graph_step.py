@@ -85,6 +85,7 @@ class GraphStep:
         self._generation = tables.generation
         self._joined: dict[Request, _Joined] = {}
         self.pending: list[tuple[torch.Tensor, np.ndarray]] = []  # sampling rows of slots joined this step
+        self._places: tuple[np.ndarray, int] | None = None  # the step's capture places (TapTables.places)
 
     def warm_up(self) -> None:
         """Capture every graph (start-up)."""
@@ -93,7 +94,7 @@ class GraphStep:
     # ---- slots ---------------------------------------------------------------------------------
     def shape(self, lay: StepLayout) -> StepShape:
         """The step's shape for the decider; requests new to their slot write their tables first."""
-        tapped = False
+        tapped = captures = False
         blocked = None
         for it, slot in zip(lay.items, lay.item_slots):
             req = it.request
@@ -101,8 +102,19 @@ class GraphStep:
             if joined.blocked is not None:
                 blocked = blocked or joined.blocked
             tapped = tapped or self.taps.taps(slot)
+            captures = captures or req.capture is not None
         if self.block_tables.generation != self._generation:
             blocked = "the block table moved"
+        self._places = None
+        if captures and blocked is None:
+            # The site kernel writes each captured row where the prologue places it, unchecked: a step
+            # whose captures all together overrun the buffer must not replay.
+            sizes = [it.num_tokens for it in lay.items]
+            last = np.zeros(len(lay.pos), dtype=np.bool_)
+            last[np.cumsum(sizes) - 1] = True
+            self._places = self.taps.places(np.repeat(lay.item_slots, sizes), np.asarray(lay.pos), last)
+            if self._places[1] > self.taps.cap_out.numel():
+                blocked = "the step's captures exceed the capture buffer"
         return StepShape(lay.decode_only, len(lay.ids), len(lay.items), len(lay.sample_rows), tapped, blocked)
 
     def _join(self, req: Request, slot: int) -> _Joined:
@@ -151,7 +163,6 @@ class GraphStep:
                 ctx.append(it.start)
             kw = dict(cu_q=cu, ctx=ctx, seq_rows=lay.item_slots, sample_rows=[r for r, _ in lay.sample_rows],
                       sample_slot=[row_slot[r] for r, _ in lay.sample_rows])
-        self._row_slot, self._last = row_slot, last
         self.inputs.fill(host, rows, seqs, ids=lay.ids, positions=lay.pos, row_slot=row_slot, last_rows=last, **kw)
 
     def writes(self) -> list[tuple[torch.Tensor, np.ndarray]]:
@@ -180,8 +191,7 @@ class GraphStep:
             if window is None:
                 continue
             if base is None:
-                base, total = self.taps.places(np.asarray(self._row_slot), np.asarray(lay.pos),
-                                               np.asarray(self._last))
+                base, _ = self._places  # computed by shape() for this step
             rows = base[row : row + it.num_tokens]
             inside = np.flatnonzero(rows >= 0)
             a, b = window
