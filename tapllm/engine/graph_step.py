@@ -242,6 +242,18 @@ class GraphStep:
         return self.taps.cap_out[e.start : e.start + n * size].view(n, size)[:, first : first + each]
 
 
+def graph_step_bytes(sizes: GraphSizes, hidden: int, vocab: int, slots: int, act_bytes: int) -> int:
+    """About what a graph step holds on the device besides a step's activations (counted out of the KV
+    cache's budget): the capture buffer, the steering pool, the sampled rows' logits, every graph's kept
+    hidden rows, and a drawing step's sort of its logits."""
+    rows = max(max(sizes.mixed, default=0), max(sizes.decode, default=0))
+    sampled = max(max(sizes.decode, default=0), min(rows, sizes.max_seqs))
+    capture = CAPTURE_POINTS_PER_TOKEN * hidden * rows * act_bytes
+    pool = POOL_ROWS_PER_SEQ * slots * 4 * hidden * 4  # rows as wide as the widest point (about 4x hidden)
+    graphs_hidden = 2 * sum(s for s in (*sizes.decode, *sizes.mixed)) * hidden * act_bytes
+    return capture + pool + sampled * vocab * (act_bytes + 24) + graphs_hidden
+
+
 def _capture_items(lay: StepLayout):
     """(item, first batch row) of every item whose request captures."""
     row = 0

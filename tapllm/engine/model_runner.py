@@ -17,7 +17,7 @@ from tapllm.engine.sampler import RowFailure, graph_samples, read_tokens
 from tapllm.engine.scheduler import ScheduledItem
 from tapllm.engine.block_tables import BlockTables
 from tapllm.engine.cuda_graphs import GraphOutputs
-from tapllm.engine.graph_step import GraphStep
+from tapllm.engine.graph_step import GraphStep, graph_step_bytes
 from tapllm.engine.launched_step import Deliver, LaunchedStep, StepResult
 from tapllm.engine.staging import Download, Staging
 from tapllm.engine.step_inputs import StepBatch, StepLayout, lay_out, upload, upload_graph
@@ -217,6 +217,9 @@ class ModelRunner:
         mc = self.mcfg
         act_bytes = torch.tensor([], dtype=mc.dtype).element_size()
         reserve = self.ecfg.max_num_batched_tokens * (16 * mc.hidden_size + mc.vocab_size) * act_bytes
+        if self.backend.graphs is not None:  # what the graph step keeps besides its activations
+            reserve += graph_step_bytes(self.backend.graphs, mc.hidden_size, mc.vocab_size,
+                                        self.ecfg.max_num_seqs + 1, act_bytes)
         budget = util * total - weights - reserve
         if budget <= 0:
             raise ValueError(f"gpu_memory_utilization={util} leaves no memory for the KV cache "

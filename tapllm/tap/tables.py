@@ -144,7 +144,7 @@ class TapTables:
         self.clear(slot)
         if capture is not None and capture.record:
             if capture.record > self.cap_out.numel():
-                return f"its captured record ({capture.record} numbers) exceeds the capture buffer"
+                return "a request's captured record exceeds the capture buffer"
             off = np.full(len(self.sites), -1, dtype=np.int32)
             for site, o in capture.offsets.items():
                 off[site] = o
