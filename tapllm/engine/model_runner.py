@@ -256,7 +256,8 @@ class ModelRunner:
                 logits[: len(lay.sample_rows)]
             failed_captures = self.graph_step.deliver(lay, self.capture_sink)
         else:
-            tap = StepTap.build(lay.captures, lay.steers, self.device, self.capture_sink)
+            tap = StepTap.build(lay.captures, lay.steers, self.device, self.capture_sink,
+                                sae_kernel=self.backend.name == "cuda")
             # Prompt-only requests need the blocks up to their deepest capture; a step of only such
             # requests stops there (their blocks are salted by that depth: see InputProcessor.prepare).
             depths = [it.request.depth for it in items]
