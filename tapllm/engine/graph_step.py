@@ -9,8 +9,10 @@ is remembered per request, and the steps holding it run eagerly with that reason
 After a replay, :meth:`GraphStep.deliver` hands each capturing request its rows: the host worked
 out, from its mirror of the tables, where every captured row went in the capture buffer; the part
 used is copied to the host once, and a request that keeps its rows as captured takes a view of
-its block of it. A request that reduces, projects, selects heads, reads the lens or SAE features
-takes its block on the device and goes through its usual consumer.
+its block of it. A request that reduces, projects, selects heads or reads the lens takes its block
+on the device and goes through its usual consumer. SAE features are computed for every request of
+an SAE at once, from their blocks on the device, and come back in one copy per SAE
+(:class:`tapllm.sae.batch.FeatureBatch`, with the fused kernel where it applies).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
 from tapllm.engine.step_inputs import StepLayout
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.sink import CopySink
-from tapllm.sae.features import FeatureBatch
+from tapllm.sae.batch import FeatureBatch
 from tapllm.tap.sites import Sites
 from tapllm.tap.tables import TapTables
 
@@ -205,11 +207,12 @@ class GraphStep:
             return {}
         sink.settle()
         host = None
-        if any(e.capture.takes_host_rows for e in entries):
-            end = max(e.start + (e.b - e.a) * e.layout.size for e in entries if e.capture.takes_host_rows)
+        raw = [e for e in entries if e.capture.sel.points]  # a request of SAE features only keeps no rows
+        if any(e.capture.takes_host_rows for e in raw):
+            end = max(e.start + (e.b - e.a) * e.layout.size for e in raw if e.capture.takes_host_rows)
             host = _to_host(self.taps.cap_out[:end], sink)
         failed: dict[RequestCapture, str] = {}
-        for e in entries:
+        for e in raw:
             n, size = e.b - e.a, e.layout.size
             on_host = e.capture.takes_host_rows
             block = (host if on_host else self.taps.cap_out)[e.start : e.start + n * size].view(n, size)
@@ -226,7 +229,7 @@ class GraphStep:
                     break
         features = [e for e in entries if e.features and e.capture not in failed]
         if features:
-            failed.update(FeatureBatch(features).run(self._device_rows, sink, failed))
+            failed.update(FeatureBatch(features, kernel=True).run(self._device_rows, sink, failed))
         sink.flush()
         for e in entries:
             if e.capture not in failed:
@@ -266,9 +269,4 @@ def _capture_items(lay: StepLayout):
 def _to_host(t: torch.Tensor, sink: CopySink) -> torch.Tensor:
     """A host copy of ``t``, for requests to keep views of: pinned and asynchronous on CUDA (the sink
     waits for it before any result is read), a plain copy on the CPU."""
-    if t.device.type == "cpu":
-        return t.clone()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    sink.track(host, t)
-    return host
+    return t.clone() if t.device.type == "cpu" else sink.host_copy(t)

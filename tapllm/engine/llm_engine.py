@@ -152,7 +152,7 @@ class LLMEngine:
         self.requests[req.request_id] = req
         if req.selection is not None:
             try:  # a reducer plugin's start() runs here
-                req.capture = RequestCapture(req.selection, params.hidden_states, req.num_prompt_tokens, self.device,
+                req.capture = RequestCapture(req.selection, params.hidden_states, self.device,
                                              self.runner.model.lens_logits)
             except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                 self._fail(req, f"hidden_states: starting the capture failed: {type(exc).__name__}: {exc}",

@@ -12,7 +12,8 @@ done (the main stream's allocator would otherwise hand its memory to the next st
 (``HiddenStatesSpec(device="cuda")``) is a device copy, made at once.
 
 A graph step copies its whole capture buffer's used part to the host at once and hands requests
-views of it; :meth:`CopySink.track` makes :meth:`settle` wait for that copy too.
+views of it, as the SAE work does with each SAE's results (:meth:`CopySink.host_copy`);
+:meth:`CopySink.track` makes :meth:`settle` wait for those copies too.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ class CopySink:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(src.device))
         self._inflight.append((-1, done, [], [src, host]))
+
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the host, for requests to keep views of: ``t`` itself when it is there already (the caller
+        copies what it reuses), else a pinned copy; made asynchronously when staged (:meth:`settle` waits)."""
+        if t.device.type == "cpu":
+            return t
+        if not self.staged:
+            return t.cpu()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        self.track(host, t)
+        return host
 
     def flush(self) -> None:
         """Start the queued copies to the host (a no-op unless staged)."""
