@@ -77,6 +77,9 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None
     token_ids: list[int] = field(default_factory=list)
+    # The uniform drawn from ``generator`` for the token being sampled, until a step has taken that
+    # token: a step that fails and is run again draws it again (see SamplingPlan).
+    pending_uniform: float | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -3,7 +3,8 @@
 A step's sampling is planned on the host before its forward pass (:class:`SamplingPlan`):
 which rows draw and with what temperature, top-k, top-p and min-p, which rows have logits
 controls or want logprobs, and one uniform per drawing row from that request's own
-generator (so a seeded request gets the same tokens whatever else shares its batch). The
+generator (so a seeded request gets the same tokens whatever else shares its batch), drawn
+once per token (a step that fails and is run again, e.g. in halves, draws nothing new). The
 plan's numbers travel in the step's one upload (:mod:`tapllm.engine.staging`). On the device,
 :meth:`SamplingPlan.sample` turns the logits into one float64 vector of results (the tokens,
 then the logprobs asked for), which the step copies back in its one download and
@@ -76,8 +77,11 @@ class SamplingPlan:
                 self._add(staging, "nucleus", self.nucleus, torch.int64)
                 self._add(staging, "top_p", [drawn[i].top_p for i in self.nucleus], torch.float32)
             self._sections["uniform"], uniforms = staging.host_tensor(len(self.draw), torch.float64)
-            for i, j in enumerate(self.draw):  # each from its own request's generator, written in place
-                torch.rand(1, dtype=torch.float64, generator=requests[j].generator, out=uniforms[i:i + 1])
+            for i, j in enumerate(self.draw):  # each from its own request's generator
+                req = requests[j]
+                if req.pending_uniform is None:  # else drawn for a step that failed: this one is its rerun
+                    req.pending_uniform = float(torch.rand(1, dtype=torch.float64, generator=req.generator))
+                uniforms[i] = req.pending_uniform
         if self.controlled:
             self._add(staging, "controlled", self.controlled, torch.int64)
         if self.penalized:
@@ -164,6 +168,8 @@ class SamplingPlan:
     def read(self, results: np.ndarray, failures: dict[int, RowFailure]) -> list[int]:
         """Tokens per row from the downloaded ``results``; failed rows go to ``failures`` (by row)."""
         n = self.rows
+        for j in self.draw:  # their tokens are taken: the next token draws anew
+            self.requests[j].pending_uniform = None
         tokens = results[:n].astype(np.int64).tolist()
         for row, token in enumerate(tokens):
             if row in failures or token >= 0:
