@@ -208,3 +208,28 @@ def test_a_preempted_request_captures_each_position_once(tiny_models):
     got = graphed.generate(prompts, params, use_tqdm=False)
     assert graphed.engine.scheduler.num_preemptions > 0
     _same(_eager(folder).generate(prompts, params, use_tqdm=False), got)
+
+
+def test_projected_head_selected_and_sae_extended_captures_in_a_graph(tiny_models):
+    """A capture whose record differs from its result: a projection, a head selection, and raw states
+    of layers other than the one its SAE reads (the record also holds the SAE's layer). The graph
+    hands each request its rows as recorded (every head, full width, only its own layers)."""
+    folder = tiny_models["llama"]
+    graphed = _graphed(folder)
+    hidden = graphed.engine.model_config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    sae = SAE(SAEConfig("standard", hidden, 32, point="resid_post", layer=1), torch.randn(hidden, 32, generator=g),
+              torch.zeros(32), torch.randn(32, hidden, generator=g), torch.zeros(hidden))
+    specs = [HiddenStatesSpec(layers=[0, 2], points="resid_post", positions="all", project=torch.randn(2, hidden)),
+             HiddenStatesSpec(layers=[1], points=["z", "k"], positions="all", heads=[2, 0]),
+             HiddenStatesSpec(layers=[0], points="resid_post", positions="all", sae=sae, features="topk:4")]
+    prompts = random_prompts([6, 9, 5], seed=13)
+    params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, hidden_states=s) for s in specs]
+    want = _eager(folder).generate(prompts, params, use_tqdm=False)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert all(o.error is None for o in got), [o.error for o in got]
+    assert graphed.engine.runner.policy.graph_steps > 0 and not graphed.engine.runner.policy.eager_steps
+    _same(want, got)
+    f, h = got[2].hidden_states.features, want[2].hidden_states.features
+    assert f.ids.tolist() == h.ids.tolist()
+    _close(f.values, h.values)

@@ -34,6 +34,7 @@ from tapllm.engine.step_inputs import StepLayout
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.sink import CopySink
 from tapllm.sae.batch import FeatureBatch
+from tapllm.tap.points import BY_NAME
 from tapllm.tap.sites import Sites
 from tapllm.tap.tables import TapTables
 
@@ -217,8 +218,7 @@ class GraphStep:
             on_host = e.capture.takes_host_rows
             block = (host if on_host else self.taps.cap_out)[e.start : e.start + n * size].view(n, size)
             for point in e.capture.sel.points:
-                keys, start, width = e.layout.part(point)
-                rows = block[:, start : start + width].view(n, len(keys), *e.capture.sel.shapes[point])
+                rows = self._recorded(e, block, point)
                 try:
                     if on_host:
                         e.capture.take(point, rows, e.a, e.b)
@@ -235,6 +235,16 @@ class GraphStep:
             if e.capture not in failed:
                 e.capture.advance(e.a, e.b)
         return failed
+
+    def _recorded(self, e: _Delivery, block: torch.Tensor, point: str) -> torch.Tensor:
+        """``e``'s rows of ``point`` as the tap recorded them, ``[b - a, layers, *row]``: the site's full row
+        (every head, no projection: the capture selects and projects them) of the layers the request
+        captures, which come first in the record; the layers only its SAE reads follow them."""
+        keys, start, _ = e.layout.part(point)
+        site = self.sites.of(point, keys[0])
+        row = (site.groups, site.group_width) if BY_NAME[point].heads is not None else (site.width,)
+        layers = len(e.capture.sel.layer_keys(point))
+        return block[:, start : start + layers * site.width].view(block.shape[0], layers, *row)
 
     def _device_rows(self, e: _Delivery, point: str, key: int) -> torch.Tensor:
         """``e``'s rows of ``point`` at layer ``key`` in the capture buffer: ``[b - a, width]``."""
