@@ -14,6 +14,7 @@ import torch
 
 from conftest import random_prompts
 from tapllm import LLM, SamplingParams
+from tapllm.kernels import triton_tap
 from tapllm.sae.model import SAE
 from tapllm.sae.sae_config import SAEConfig
 
@@ -132,3 +133,16 @@ def test_an_engine_run_inside_the_callers_inference_mode(llm):
         hs = _generate(llm, dict(positions="all", lens=2)).hidden_states
     _assert_trains(hs["resid_post"])
     _assert_trains(hs.lens["resid_post"].logprobs)
+
+
+@pytest.mark.skipif(not triton_tap.available(torch.device("cpu")), reason="needs Triton's interpreter")
+def test_the_graph_step_and_the_host_a_step_ahead(tiny_models):
+    """The CUDA backend's graph step (here on the CPU: Triton interpreted, graphs emulated), the host a step
+    ahead: requests keep views of a step's host copy of its capture buffer, and SAE features of its pack."""
+    llm = LLM(tiny_models["llama"], dtype="float32", backend="cuda", max_num_seqs=4, cuda_graph_sizes=[1, 2, 4],
+              cuda_graph_token_sizes=[], async_scheduling=True)
+    for spec in (dict(positions="all"), dict(positions="generated", sae=_sae(), points=["resid_post"], layers=[1])):
+        hs = _generate(llm, spec).hidden_states
+        _assert_trains(hs["resid_post"])
+        if hs.features is not None:
+            _assert_trains(hs.features.values)
