@@ -11,8 +11,8 @@ final norm and the logits of the rows that sample. Two kinds:
   inputs (``cu_q``, ``ctx``, ``seq_rows``).
 
 Each exists plain and *tapped*: the tapped graph passes every site through
-:class:`~tapllm.engine.table_tap.TableTap`, which steers and captures what each row's slot asked for
-in the slot tables, so one tapped graph serves every mix of taps: the number of graphs is bounded
+:class:`~tapllm.engine.table_tap.TableTap` (or the kernels it hands its sites to), which steers and
+captures what each row's slot asked for in the slot tables, so one tapped graph serves every mix of taps: the number of graphs is bounded
 by the buckets, and nothing is captured after start-up. A step of ``n`` rows or tokens replays the
 graph of the next size up; its padding rows read the padding slot and write to the padding block.
 
@@ -62,6 +62,7 @@ class GraphRunner:
         self.attn = attn
         self.device = device
         self.capture = capture
+        self.fuse_sites = True  # tapped graphs hand the norms and rotary their sites (TableTap); read at capture
         self.keys = sorted(keys, key=lambda k: (k.kind, k.size, k.tapped))
         self.decode_sizes = sorted({k.size for k in keys if k.kind == "decode"})
         self.mixed_sizes = sorted({k.size for k in keys if k.kind == "mixed"})
@@ -158,7 +159,7 @@ class GraphRunner:
                                      unified=UnifiedBatch(v.cu_q, v.ctx, v.seq_rows, table))
         tap = None
         if key.tapped:
-            tap = TableTap(self.taps, v.row_slot, v.positions, v.last_rows)
+            tap = TableTap(self.taps, v.row_slot, v.positions, v.last_rows, fuse=self.fuse_sites)
             tap.begin()
         hidden = self.model(v.ids, v.positions, self.kv_caches, meta, tap)
         rows = hidden if key.kind == "decode" else hidden.index_select(0, v.sample_rows)

@@ -70,6 +70,19 @@ def apply_site(x, lane, ok, r, count, off, base, site, num_sites, row_slot_ptr, 
 
 
 @triton.jit
+def tap_tile(x, lane, ok, r, site, num_sites, row_slot_ptr, pos_ptr, row_base_ptr, cap_off_ptr, cap_out_ptr,
+             st_first_ptr, st_count_ptr, op_ptr, op_value_ptr, pool_ptr, stride_pool, DTYPE: tl.constexpr,
+             EMULATE_RNE: tl.constexpr):
+    """:func:`apply_site` on row ``r``'s tile ``x`` when the row has something to do at ``site``, else ``x``
+    as it is. The table arguments after ``site`` are in the order of ``triton_tap.site_args``."""
+    count, off, base = site_wants(r, site, num_sites, row_slot_ptr, row_base_ptr, cap_off_ptr, st_count_ptr)
+    if (count > 0) | ((base >= 0) & (off >= 0)):
+        x = apply_site(x, lane, ok, r, count, off, base, site, num_sites, row_slot_ptr, pos_ptr, cap_out_ptr,
+                       st_first_ptr, op_ptr, op_value_ptr, pool_ptr, stride_pool, DTYPE, EMULATE_RNE)
+    return x
+
+
+@triton.jit
 def tap_site_kernel(
     x_ptr, row_slot_ptr, pos_ptr, row_base_ptr, cap_off_ptr, cap_out_ptr, st_first_ptr, st_count_ptr,
     op_ptr, op_value_ptr, pool_ptr,
