@@ -1,4 +1,4 @@
-"""A graph step's tap sites inside the Llama block's norms and rotary, and the residual add carried
+"""A graph step's tap sites inside the Llama block's norms, rotary and activation, and the residual add carried
 across blocks: the same values as the site kernel between plain ops and as the eager step, in
 fewer launches.
 
@@ -23,7 +23,7 @@ from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
 from tapllm.kernels import triton_elementwise as te
 from tapllm.kernels import triton_fused_sites as fs
 from tapllm.kernels import triton_tap
-from tapllm.kernels.constants import RMS_LLAMA
+from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU, RMS_LLAMA
 from tapllm.tap.fused import HeadSites, KernelSites, NormSites
 from tapllm.tap.points import POINTS
 from tapllm.tap.sites import Sites
@@ -133,6 +133,26 @@ def test_rotary_with_sites_equals_site_kernels_between_rotary_and_the_kv_write(d
     assert (outs[0][3] != 0).any() and (not write or (outs[0][1] != 0).any())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", [ACT_SILU, ACT_GELU_TANH])
+def test_gated_act_with_its_site_equals_the_site_kernel_after_the_plain_act(dtype, mode):
+    g = torch.Generator().manual_seed(6)
+    tables, rows = _steered_tables(dtype, g)
+    site = rows.index("mlp_post", 2)
+    gate_up = (torch.randn(12, 2 * SHAPES["mlp_post"][0], generator=g) * 2).to(dtype)
+    outs = []
+    for fused in (False, True):
+        tables.cap_out.zero_()
+        if fused:
+            h = fs.gated_act_sites(gate_up, mode, rows, site)
+        else:
+            h = te.gated_act(gate_up, mode)
+            _between(h, (site,), rows)
+        outs.append((h, tables.cap_out.clone()))
+    _equal(outs[1][0], outs[0][0]), _equal(outs[1][1], outs[0][1])
+    assert (outs[0][1] != 0).any() and not torch.equal(outs[0][0], te.gated_act(gate_up, mode))
+
+
 def test_rows_wider_than_a_tile_are_left_to_the_caller():
     g = torch.Generator().manual_seed(5)
     _, rows = _steered_tables(torch.float32, g)
@@ -140,6 +160,7 @@ def test_rows_wider_than_a_tile_are_left_to_the_caller():
     before = x.clone()
     assert fs.rms_norm_sites(x, x.clone(), torch.ones(x.shape[1]), 1e-5, RMS_LLAMA, NormSites(rows)) is None
     assert torch.equal(x, before)
+    assert fs.gated_act_sites(torch.randn(1, 2 * te.ONE_PASS_WIDTH + 2), ACT_SILU, rows, 0) is None
 
 
 def test_fused_site_kernels_compile_for_a_gpu():
@@ -176,6 +197,9 @@ def test_fused_site_kernels_compile_for_a_gpu():
             compile(k.rotary_sites_kernel, dict(rot, cos_ptr="*fp32", sin_ptr="*fp32"), HEAD_DIM=80, ROT=32, PAGE=1,
                     BLOCK_H=16, BLOCK_D=128, ROUND=False, WRITE=False, ON_Q=True, ON_K=False, ON_V=True,
                     EMULATE_RNE=False)
+            for act, block in ((0, 16384), (1, 2048)):
+                compile(k.gated_act_sites_kernel, dict(tables, x_ptr=p, out_ptr=p), ACT=act, BLOCK=block,
+                        EMULATE_RNE=False)
         print("compiled")
     """)
     try:
@@ -196,18 +220,20 @@ def _graphed(folder, dtype: str = "float32") -> LLM:
                cuda_graph_sizes=DECODE, cuda_graph_token_sizes=MIXED)
 
 
-FUSED_STEER_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "q", "k", "v")
+FUSED_STEER_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "q", "k", "v", "mlp_post")
 
 
-def _every_op_at_every_fused_site(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int
-                                  ) -> list[SamplingParams]:
+def _every_op_at_every_fused_site(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                                  d_mlp: int) -> list[SamplingParams]:
     """A request capturing every point at every position, and one per steering operation that steers
     every point a kernel applies (at some block, some heads or positions) and captures the residual."""
     g = torch.Generator().manual_seed(7)
     rows = {"q": (heads, head_dim), "k": (kv_heads, head_dim), "v": (kv_heads, head_dim)}
 
+    width = {"mlp_post": d_mlp, **{p: head_dim for p in rows}}
+
     def unit(point: str) -> torch.Tensor:
-        v = torch.randn(head_dim if point in rows else hidden, generator=g)
+        v = torch.randn(width.get(point, hidden), generator=g)
         return v / v.norm()
 
     def steers(op: str) -> list[Steer]:
@@ -216,7 +242,8 @@ def _every_op_at_every_fused_site(hidden: int, layers: int, heads: int, kv_heads
             layer = [n % layers]
             heads_kw = {"heads": [n % rows[point][0]]} if point in rows and n % 2 else {}
             if op == "set":
-                shape = (rows[point][0] if not heads_kw else 1, head_dim) if point in rows else (hidden,)
+                shape = (rows[point][0] if not heads_kw else 1, head_dim) if point in rows else \
+                    (width.get(point, hidden),)
                 out.append(Steer(layers=layer, point=point, op="set", positions=[1, 6, 12],
                                  values=torch.randn(3, *shape, generator=g), **heads_kw))
             elif op == "scale":
@@ -243,7 +270,7 @@ def test_tapped_graph_steps_equal_eager_steps_with_every_site_fused(tiny_models)
     cfg = graphed.engine.model_config
     prompts = random_prompts([5, 9, 7, 10, 8, 11, 6], seed=21)
     params = _every_op_at_every_fused_site(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                                           cfg.head_dim)
+                                           cfg.head_dim, int(cfg.hf_config.intermediate_size))
     want = _eager(folder).generate(prompts, params, use_tqdm=False)
     got = graphed.generate(prompts, params, use_tqdm=False)
     policy = graphed.engine.runner.policy
@@ -260,7 +287,7 @@ def test_bfloat16_fused_sites_give_the_unfused_tapped_graph_s_tokens(tiny_models
         graphed.engine.runner.graph_step.graphs.fuse_sites = fuse
         cfg = graphed.engine.model_config
         params = _every_op_at_every_fused_site(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                                               cfg.head_dim)
+                                               cfg.head_dim, int(cfg.hf_config.intermediate_size))
         runs.append(graphed.generate(random_prompts([5, 9, 7, 10, 8, 11, 6], seed=21), params, use_tqdm=False))
         assert graphed.engine.runner.policy.graph_steps > 0 and not graphed.engine.runner.policy.eager_steps
     for a, b in zip(*runs, strict=True):
@@ -323,11 +350,11 @@ def _decode_block_kernels(llm: LLM, params: SamplingParams) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_tapped_decode_block_launches_two_kernels_more_than_a_plain_one(tiny_models, dtype):
+def test_a_tapped_decode_block_launches_one_kernel_more_than_a_plain_one(tiny_models, dtype):
     """A plain decode block: input norm with the previous block's residual add, qkv, rotary with the KV
     write, attention (split over the context: plus its merge), o, post norm with its add, gate/up,
-    gated activation, down. A tapped one: the same, with its sites in the norms and rotary, plus the
-    ``z`` and ``mlp_post`` site kernels."""
+    gated activation, down. A tapped one: the same, with its sites in the norms, rotary and activation,
+    plus the ``z`` site kernel."""
     llm = _graphed(tiny_models["llama"], dtype)
     plain = _decode_block_kernels(llm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     tapped = _decode_block_kernels(llm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
@@ -337,6 +364,6 @@ def test_a_tapped_decode_block_launches_two_kernels_more_than_a_plain_one(tiny_m
         merge = block.count("decode_reduce_kernel")
         assert len(block) <= 9 + merge <= 10, block
         assert "aten::add" not in block and block.count("rms_norm_kernel") == 2, block
-        assert len(tapped_block) <= len(block) + 2, tapped_block
-        assert tapped_block.count("tap_site_kernel") == 2 and tapped_block.count("rms_norm_sites_kernel") == 2
-        assert tapped_block.count("rotary_sites_kernel") == 1, tapped_block
+        assert len(tapped_block) == len(block) + 1, tapped_block
+        assert tapped_block.count("tap_site_kernel") == 1 and tapped_block.count("rms_norm_sites_kernel") == 2
+        assert tapped_block.count("rotary_sites_kernel") == 1 and tapped_block.count("gated_act_sites_kernel") == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU, RMS_FLOAT_SCALE, RMS_GEMMA, RMS_LLAMA
-from tapllm.tap.fused import HeadSites, NormSites
+from tapllm.tap.fused import HeadSites, KernelSites, NormSites
 
 
 class TritonAttention:
@@ -135,8 +135,8 @@ def _compare_unified(device: torch.device, ops: TritonAttention) -> str | None:
 
 class TritonElementwise:
     """:class:`~tapllm.backends.ops.FusedSiteOps` on the Triton kernels of ``tapllm.kernels.triton_elementwise``
-    and ``triton_fused_sites``: the elementwise ops, rotary fused with the KV write, and the norms and rotary
-    with a graph step's tap sites inside."""
+    and ``triton_fused_sites``: the elementwise ops, rotary fused with the KV write, and the norms, rotary
+    and gated activation with a graph step's tap sites inside."""
 
     __slots__ = ("_k", "_s")
 
@@ -171,6 +171,9 @@ class TritonElementwise:
     def rotary_sites(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, sites: HeadSites) -> None:
         self._s.rotary_sites(q, k, v, cos, sin, write, sites)
+
+    def gated_act_sites(self, gate_up: torch.Tensor, act: int, rows: KernelSites, site: int) -> torch.Tensor | None:
+        return self._s.gated_act_sites(gate_up, act, rows, site)
 
 
 def elementwise_trial(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -12,9 +12,10 @@ final norm and the logits of the rows that sample. Two kinds:
 
 Each exists plain and *tapped*: the tapped graph passes every site through
 :class:`~tapllm.engine.table_tap.TableTap` (or the kernels it hands its sites to), which steers and
-captures what each row's slot asked for in the slot tables, so one tapped graph serves every mix of taps: the number of graphs is bounded
-by the buckets, and nothing is captured after start-up. A step of ``n`` rows or tokens replays the
-graph of the next size up; its padding rows read the padding slot and write to the padding block.
+captures what each row's slot asked for in the slot tables, so one tapped graph serves every mix of
+taps: the number of graphs is bounded by the buckets, and nothing is captured after start-up. A
+step of ``n`` rows or tokens replays the graph of the next size up; its padding rows read the
+padding slot and write to the padding block.
 
 Without a GPU, ``capture=False`` makes :meth:`GraphRunner.run` call the very function a graph holds,
 on the same buffers (the tests and ``benchmarks/step_budget.py`` count what it does).
@@ -62,7 +63,7 @@ class GraphRunner:
         self.attn = attn
         self.device = device
         self.capture = capture
-        self.fuse_sites = True  # tapped graphs hand the norms and rotary their sites (TableTap); read at capture
+        self.fuse_sites = True  # tapped graphs hand kernels their sites (TableTap(fuse=)); read when captured
         self.keys = sorted(keys, key=lambda k: (k.kind, k.size, k.tapped))
         self.decode_sizes = sorted({k.size for k in keys if k.kind == "decode"})
         self.mixed_sizes = sorted({k.size for k in keys if k.kind == "mixed"})

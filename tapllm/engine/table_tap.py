@@ -7,10 +7,10 @@ that slot asked for, and nothing else. Before the first block, :meth:`TableTap.b
 captured row in the capture buffer. Since any slot may steer any point, the tap says it steers
 every steerable point, so the model never fuses a residual add past a point a steer could change.
 
-It is also a :class:`~tapllm.tap.fused.FusingTap`: a model whose norms and rotary can apply sites
-themselves (the Llama family's, on the CUDA backend's kernels) takes its :attr:`TableTap.kernel_sites`
-and calls the tap only at the points no kernel of its applies (``z``, ``mlp_post``), so a tapped
-block launches about two kernels more than a plain one rather than one more per site.
+It is also a :class:`~tapllm.tap.fused.FusingTap`: a model whose norms, rotary and activation can
+apply sites themselves (the Llama family's, on the CUDA backend's kernels) takes its
+:attr:`TableTap.kernel_sites` and calls the tap only at the points no kernel of its applies (``z``),
+so a tapped block launches one kernel more than a plain one rather than one more per site.
 """
 
 from __future__ import annotations

@@ -185,13 +185,18 @@ def gated_act_kernel(
     x_row = x_ptr + row * stride_x
     g = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_row + inter + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, gated(g, u, ACT, dtype, EMULATE_RNE), mask=ok)
+
+
+@triton.jit
+def gated(g, u, ACT: tl.constexpr, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """``act(g) * u`` in ``DTYPE`` from float32 ``g`` and ``u``, the activation rounded before the product."""
     # exp's argument is capped below float32's overflow: past it the quotient is 0 or -0 either way
     if ACT == _ACT_SILU:
         a = g / (1.0 + tl.exp(tl.minimum(-g, 88.0)))
     else:  # GELU's tanh form; 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)), without tanh's cancellation near -1
         a = g / (1.0 + tl.exp(tl.minimum(-1.5957691216057308 * (g + 0.044715 * g * g * g), 88.0)))  # 2 sqrt(2/pi)
-    y = _round(a, dtype, EMULATE_RNE) * u
-    tl.store(out_ptr + row * stride_o + offs, _cast(y, dtype, EMULATE_RNE), mask=ok)
+    return _cast(_round(a, DTYPE, EMULATE_RNE) * u, DTYPE, EMULATE_RNE)
 
 
 # Whether @triton.jit made interpreted kernels (TRITON_INTERPRET=1 when this module was imported):

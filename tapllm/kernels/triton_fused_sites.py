@@ -1,4 +1,4 @@
-"""A block's norms and rotary with a graph step's tap sites applied inside the kernel.
+"""A block's norms, rotary and gated activation with a graph step's tap sites applied inside the kernel.
 
 :func:`rms_norm_sites` is :func:`~tapllm.kernels.triton_elementwise.rms_norm` (or, given ``r``,
 :func:`~tapllm.kernels.triton_elementwise.add_rms_norm_`) that also applies the sites of a
@@ -6,14 +6,15 @@
 after it (stored in place), to the normed output. :func:`rotary_sites` is
 :func:`~tapllm.kernels.triton_elementwise.rotary_` (or, given the cache, ``rotary_kv_write``)
 that applies a :class:`~tapllm.tap.fused.HeadSites`'s sites to q and k after rotary and to v,
-before the K/V write. Each site does what :func:`tapllm.kernels.triton_tap.tap_site` does there
-(see :mod:`tapllm.tap.tables`), so the result equals the plain op with ``tap_site`` launches between.
+before the K/V write. :func:`gated_act_sites` is ``gated_act`` with a site on its output (one
+program a row). Each site does what :func:`tapllm.kernels.triton_tap.tap_site` does there (see
+:mod:`tapllm.tap.tables`), so the result equals the plain op with ``tap_site`` launches between.
 
-A norm holds its row in one tile, so rows wider than
+A norm or an activation holds its row in one tile, so rows wider than
 :data:`~tapllm.kernels.triton_elementwise.ONE_PASS_WIDTH` (or more sites than the kernel carries)
-are not taken: :func:`rms_norm_sites` returns None and does nothing, and the caller taps and norms
-as it would without fusion. Launches depend on shapes and site numbers only (graph-safe). Triton
-is imported only when an op runs; under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors.
+are not taken: the op returns None and does nothing, and the caller taps as it would without
+fusion. Launches depend on shapes and site numbers only (graph-safe). Triton is imported only
+when an op runs; under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU
 from tapllm.kernels.triton_elementwise import (ONE_PASS_WIDTH, _check_heads, _check_kv_write, _check_norm,
                                                _check_rows, _check_values, _pow2, rotary_launch)
 from tapllm.kernels.triton_rounding import emulate_rne
@@ -90,6 +92,31 @@ def rms_norm_sites(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps
         MODE=mode, ADD=r is not None, ON_R=len(sites.on_r), ON_X=len(sites.on_x), ON_OUT=len(sites.on_out),
         STORE_X=r is not None or bool(sites.on_x), BLOCK=block, EMULATE_RNE=emulate,
         num_warps=min(16, max(1, block // 512)))
+    return out
+
+
+def gated_act_sites(gate_up: torch.Tensor, mode: int, rows: KernelSites, site: int) -> torch.Tensor | None:
+    """``act(gate) * up`` of rows ``gate_up`` [T, 2I] in ``mode`` (as ``gated_act``), with ``site`` applied;
+    None when a row is wider than one tile (then nothing is done)."""
+    op = "gated_act_sites"
+    _check_rows(op, "gate_up", gate_up)
+    t, width = gate_up.shape
+    inter = width // 2
+    if width % 2:
+        raise ValueError(f"{op}: gate_up must have an even number of columns [gate | up]; got {width}")
+    if mode not in (ACT_SILU, ACT_GELU_TANH):
+        raise ValueError(f"{op}: mode must be {ACT_SILU} (SiLU) or {ACT_GELU_TANH} (GELU, tanh form); got {mode}")
+    if inter > ONE_PASS_WIDTH:
+        return None
+    kernels, emulate = _launcher(op, gate_up, rows)
+    out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0 or inter == 0:
+        return out
+    block = _pow2(inter)
+    kernels.gated_act_sites_kernel[(t,)](
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), site,
+        *site_args(rows.tables, rows.row_slot, rows.positions), ACT=mode, BLOCK=block, EMULATE_RNE=emulate,
+        num_warps=min(16, max(4, block // 512)))
     return out
 
 

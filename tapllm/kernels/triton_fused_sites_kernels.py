@@ -1,5 +1,5 @@
-"""Triton kernels of a block's norms and rotary that apply a graph step's tap sites to the rows they
-hold (launched by :mod:`tapllm.kernels.triton_fused_sites`).
+"""Triton kernels of a block's norms, rotary and gated activation that apply a graph step's tap
+sites to the rows they hold (launched by :mod:`tapllm.kernels.triton_fused_sites`).
 
 This module imports triton at the top. Each kernel computes what its plain counterpart in
 :mod:`tapllm.kernels.triton_elementwise_kernels` computes and, at the points where the eager
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from tapllm.kernels.triton_elementwise_kernels import scaled_norm, rotated_heads, store_kv
+from tapllm.kernels.triton_elementwise_kernels import gated, rotated_heads, scaled_norm, store_kv
 from tapllm.kernels.triton_rounding import round_rne as _round
 from tapllm.kernels.triton_tap_kernels import tap_tile
 
@@ -118,6 +118,28 @@ def rotary_sites_kernel(
         if WRITE:
             store_kv(k_cache_ptr, v_cache_ptr, slots_ptr, t, heads, y, v, ok, stride_slot, stride_ch, stride_cblk,
                      stride_crow, PAGE, BLOCK_D)
+
+
+@triton.jit
+def gated_act_sites_kernel(
+    x_ptr, out_ptr, inter, stride_x, stride_o, site,
+    num_sites, row_slot_ptr, pos_ptr, row_base_ptr, cap_off_ptr, cap_out_ptr, st_first_ptr, st_count_ptr,
+    op_ptr, op_value_ptr, pool_ptr, stride_pool,
+    ACT: tl.constexpr, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):
+    """One row, held in one ``[1, BLOCK]`` tile (a direction needs the whole row): ``gated_act_kernel``'s
+    ``act(gate) * up``, then ``site`` on it."""
+    row = tl.program_id(0).to(tl.int64)
+    dtype = out_ptr.dtype.element_ty
+    lane = tl.arange(0, BLOCK)[None, :]
+    ok = lane < inter
+    x_row = x_ptr + row * stride_x
+    g = tl.load(x_row + lane, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_row + inter + lane, mask=ok, other=0.0).to(tl.float32)
+    y = tap_tile(gated(g, u, ACT, dtype, EMULATE_RNE).to(tl.float32), lane, ok, row, site, num_sites, row_slot_ptr,
+                 pos_ptr, row_base_ptr, cap_off_ptr, cap_out_ptr, st_first_ptr, st_count_ptr, op_ptr, op_value_ptr,
+                 pool_ptr, stride_pool, dtype, EMULATE_RNE)
+    tl.store(out_ptr + row * stride_o + lane, y.to(dtype), mask=ok)
 
 
 # Whether @triton.jit made interpreted kernels (TRITON_INTERPRET=1 when triton was imported): they run on CPU tensors.

@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
 
     ops: ElementwiseOps | None = None
     kernel_mode = RMS_LLAMA
-    fused_sites: bool = False  # ``ops`` applies a graph step's tap sites (FusedSiteOps) and the model lets it
+    fused_sites: bool = False  # ``ops`` applies a graph step's tap sites (FusedSiteOps), and the model lets it
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()

@@ -125,6 +125,7 @@ class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with fused gate/up projection (SwiGLU, GeGLU)."""
 
     ops: ElementwiseOps | None = None  # the backend's fused gated activation (see CausalLM.use_backend)
+    fused_sites: bool = False  # ``ops`` applies a graph step's mlp_post site in that kernel (FusedSiteOps)
 
     def __init__(self, cfg: ModelConfig, act: Callable[[torch.Tensor], torch.Tensor], bias: bool = False,
                  intermediate: int | None = None) -> None:
@@ -139,6 +140,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None and self.kernel_act is not None and gate_up.dim() == 2:
+            sites = kernel_sites(tap) if self.fused_sites else None
+            site = sites.index("mlp_post", i) if sites is not None else None
+            if site is not None:  # the site inside the kernel
+                h = self.ops.gated_act_sites(gate_up, self.kernel_act, sites, site)
+                if h is not None:
+                    return self.down_proj(h)
             return self.down_proj(tap("mlp_post", i, self.ops.gated_act(gate_up, self.kernel_act)))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(tap("mlp_post", i, self.act(gate) * up))
@@ -175,6 +182,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# The op of each module type that applies a graph step's sites in its kernel (FusedSiteOps).
+_SITE_OPS = ((RMSNorm, "rms_norm_sites"), (Attention, "rotary_sites"), (GatedMLP, "gated_act_sites"))
+
 # Activations the fused gated-MLP kernel computes.
 _KERNEL_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], int] = {F.silu: ACT_SILU, _gelu_tanh: ACT_GELU_TANH}
 
@@ -203,7 +213,7 @@ class CausalLM(nn.Module):
     stack_block: type | None = None  # the family's block type that the C++ runner implements, if any
     needs_prompt_lengths = False  # True: the runner fills AttentionMetadata.prompt_lens each step
     # True: blocks take and hand on a Residual (models/residual.py), so a block's end add is done in the
-    # next norm's kernel, and the norms and rotary apply a graph step's tap sites (tapllm.tap.fused).
+    # next norm's kernel, and the norms, rotary and activation apply a graph step's sites (tapllm.tap.fused).
     fused_blocks = False
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -314,9 +324,8 @@ class CausalLM(nn.Module):
                 module.ops = backend.elementwise if backend is not None else None
                 if isinstance(module, Attention):
                     module.fused_kv_write = module.ops is not None and hasattr(module.ops, "rotary_kv_write")
-                if isinstance(module, RMSNorm | Attention):
-                    module.fused_sites = self.fused_blocks and module.ops is not None and \
-                        hasattr(module.ops, "rms_norm_sites" if isinstance(module, RMSNorm) else "rotary_sites")
+                site_op = next(name for kind, name in _SITE_OPS if isinstance(module, kind))
+                module.fused_sites = self.fused_blocks and module.ops is not None and hasattr(module.ops, site_op)
             elif isinstance(module, QuantLinear | QuantEmbedding):
                 module.ops = backend.quant if backend is not None else None
             elif isinstance(module, Linear):

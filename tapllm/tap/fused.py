@@ -2,11 +2,11 @@
 
 A graph step's tap (``tapllm.engine.table_tap.TableTap``) reads the slot tables of
 :mod:`tapllm.tap.tables` at every site. A kernel that computes a site's tensor (a norm with its
-residual add, rotary with the K/V write) can apply the site to the rows it holds instead, in the
+residual add, rotary with the K/V write, the gated activation) can apply the site to the rows it holds instead, in the
 eager order, before it stores them, and save the site's own launch. Such a tap is a
 :class:`FusingTap`: it hands out its :class:`KernelSites` (the tables and the step's row -> slot
 map and positions). The model names the sites each fused op applies (:class:`NormSites`,
-:class:`HeadSites`) and does not call the tap at those points; every other point still goes
+:class:`HeadSites`, or a site number) and does not call the tap at those points; every other point still goes
 through ``tap(point, layer, x)``. Where a fused op cannot take its sites (rows wider than a
 tile, an op without them), the model calls the tap at each point as it would without fusion.
 """
