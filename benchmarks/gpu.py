@@ -1,46 +1,83 @@
-"""tapllm on one GPU in one command: speed against transformers and the weights' streaming time,
-capture and steering costs, parity, memory and start-up; then the ``cuda`` tests.
+"""tapllm on one GPU in one command: parity, speed against transformers and the weights' streaming
+time, capture and steering costs, a serving scenario and where a decode step's time goes.
 
-What it measures (bf16 unless said; every figure in one run, so ratios are fair)
+What it measures (random weights; every figure in one run of under 8 minutes, so ratios are fair)
     1. The GPU's read bandwidth: a plain reduction over a 4 GB tensor (best of 5).
-    2. Per model shape (random weights built from transformers configs: the Llama-3.2-1B and
-       Llama-3.1-8B block shapes, the default tokenizer's 49,152-token vocabulary), for tapllm
-       (CUDA graphs and Triton attention), tapllm ``enforce_eager=True`` (the PyTorch
-       reference step) and transformers ``generate``: output tokens/s of greedy generation at
-       batch 1, 16, 64 (and 256 for tapllm), prompts of 128 random tokens, 64 new tokens,
-       EOS ignored, best of 2 runs with fresh prompts each; start-up time (the engine's
-       constructor: weights, KV cache, graph capture) and peak GPU memory.
-    3. The batch-1 decode step (from two generations of 1 and 65 tokens) against its bound:
-       the weights' bytes over the measured bandwidth.
-    4. What capture and steering cost on the 1B shape at batch 16 (tapllm, graphs on): the
-       last position's final state, a mean over the prompt at 3 blocks, 3 blocks at every
-       position, every block at every position, half the batch steered at 3 blocks, and an
-       SAE's top-16 features at one block; each as a share of the plain run's throughput.
-    5. Parity in float32 on a small model: greedy tokens and every block's residual stream
-       against transformers' ``output_hidden_states`` on the same GPU, graph and eager paths.
-    Then ``pytest -m cuda`` (every family's CUDA tests), unless ``--skip-tests``.
+    2. Parity, float32 and bfloat16, on a small Llama (4 blocks, hidden 256, grouped-query attention,
+       llama3 rotary): six prompts (two of 300 tokens, run in chunks of at most 256 tokens), 8 greedy
+       tokens, on three paths of the graph engine: *plain* graphs, *tapped* graphs (every block's
+       ``resid_pre`` and the final norm's output at every position) and *steered* graphs (an add at
+       ``resid_post`` of two blocks, an ablation of one block's ``attn_out``, an add on two heads of
+       ``z``; captured as the tapped path). Each against tapllm ``enforce_eager=True`` and against
+       transformers on the same device (``generate``; states from ``output_hidden_states``, or for
+       the steered path from forward hooks doing the same operations): greedy tokens equal
+       (``tokens_equal`` "6/6") and the largest error relative to the largest magnitude (at least 1)
+       of the chosen tokens' logprobs (plain path) or of the states (tapped, steered).
+    3. Speed, per model shape (the Llama-3.2-1B and Llama-3.1-8B blocks, bf16, the default tokenizer's
+       49,152-token vocabulary): tapllm (CUDA graphs), transformers ``generate`` and tapllm
+       ``enforce_eager=True``: output tokens/s of greedy generation at batch 1, 16, 64 (and 256 for
+       tapllm), prompts of 128 random tokens, 64 new, EOS ignored, best of 2 with fresh prompts;
+       start-up (weights, KV cache, every graph captured, Triton's compilations on a fresh machine),
+       peak GPU memory; the batch-1 decode step (from generations of 1 and 65 tokens) against the
+       weights' bytes over the bandwidth of (1).
+    4. What capture and steering cost under graphs (1B shape, batch 16; best of 3 rounds): the last
+       position's final state, a mean over the prompt at 3 blocks, 3 blocks at every position, every
+       block at every position, half the batch steered at 3 blocks, an SAE's top-16 features at one
+       block; each as a share of the plain run's throughput.
+    5. A serving scenario (1B shape): requests arriving over engine steps (a Poisson schedule, driven
+       through ``engine.add`` and ``engine.step``), prompts of 32-512 tokens, 16-128 new, so steps mix
+       prefill chunks and decodes; run plain, then on the same schedule with fresh prompts and half the
+       requests tapped (capturing 3 blocks at every position, or steered at 3 blocks): throughput,
+       p50/p99 inter-token latency, eager steps and why, graphs captured after start-up.
+    6. Where a plain decode step's time goes (1B shape, batch 1 and 16): the graph replay's device
+       time (CUDA events around it) against the whole step's wall time, median of 32 steps.
+
+Targets (on a GPU; printed PASS or MISS, and in the JSON under ``targets``)
+    parity float32, every path: greedy tokens 6/6 against transformers and the eager step, states
+    within 1e-4; batch-1 step <= 2.0x the weights' streaming time (1B), <= 1.5x (8B); 1B batch 16
+    and 64 >= 6x transformers; 8B batch 256 >= 12,000 tokens/s; capture costs <= 1% (last
+    position), 1% (a mean), 5% (3 blocks, every position), 15% (every block, every position), 2.5%
+    (half the batch steered), 5% (SAE top-16); serving: eager steps <= 2%, half tapped >= 0.9x the
+    plain run's throughput, no graph captured after start-up.
 
 How to run
-    python benchmarks/gpu.py                       # on a CUDA machine; about 8 minutes
-    python benchmarks/gpu.py --smoke               # the same script on CPU, tiny shapes, < 2 minutes
     python benchmarks/gpu.py --prepare .gpu        # here: the tokenizer, for a machine without the model
-    python benchmarks/gpu.py --tokenizer .gpu/tokenizer --json $OUT/gpu.json
+    python benchmarks/gpu.py --tokenizer .gpu/tokenizer --json $OUT/gpu.json --commit <sha>
+    python benchmarks/gpu.py --smoke               # the same code on CPU with tiny shapes, < 2 minutes
 
-The JSON (``--json``) holds every figure printed.
+The run's order puts the most telling figures first: bandwidth, parity, the 1B shape's speed (its
+graph engine then serves the step split, capture costs and serving), the 8B shape's speed, and
+last the eager reference step's speed on both shapes.
+
+``--smoke`` runs every section on the CPU: the graph engines use ``backend="cuda"`` (Triton's
+interpreter, graphs emulated), so the graph path's code runs as it would on a GPU; its figures
+check the script, not the GPU. ``--budget`` (seconds, default 400) skips the sections (and the
+rows inside them) not started in time; a section that fails is reported and the others still run.
+The JSON (``--json``, written after every section) holds every figure printed, the versions, the
+GPU, the date and the git commit.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
+if "--smoke" in sys.argv[1:]:  # before anything imports triton: the CUDA path's kernels run interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import argparse
 import gc
 import json
-import os
+import platform
 import random
+import statistics
 import subprocess
-import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +89,52 @@ if str(REPO_ROOT) not in sys.path:
 
 VOCAB = 49152
 FIRST_TOKEN_ID = 100  # away from the special tokens
+PATHS = ("plain", "tapped", "steered")
+CAPTURE_TARGETS = {"last position (final)": 1.0, "mean over the prompt, 3 blocks": 1.0,
+                   "3 blocks, every position": 5.0, "every block, every position": 15.0,
+                   "half the batch steered": 2.5, "SAE top-16, one block": 5.0}
+
+
+# ---- sizes ----------------------------------------------------------------------------------
+@dataclass
+class Sizes:
+    """Every size the sections use: the GPU run's, or the smoke run's tiny ones."""
+
+    prompt_len: int = 128
+    new_tokens: int = 64
+    batches: list[int] = field(default_factory=lambda: [1, 16, 64, 256])
+    hf_max_batch: int = 64
+    eager_max_batch: int = 64
+    runs: int = 2
+    step_tokens: int = 64
+    step_runs: int = 3
+    kv_gb: float = 16.0
+    max_model_len: int = 1024
+    capture_batch: int = 16
+    capture_rounds: int = 3
+    parity_prompts: list[int] = field(default_factory=lambda: [40, 40, 40, 40, 300, 300])
+    parity_new: int = 8
+    parity_step_tokens: int = 256
+    serve_requests: int = 256
+    serve_rate: float = 2.0  # arrivals per engine step
+    serve_prompt: tuple[int, int] = (32, 512)
+    serve_output: tuple[int, int] = (16, 128)
+    serve_warm: int = 16
+    split_batches: list[int] = field(default_factory=lambda: [1, 16])
+    split_steps: int = 32
+    bandwidth_bytes: float = 4e9
+    graph_options: dict[str, Any] = field(default_factory=dict)  # more options of every graph engine
+    step_token_budget: int | None = None  # max_num_batched_tokens of the speed engines (None: from the batch)
+
+
+def smoke_sizes() -> Sizes:
+    """Tiny shapes for the CPU: the Triton interpreter takes about a second per step of a 1-block model."""
+    return Sizes(prompt_len=6, new_tokens=3, batches=[1, 2], hf_max_batch=2, eager_max_batch=2, runs=1,
+                 step_tokens=2, step_runs=1, kv_gb=0.05, max_model_len=128, capture_batch=2, capture_rounds=1,
+                 parity_prompts=[3, 4, 9], parity_new=2, parity_step_tokens=16, serve_requests=4, serve_rate=1.0,
+                 serve_prompt=(3, 6), serve_output=(2, 3), serve_warm=0, split_batches=[1, 2], split_steps=2,
+                 bandwidth_bytes=64e6, step_token_budget=16,
+                 graph_options={"backend": "cuda", "cuda_graph_sizes": [1, 2, 4], "cuda_graph_token_sizes": [16]})
 
 
 # ---- shapes -------------------------------------------------------------------------------
@@ -62,13 +145,13 @@ def model_configs(smoke: bool) -> dict[str, Any]:
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if smoke:
-        rope = {**rope, "original_max_position_embeddings": 256}
+        rope = {**rope, "original_max_position_embeddings": 64}
         return {
-            "tiny-a": LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            "tiny-a": LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                   num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
                                   max_position_embeddings=1024, rope_parameters=rope),
-            "tiny-b": LlamaConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                                  num_key_value_heads=4, intermediate_size=256, tie_word_embeddings=False,
+            "tiny-b": LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=4, intermediate_size=128, tie_word_embeddings=False,
                                   max_position_embeddings=1024, rope_parameters=rope),
         }
     return {
@@ -81,6 +164,21 @@ def model_configs(smoke: bool) -> dict[str, Any]:
                           num_key_value_heads=8, head_dim=128, intermediate_size=14336, tie_word_embeddings=False,
                           max_position_embeddings=131072, rms_norm_eps=1e-5, rope_parameters=rope),
     }
+
+
+def parity_config(smoke: bool) -> Any:
+    """The parity model: small, peaked logits (no near-ties for greedy decoding to trip on)."""
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    if smoke:
+        return LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, max_position_embeddings=1024,
+                           initializer_range=0.2, rope_parameters={**rope, "original_max_position_embeddings": 16})
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=2, intermediate_size=512, max_position_embeddings=2048,
+                       initializer_range=0.2, rope_parameters=rope)
 
 
 def model_folder(root: Path, name: str, config: Any, tokenizer: Path) -> Path:
@@ -140,7 +238,7 @@ def free(device: torch.device) -> None:
 
 
 def peak_memory_gb(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    return round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if device.type == "cuda" else None
 
 
 def reset_peak(device: torch.device) -> None:
@@ -160,19 +258,122 @@ def bandwidth_gbs(device: torch.device, nbytes: float) -> float:
     return nbytes / best / 1e9
 
 
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference over the reference's largest magnitude (at least 1)."""
+    got, want = got.float().cpu(), want.float().cpu()
+    if got.shape != want.shape:
+        raise ValueError(f"shapes differ: {tuple(got.shape)} against {tuple(want.shape)}")
+    return float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def policy_counts(llm: Any) -> tuple[int, Counter[str], Counter[Any], int]:
+    """(graph steps, eager steps by reason, replays by graph, graphs captured after start-up) so far."""
+    runner = llm.engine.runner
+    graphs = runner.graph_step.graphs if runner.graph_step is not None else None
+    return (runner.policy.graph_steps, Counter(runner.policy.eager_steps),
+            Counter(graphs.replays) if graphs is not None else Counter(),
+            graphs.captures_after_warmup if graphs is not None else 0)
+
+
+def policy_delta(llm: Any, before: tuple[int, Counter[str], Counter[Any], int]) -> dict[str, Any]:
+    """What :func:`policy_counts` gained since ``before``: the steps' paths, in JSON form."""
+    graph, eager, replays, late = policy_counts(llm)
+    by_kind: Counter[str] = Counter()
+    for key, n in (replays - before[2]).items():
+        by_kind[f"{key.kind}{' tapped' if key.tapped else ''}"] += n
+    return {"graph_steps": graph - before[0], "eager_steps": dict(eager - before[1]), "replays": dict(by_kind),
+            "captures_after_warmup": late - before[3]}
+
+
+def describe_config(config: Any) -> str:
+    return (f"{config.num_hidden_layers} blocks, hidden {config.hidden_size}, {config.num_attention_heads}/"
+            f"{config.num_key_value_heads} heads, MLP {config.intermediate_size}, vocab {config.vocab_size}")
+
+
+# ---- the run --------------------------------------------------------------------------------
+class Bench:
+    """What the sections share: the options, the device, the models' folders, the report, and one graph
+    engine at a time (the first shape's serves its speed, the step split, capture costs and serving)."""
+
+    def __init__(self, args: argparse.Namespace, sizes: Sizes, device: torch.device, root: Path,
+                 tokenizer: Path) -> None:
+        self.args = args
+        self.sizes = sizes
+        self.device = device
+        self.root = root
+        self.tokenizer = tokenizer
+        self.configs = model_configs(args.smoke)
+        self.report: dict[str, Any] = {}
+        self.bandwidth = 0.0
+        self._graph: tuple[str, Any] | None = None
+        self._failed: dict[str, str] = {}  # shape -> why its graph engine did not start (not tried again)
+        self.graph_summaries: dict[str, dict[str, Any]] = {}
+
+    def over(self) -> bool:
+        """True once the time budget is spent."""
+        return self.args.deadline is not None and time.monotonic() > self.args.deadline
+
+    def shape(self, which: int) -> tuple[str, Any, Path]:
+        name, config = list(self.configs.items())[which]
+        return name, config, model_folder(self.root, name, config, self.tokenizer)
+
+    def options(self, max_batch: int, eager: bool) -> dict[str, Any]:
+        """The ``LLM`` options of a speed engine (random weights, no prefix cache)."""
+        s = self.sizes
+        budget = s.step_token_budget or max(2048, s.prompt_len * min(max_batch, 64))
+        kw = dict(dtype=self.args.dtype, device=str(self.device), load_format="dummy", enforce_eager=eager,
+                  max_num_seqs=max_batch, max_num_batched_tokens=budget, max_model_len=s.max_model_len,
+                  kv_cache_memory_gb=s.kv_gb, enable_prefix_caching=False)
+        return kw if eager else {**kw, **s.graph_options}
+
+    def graph_engine(self, which: int) -> Any:
+        """The graph engine of shape ``which`` (made on first use; another shape's is dropped first)."""
+        name, config, folder = self.shape(which)
+        if self._graph is not None and self._graph[0] == name:
+            return self._graph[1]
+        if name in self._failed:
+            raise RuntimeError(f"the {name} graph engine did not start: {self._failed[name]}")
+        self.drop_graph_engine()
+        from tapllm import LLM
+
+        s = self.sizes
+        reset_peak(self.device)
+        max_batch = max(s.batches + [s.capture_batch] + s.split_batches)
+        try:
+            start, llm = timed(self.device, lambda: LLM(folder, **self.options(max_batch, eager=False)))
+        except Exception as exc:
+            self._failed[name] = f"{type(exc).__name__}: {exc}"
+            raise
+        graphs = llm.engine.runner.graph_step.graphs if llm.engine.runner.graph_step is not None else None
+        self.graph_summaries[name] = {
+            "startup_s": round(start, 2), "describe": llm.describe(),
+            "graph_capture_s": round(graphs.capture_seconds, 2) if graphs is not None else None,
+            "graphs": graphs.distinct_graphs if graphs is not None else 0,
+            "buckets": graphs.buckets if graphs is not None else 0}
+        print(f"\ntapllm on {name} ({describe_config(config)}), started in {start:.1f}s:\n{llm.describe()}",
+              flush=True)
+        self._graph = (name, llm)
+        return llm
+
+    def drop_graph_engine(self) -> None:
+        if self._graph is None:
+            return
+        name, llm = self._graph
+        self._graph = None
+        self.graph_summaries[name].update(policy_delta(llm, (0, Counter(), Counter(), 0)))
+        self.report.setdefault("graph_engines", {})[name] = self.graph_summaries[name]
+        del llm
+        free(self.device)
+
+
 # ---- engines --------------------------------------------------------------------------------
-def tapllm_engine(folder: Path, device: torch.device, *, eager: bool, dtype: str, max_batch: int,
-                  kv_gb: float) -> tuple[Any, float]:
-    """tapllm with random weights of ``folder``'s shape; returns (LLM, start-up seconds)."""
-    from tapllm import LLM
-
-    start, llm = timed(device, lambda: LLM(
-        folder, dtype=dtype, device=str(device), load_format="dummy", enforce_eager=eager, max_num_seqs=max_batch,
-        max_num_batched_tokens=max(2048, 128 * min(max_batch, 64)), max_model_len=1024, kv_cache_memory_gb=kv_gb,
-        enable_prefix_caching=False))
-    return llm, start
-
-
 def tapllm_rate(llm: Any, device: torch.device, batch: int, new: int, prompt_len: int, seed: str, runs: int = 2
                 ) -> float:
     """Output tokens/s of greedy generation, best of ``runs`` with fresh prompts."""
@@ -230,85 +431,216 @@ def weight_bytes(llm: Any) -> int:
     return sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
 
 
-# ---- sections -------------------------------------------------------------------------------
-def speed(args: argparse.Namespace, device: torch.device, root: Path, tokenizer: Path, bw: float,
-          report: dict[str, Any], which: int) -> None:
-    """Section 2-3 for the ``which``-th model shape."""
-    new, plen = args.new_tokens, args.prompt_len
-    for name, config in list(model_configs(args.smoke).items())[which:which + 1]:
-        folder = model_folder(root, name, config, tokenizer)
-        rows: dict[str, Any] = {}
-        for engine in ("tapllm", "tapllm-eager"):
-            if args.deadline and time.monotonic() > args.deadline:
-                rows[engine] = {"skipped": "time budget"}
+# ---- section: speed -------------------------------------------------------------------------
+def speed(b: Bench, which: int) -> None:
+    """tapllm's graph engine, then transformers, on shape ``which``."""
+    s, device = b.sizes, b.device
+    name, config, _ = b.shape(which)
+    rows = b.report.setdefault("models", {}).setdefault(name, {})
+    llm = b.graph_engine(which)
+    row: dict[str, Any] = {k: v for k, v in b.graph_summaries[name].items()}
+    rows["tapllm"] = row
+    tapllm_rate(llm, device, min(4, max(s.batches)), min(4, s.new_tokens), s.prompt_len, f"{name}-warm", 1)
+    for batch in s.batches:
+        if b.over():
+            row[f"b{batch}"] = "skipped: time budget"
+            continue
+        row[f"b{batch}"] = round(tapllm_rate(llm, device, batch, s.new_tokens, s.prompt_len, f"{name}-tapllm",
+                                             s.runs), 1)
+    step_row(b, llm, row, f"{name}-tapllm")
+    row["peak_gpu_gb"] = peak_memory_gb(device)
+    if not b.args.skip_hf and not b.over():
+        reset_peak(device)
+        model = hf_model(config, device, getattr(torch, b.args.dtype))
+        hf: dict[str, Any] = {}
+        for batch in [x for x in s.batches if x <= s.hf_max_batch]:
+            if b.over():
+                hf[f"b{batch}"] = "skipped: time budget"
                 continue
-            reset_peak(device)
-            batches = args.batches if engine == "tapllm" else [b for b in args.batches if b <= 64]
-            llm, start = tapllm_engine(folder, device, eager=engine == "tapllm-eager", dtype=args.dtype,
-                                       max_batch=max(batches), kv_gb=args.kv_gb)
-            row = {"startup_s": round(start, 2), "describe": llm.describe()}
-            graphs = llm.engine.runner.graphs
-            if graphs is not None:
-                row["graph_capture_s"] = round(graphs.capture_seconds, 2)
-            print(f"\n{engine} on {name}, started in {start:.1f}s:\n{llm.describe()}", flush=True)
-            tapllm_rate(llm, device, min(4, max(batches)), 4, plen, f"{name}-warm")  # first launches out of the timing
-            for b in batches:
-                row[f"b{b}"] = round(tapllm_rate(llm, device, b, new, plen, f"{name}-{engine}", args.runs), 1)
-            step = decode_step_ms(llm, device, plen, f"{name}-{engine}", args.step_tokens, args.runs + 1)
-            bound = weight_bytes(llm) / (bw * 1e9) * 1e3
-            row.update(step_ms=round(step, 3), bound_ms=round(bound, 3), step_over_bound=round(step / bound, 2),
-                       weights_gb=round(weight_bytes(llm) / 1e9, 3), peak_gpu_gb=peak_memory_gb(device))
-            rows[engine] = row
-            del llm
-            free(device)
-        if not args.skip_hf and not (args.deadline and time.monotonic() > args.deadline):
-            reset_peak(device)
-            model = hf_model(config, device, getattr(torch, {"bf16": "bfloat16"}.get(args.dtype, args.dtype)))
-            row = {}
-            for b in [b for b in args.batches if b <= args.hf_max_batch]:
-                row[f"b{b}"] = round(hf_rate(model, device, b, new, plen, name, args.runs), 1)
-            row["peak_gpu_gb"] = peak_memory_gb(device)
-            rows["transformers"] = row
-            del model
-            free(device)
-        hf = rows.get("transformers", {})
-        for engine in ("tapllm", "tapllm-eager"):
-            for b in args.batches:
-                if f"b{b}" in hf and f"b{b}" in rows.get(engine, {}):
-                    rows[engine][f"b{b}_vs_transformers"] = round(rows[engine][f"b{b}"] / hf[f"b{b}"], 2)
-        report["models"][name] = rows
-        print_model(name, rows, args.batches)
+            hf[f"b{batch}"] = round(hf_rate(model, device, batch, s.new_tokens, s.prompt_len, name, s.runs), 1)
+        hf["peak_gpu_gb"] = peak_memory_gb(device)
+        rows["transformers"] = hf
+        del model
+        free(device)
+    compare_to_transformers(rows, s.batches)
+    print_model(name, rows, s)
 
 
-def print_model(name: str, rows: dict[str, Any], batches: list[int]) -> None:
-    print(f"\n== {name}: output tokens/s (prompt 128, 64 new, greedy), and vs transformers")
-    print(f"{'engine':14s}" + "".join(f"{'b' + str(b):>16s}" for b in batches) + f"{'step ms':>10s}{'/bound':>8s}"
+def step_row(b: Bench, llm: Any, row: dict[str, Any], seed: str) -> None:
+    """The batch-1 decode step against the weights' streaming time, into ``row``."""
+    s = b.sizes
+    if b.over():
+        row["step_ms"] = "skipped: time budget"
+        return
+    step = decode_step_ms(llm, b.device, s.prompt_len, seed, s.step_tokens, s.step_runs)
+    nbytes = weight_bytes(llm)
+    bound = nbytes / (b.bandwidth * 1e9) * 1e3
+    row.update(step_ms=round(step, 3), bound_ms=round(bound, 3), step_over_bound=round(step / bound, 2),
+               weights_gb=round(nbytes / 1e9, 3))
+
+
+def eager_speed(b: Bench, which: int) -> None:
+    """tapllm ``enforce_eager=True`` (the PyTorch reference step) on shape ``which``."""
+    from tapllm import LLM
+
+    s, device = b.sizes, b.device
+    name, config, folder = b.shape(which)
+    rows = b.report.setdefault("models", {}).setdefault(name, {})
+    batches = [x for x in s.batches if x <= s.eager_max_batch]
+    reset_peak(device)
+    start, llm = timed(device, lambda: LLM(folder, **b.options(max(batches), eager=True)))
+    row: dict[str, Any] = {"startup_s": round(start, 2), "describe": llm.describe()}
+    rows["tapllm-eager"] = row
+    tapllm_rate(llm, device, min(4, max(batches)), min(4, s.new_tokens), s.prompt_len, f"{name}-eager-warm", 1)
+    for batch in batches:
+        if b.over():
+            row[f"b{batch}"] = "skipped: time budget"
+            continue
+        row[f"b{batch}"] = round(tapllm_rate(llm, device, batch, s.new_tokens, s.prompt_len, f"{name}-eager",
+                                             s.runs), 1)
+    step_row(b, llm, row, f"{name}-eager")
+    row["peak_gpu_gb"] = peak_memory_gb(device)
+    del llm
+    free(device)
+    compare_to_transformers(rows, s.batches)
+    print_model(name, rows, s)
+
+
+def compare_to_transformers(rows: dict[str, Any], batches: list[int]) -> None:
+    """Each tapllm engine's tokens/s over transformers' at the same batch (``b<n>_vs_transformers``)."""
+    hf = rows.get("transformers", {})
+    for engine in ("tapllm", "tapllm-eager"):
+        for batch in batches:
+            ours, theirs = rows.get(engine, {}).get(f"b{batch}"), hf.get(f"b{batch}")
+            if isinstance(ours, float) and isinstance(theirs, float) and theirs > 0:
+                rows[engine][f"b{batch}_vs_transformers"] = round(ours / theirs, 2)
+
+
+def print_model(name: str, rows: dict[str, Any], s: Sizes) -> None:
+    print(f"\n== {name}: output tokens/s (prompt {s.prompt_len}, {s.new_tokens} new, greedy), and vs transformers")
+    print(f"{'engine':14s}" + "".join(f"{'b' + str(b):>16s}" for b in s.batches) + f"{'step ms':>10s}{'/bound':>8s}"
           f"{'start s':>9s}{'peak GB':>9s}")
     for engine, row in rows.items():
-        if "skipped" in row:
-            print(f"{engine:14s} skipped ({row['skipped']})")
-            continue
         cells = ""
-        for b in batches:
-            v = row.get(f"b{b}")
-            r = row.get(f"b{b}_vs_transformers")
-            cells += f"{(f'{v:,.0f}' + (f' ({r:.2f}x)' if r else '')) if v else '-':>16s}"
-        step = f"{row['step_ms']:>10.2f}{row['step_over_bound']:>8.2f}" if "step_ms" in row else f"{'':>18s}"
+        for batch in s.batches:
+            v, r = row.get(f"b{batch}"), row.get(f"b{batch}_vs_transformers")
+            text = "-" if not isinstance(v, float) else f"{v:,.0f}" + (f" ({r:.2f}x)" if r else "")
+            cells += f"{text:>16s}"
+        step = f"{row['step_ms']:>10.2f}{row['step_over_bound']:>8.2f}" if isinstance(row.get("step_ms"), float) \
+            else f"{'':>18s}"
         start = f"{row['startup_s']:>9.1f}" if "startup_s" in row else f"{'':>9s}"
         peak = f"{row['peak_gpu_gb']:>9.1f}" if row.get("peak_gpu_gb") is not None else f"{'':>9s}"
         print(f"{engine:14s}{cells}{step}{start}{peak}")
 
 
-def capture_costs(args: argparse.Namespace, device: torch.device, root: Path, tokenizer: Path,
-                  report: dict[str, Any]) -> None:
-    from tapllm import HiddenStatesSpec, SamplingParams, Steer
-    from tapllm.sae.sae_config import SAEConfig
-    from tapllm.sae.model import SAE
+# ---- section: where a decode step's time goes -------------------------------------------------
+class ReplayTimer:
+    """Times every replay of a ``GraphRunner``: CUDA events around it on a GPU (the graph's device
+    time), the wall clock around the emulated graph body on a CPU."""
 
-    name, config = next(iter(model_configs(args.smoke).items()))
-    folder = model_folder(root, name, config, tokenizer)
-    batch, new, plen = args.capture_batch, args.new_tokens, args.prompt_len
-    llm, _ = tapllm_engine(folder, device, eager=False, dtype=args.dtype, max_batch=batch, kv_gb=args.kv_gb)
+    def __init__(self, graphs: Any, device: torch.device) -> None:
+        self.graphs = graphs
+        self.device = device
+        self.runs: list[tuple[Any, Any, Any]] = []
+
+    def __enter__(self) -> ReplayTimer:
+        replay = self.graphs.run
+
+        def run(key: Any) -> Any:
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = replay(key)
+                end.record()
+                self.runs.append((key, start, end))
+            else:
+                t0 = time.perf_counter()
+                out = replay(key)
+                self.runs.append((key, t0, time.perf_counter()))
+            return out
+
+        self.graphs.run = run  # an instance attribute: the engine's calls find it first
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.graphs.run
+
+    def ms(self, i: int) -> float:
+        _, start, end = self.runs[i]
+        if self.device.type == "cuda":
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+
+def step_split(b: Bench) -> None:
+    """The plain decode step at each batch of ``split_batches``: graph replay (device) against the whole step."""
+    from tapllm import SamplingParams
+
+    s, device = b.sizes, b.device
+    llm = b.graph_engine(0)
+    engine = llm.engine
+    if engine.runner.graph_step is None:
+        raise RuntimeError(f"no graphs on this engine ({engine.runner.policy.off})")
+    graphs = engine.runner.graph_step.graphs
+    rows: dict[str, Any] = {}
+    b.report["step_split"] = {"model": b.shape(0)[0], "prompt_len": s.prompt_len, "rows": rows,
+                              "timer": "CUDA events" if device.type == "cuda" else "wall clock (emulated graphs)"}
+    warm = 2
+    for batch in s.split_batches:
+        if b.over():
+            rows[f"b{batch}"] = "skipped: time budget"
+            continue
+        params = SamplingParams(max_tokens=s.split_steps + warm + 4, temperature=0, ignore_eos=True)
+        ids = [f"split-b{batch}-{i}" for i in range(batch)]
+        reqs = [engine.add(engine.input_processor.prepare(p, params, request_id=rid))
+                for p, rid in zip(prompts(batch, s.prompt_len, f"split-{batch}"), ids)]
+        while any(not r.output_token_ids for r in reqs):  # the prompts
+            engine.step()
+        walls, replays = [], []
+        with ReplayTimer(graphs, device) as timer:
+            for i in range(warm + s.split_steps):
+                timer.runs.clear()
+                sync(device)
+                t0 = time.perf_counter()
+                engine.step()
+                sync(device)
+                wall = (time.perf_counter() - t0) * 1e3
+                key = timer.runs[0][0] if len(timer.runs) == 1 else None
+                if i >= warm and key is not None and key.kind == "decode" and not key.tapped:
+                    walls.append(wall)
+                    replays.append(timer.ms(0))
+        for rid in ids:
+            engine.abort(rid)
+        if not walls:
+            rows[f"b{batch}"] = "no plain decode step replayed a graph"
+            continue
+        step, replay = statistics.median(walls), statistics.median(replays)
+        rows[f"b{batch}"] = {"steps": len(walls), "step_ms": round(step, 3), "replay_ms": round(replay, 3),
+                             "outside_replay_ms": round(statistics.median(w - r for w, r in zip(walls, replays)), 3),
+                             "replay_share": round(replay / step, 3)}
+    print(f"\n== a plain decode step on {b.report['step_split']['model']}: the graph replay's device time "
+          f"({b.report['step_split']['timer']}) against the whole step's wall time (median)")
+    for label, row in rows.items():
+        if isinstance(row, dict):
+            print(f"  {label:5s} step {row['step_ms']:8.3f} ms, replay {row['replay_ms']:8.3f} ms "
+                  f"({100 * row['replay_share']:.0f}%), the rest {row['outside_replay_ms']:8.3f} ms")
+        else:
+            print(f"  {label:5s} {row}")
+
+
+# ---- section: capture and steering costs -------------------------------------------------------
+def capture_costs(b: Bench) -> None:
+    """Each capture or steering case's throughput on the first shape's graph engine, against the plain run's."""
+    from tapllm import HiddenStatesSpec, SamplingParams, Steer
+    from tapllm.sae.model import SAE
+    from tapllm.sae.sae_config import SAEConfig
+
+    s, device = b.sizes, b.device
+    name, config, _ = b.shape(0)
+    llm = b.graph_engine(0)
+    before = policy_counts(llm)
+    batch, new, plen = s.capture_batch, s.new_tokens, s.prompt_len
     layers, hidden = config.num_hidden_layers, config.hidden_size
     three = sorted({min(1, layers - 1), layers // 2, layers - 1})
     g = torch.Generator().manual_seed(0)
@@ -328,9 +660,9 @@ def capture_costs(args: argparse.Namespace, device: torch.device, root: Path, to
         "SAE top-16, one block": HiddenStatesSpec(sae=sae, features="topk:16", positions="all"),
     }
     best: dict[str, float] = {}
-    for r in range(args.runs):
+    for r in range(s.capture_rounds):
         for label, spec in cases.items():
-            if args.deadline and time.monotonic() > args.deadline:
+            if b.over():
                 break
             ps = prompts(batch, plen, f"capture-{label}-{r}")
             if isinstance(spec, list):
@@ -341,66 +673,414 @@ def capture_costs(args: argparse.Namespace, device: torch.device, root: Path, to
             seconds, outs = timed(device, lambda: llm.generate(ps, params, use_tqdm=False))
             best[label] = max(best.get(label, 0.0), sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
     base = best.get("none")
-    rows = {label: {"tok_s": round(v, 1), "cost_pct": round(100 * (1 - v / base), 1) if base else None}
+    rows = {label: {"tok_s": round(v, 1), "cost_pct": round(100 * (1 - v / base), 2) if base else None}
             for label, v in best.items()}
-    graphs = llm.engine.runner.graphs
-    fallbacks = dict(graphs.fallbacks) if graphs is not None else {}
-    report["capture"] = {"model": name, "batch": batch, "cases": rows, "eager_fallbacks": fallbacks}
-    print(f"\n== capture and steering on {name}, batch {batch} (cost = share of the plain run's throughput)")
+    b.report["capture"] = {"model": name, "batch": batch, "rounds": s.capture_rounds, "cases": rows,
+                           "steps": policy_delta(llm, before)}
+    print(f"\n== capture and steering on {name}, batch {batch} (cost = share of the plain run's throughput, "
+          f"best of {s.capture_rounds})")
     for label, row in rows.items():
         cost = f"{row['cost_pct']:+.1f}%" if row["cost_pct"] is not None else ""
         print(f"  {label:34s}{row['tok_s']:>12,.0f} tok/s  {cost}")
-    if fallbacks:
-        print(f"  steps that could not replay a graph: {fallbacks}")
-    del llm
-    free(device)
+    steps = b.report["capture"]["steps"]
+    print(f"  graph steps {steps['graph_steps']}, eager steps {steps['eager_steps'] or 0}")
 
 
-def parity(args: argparse.Namespace, device: torch.device, root: Path, tokenizer: Path,
-           report: dict[str, Any]) -> None:
-    """float32: greedy tokens and every block's resid_pre against transformers on the same device."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+# ---- section: serving -------------------------------------------------------------------------
+@dataclass(slots=True)
+class Arrival:
+    step: int
+    prompt_len: int
+    max_tokens: int
 
-    from tapllm import LLM, HiddenStatesSpec, SamplingParams
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-                         num_key_value_heads=2, intermediate_size=512, max_position_embeddings=2048,
-                         initializer_range=0.2, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
-                                                                 "factor": 8.0, "low_freq_factor": 1.0,
-                                                                 "high_freq_factor": 4.0,
-                                                                 "original_max_position_embeddings": 256})
+def schedule(s: Sizes, count: int, seed: str) -> list[Arrival]:
+    """``count`` requests arriving as a Poisson process of ``serve_rate`` per engine step."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        out.append(Arrival(int(t), rng.randint(*s.serve_prompt), rng.randint(*s.serve_output)))
+        t += rng.expovariate(s.serve_rate)
+    return out
+
+
+def serve_once(b: Bench, llm: Any, arrivals: list[Arrival], label: str, tapped: bool) -> dict[str, Any]:
+    """Drive the engine through ``arrivals``; half the requests tapped when ``tapped``."""
+    from tapllm import HiddenStatesSpec, SamplingParams, Steer
+
+    engine = llm.engine
+    config = b.shape(0)[1]
+    layers = config.num_hidden_layers
+    three = sorted({min(1, layers - 1), layers // 2, layers - 1})
+    direction = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(1))
+    capture = HiddenStatesSpec(layers=three, points="resid_post", positions="all")
+    steer = [Steer(layers=three, point="resid_post", vector=direction, scale=0.5)]
+    rng = random.Random(f"serve-{label}")
+    before = policy_counts(llm)
+    pending = list(arrivals)
+    seen: dict[Any, int] = {}
+    last: dict[Any, float] = {}
+    gaps: list[float] = []
+    step = 0
+    tokens0 = engine.num_generated_tokens
+    sync(b.device)
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            step = max(step, pending[0].step)  # nothing running: the next arrival comes now
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            i = len(arrivals) - len(pending) - 1
+            extra: dict[str, Any] = {}
+            if tapped and i % 2 == 1:
+                extra = {"hidden_states": capture} if i % 4 == 1 else {"steering": steer}
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=0, ignore_eos=True, **extra)
+            prompt = [rng.randrange(FIRST_TOKEN_ID, VOCAB) for _ in range(a.prompt_len)]
+            seen[engine.add(engine.input_processor.prepare(prompt, params, request_id=f"serve-{label}-{i}"))] = 0
+        done = engine.step()
+        step += 1
+        now = time.perf_counter()
+        for req in list(seen):
+            n = len(req.output_token_ids)
+            if n > seen[req]:
+                if seen[req]:
+                    gaps.append((now - last[req]) * 1e3)
+                seen[req], last[req] = n, now
+            if req.finished:
+                del seen[req]
+                last.pop(req, None)
+        for req in done:
+            engine.make_output(req)
+    sync(b.device)
+    elapsed = time.perf_counter() - t0
+    paths = policy_delta(llm, before)
+    eager = sum(paths["eager_steps"].values())
+    steps = eager + paths["graph_steps"]
+    tokens = engine.num_generated_tokens - tokens0
+    return {"requests": len(arrivals), "tapped_requests": len(arrivals) // 2 if tapped else 0, "steps": steps,
+            "seconds": round(elapsed, 3), "output_tokens": tokens, "tok_s": round(tokens / elapsed, 1),
+            "itl_p50_ms": round(quantile(gaps, 0.5) or 0.0, 3), "itl_p99_ms": round(quantile(gaps, 0.99) or 0.0, 3),
+            "eager_share": round(eager / steps, 4) if steps else None, **paths}
+
+
+def serving(b: Bench) -> None:
+    """The serving scenario on the first shape: plain, then half tapped on the same schedule."""
+    s = b.sizes
+    llm = b.graph_engine(0)
+    arrivals = schedule(s, s.serve_requests, "serve")
+    if s.serve_warm:
+        serve_once(b, llm, schedule(s, s.serve_warm, "serve-warm"), "warm", tapped=True)
+    runs = {"plain": serve_once(b, llm, arrivals, "plain", tapped=False)}
+    if not b.over():
+        runs["half tapped"] = serve_once(b, llm, arrivals, "half-tapped", tapped=True)
+    ratio = runs["half tapped"]["tok_s"] / runs["plain"]["tok_s"] if "half tapped" in runs else None
+    b.report["serving"] = {
+        "model": b.shape(0)[0], "requests": s.serve_requests, "arrivals_per_step": s.serve_rate,
+        "prompt_tokens": list(s.serve_prompt), "new_tokens": list(s.serve_output),
+        "tapped": "every other request: capturing 3 blocks at every position, or steered at 3 blocks",
+        "runs": runs, "tapped_over_plain": round(ratio, 3) if ratio is not None else None}
+    print(f"\n== serving on {b.shape(0)[0]}: {s.serve_requests} requests arriving at {s.serve_rate} per step "
+          f"(Poisson), prompts {s.serve_prompt[0]}-{s.serve_prompt[1]}, {s.serve_output[0]}-{s.serve_output[1]} new")
+    for label, r in runs.items():
+        print(f"  {label:12s}{r['tok_s']:>10,.0f} tok/s, inter-token p50 {r['itl_p50_ms']:.2f} ms p99 "
+              f"{r['itl_p99_ms']:.2f} ms, {r['steps']} steps, eager {100 * (r['eager_share'] or 0):.1f}% "
+              f"{r['eager_steps'] or ''}, replays {r['replays']}, graphs captured after start-up "
+              f"{r['captures_after_warmup']}")
+    if ratio is not None:
+        print(f"  half tapped / plain throughput: {ratio:.3f}")
+
+
+# ---- section: parity ------------------------------------------------------------------------
+class HFSteers:
+    """Forward hooks on a transformers Llama doing the steered path's operations where tapllm does them:
+    an add to a block's output (``resid_post``), an ablation of what attention adds (``attn_out``), an
+    add to chosen heads of the output projection's input (``z``); and, when ``record``, the block
+    inputs (``resid_pre``) and the final norm's output, after any steering."""
+
+    def __init__(self, model: Any, steers: list[Any], record: bool) -> None:
+        self.handles: list[Any] = []
+        self.states: dict[str, list[torch.Tensor]] = {"resid_pre": [], "final": []}
+        blocks = model.model.layers
+        for s in steers:
+            for layer in s.layers:
+                block = blocks[layer]
+                v = s.vector
+                if s.point == "resid_post":
+                    self.handles.append(block.register_forward_hook(
+                        lambda m, i, o, v=v, k=s.scale: _replace(o, lambda x: x + k * v.to(x.device, x.dtype))))
+                elif s.point == "attn_out" and s.op == "ablate":
+                    self.handles.append(block.self_attn.register_forward_hook(
+                        lambda m, i, o, v=v: _replace(o, lambda x: _ablate(x, v))))
+                elif s.point == "z":
+                    heads = block.self_attn.config.num_attention_heads
+                    self.handles.append(block.self_attn.o_proj.register_forward_pre_hook(
+                        lambda m, a, v=v, k=s.scale, h=list(s.heads), n=heads: (_add_heads(a[0], n, h, k * v),)))
+                else:
+                    raise ValueError(f"no hook for {s.point} {s.op}")
+        if record:
+            for block in blocks:
+                self.handles.append(block.register_forward_pre_hook(
+                    lambda m, a, k: self.states["resid_pre"].append((a[0] if a else k["hidden_states"])[0]),
+                    with_kwargs=True))
+            self.handles.append(model.model.norm.register_forward_hook(
+                lambda m, i, o: self.states["final"].append(o[0])))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _replace(o: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    return (fn(o[0]), *o[1:]) if isinstance(o, tuple) else fn(o)
+
+
+def _ablate(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    d = (v / v.norm()).to(x.device, x.dtype)
+    return x - (x @ d)[..., None] * d
+
+
+def _add_heads(x: torch.Tensor, heads: int, chosen: list[int], v: torch.Tensor) -> torch.Tensor:
+    y = x.view(*x.shape[:-1], heads, -1).clone()
+    y[..., chosen, :] += v.to(x.device, x.dtype)
+    return y.view(x.shape)
+
+
+def parity_requests(config: Any) -> dict[str, tuple[Any, list[Any] | None]]:
+    """path -> (hidden-state spec, steers) of its requests."""
+    from tapllm import HiddenStatesSpec, Steer
+
+    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+    g = torch.Generator().manual_seed(7)
+
+    def vector(n: int, norm: float) -> torch.Tensor:
+        v = torch.randn(n, generator=g)
+        return v * (norm / v.norm())
+
+    states = HiddenStatesSpec(layers="all", points=["resid_pre", "final"], positions="all")
+    steers = [Steer(layers=sorted({0, layers // 2}), point="resid_post", vector=vector(hidden, 6.0), scale=1.5),
+              Steer(layers=[layers - 1], point="attn_out", op="ablate", vector=vector(hidden, 1.0)),
+              Steer(layers=[layers // 2], point="z", heads=[1, heads - 1], vector=vector(hidden // heads, 4.0))]
+    return {"plain": (None, None), "tapped": (states, None), "steered": (states, steers)}
+
+
+def parity(b: Bench) -> None:
+    """Every path of the graph engine against the eager step and transformers, in float32 and bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    config = parity_config(b.args.smoke)
     torch.manual_seed(0)
-    folder = model_folder(root, "parity", config, tokenizer)
+    folder = model_folder(b.root, "parity", config, b.tokenizer)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
-    ps = prompts(4, 40, "parity") + prompts(2, 60 if args.smoke else 300, "parity-long")
-    new = 8
-    spec = HiddenStatesSpec(layers="all", points="resid_pre", positions="all")
-    result: dict[str, Any] = {}
-    for engine in ("tapllm", "tapllm-eager"):
-        llm = LLM(folder, dtype="float32", device=str(device), enforce_eager=engine == "tapllm-eager")
-        outs = llm.generate(ps, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, hidden_states=spec),
-                            use_tqdm=False)
-        same_tokens, worst = 0, 0.0
-        for p, out in zip(ps, outs):
-            ids = torch.tensor([p], device=device)
-            with torch.inference_mode():
-                ref = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                  min_new_tokens=new, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                seq = torch.tensor([(p + out.outputs[0].token_ids)[:-1]], device=device)
-                states = hf(seq, output_hidden_states=True).hidden_states
-            same_tokens += ref == out.outputs[0].token_ids
-            want = torch.stack([states[i][0] for i in range(config.num_hidden_layers)], 1).float().cpu()
-            got = out.hidden_states["resid_pre"].float()
-            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
-        result[engine] = {"tokens_equal": f"{same_tokens}/{len(ps)}", "max_rel_state_error": worst}
+    s = b.sizes
+    ps = [prompts(1, n, f"parity-{i}-{n}")[0] for i, n in enumerate(s.parity_prompts)]
+    result: dict[str, Any] = {"model": describe_config(config), "prompts": s.parity_prompts,
+                              "new_tokens": s.parity_new}
+    b.report["parity"] = result
+    for dtype in ("float32", "bfloat16"):
+        if b.over():
+            result[dtype] = "skipped: time budget"
+            continue
+        result[dtype] = parity_dtype(b, folder, config, ps, dtype)
+    print(f"\n== parity on a small Llama ({result['model']}), {len(ps)} prompts, {s.parity_new} greedy tokens: "
+          "graph path against transformers and the eager step on the same device")
+    for dtype in ("float32", "bfloat16"):
+        rows = result.get(dtype)
+        if not isinstance(rows, dict):
+            print(f"  {dtype}: {rows}")
+            continue
+        for path, r in rows.items():
+            print(f"  {dtype:9s}{path:8s} tokens {r['tokens_equal']} (vs eager {r['tokens_vs_eager']}; eager vs "
+                  f"transformers {r['eager_tokens_equal']}), error {r['max_rel_error']:.1e} (eager "
+                  f"{r['eager_max_rel_error']:.1e}, graph vs eager {r['vs_eager_max_rel_error']:.1e}); "
+                  f"{r['graph_steps']} graph steps, eager {r['eager_steps'] or 0}")
+
+
+def parity_dtype(b: Bench, folder: Path, config: Any, ps: list[list[int]], dtype: str) -> dict[str, Any]:
+    """One dtype's rows of :func:`parity`: tapllm's two engines run every path, then transformers checks them."""
+    from transformers import AutoModelForCausalLM
+
+    from tapllm import LLM, SamplingParams
+
+    s, device = b.sizes, b.device
+    requests = parity_requests(config)
+    engine = dict(dtype=dtype, device=str(device), max_num_seqs=8, max_num_batched_tokens=s.parity_step_tokens,
+                  max_model_len=max(s.parity_prompts) + s.parity_new + 16, enable_prefix_caching=False)
+    outs: dict[str, dict[str, list[Any]]] = {"graph": {}, "eager": {}}
+    steps: dict[str, dict[str, Any]] = {}
+    for kind in ("graph", "eager"):
+        llm = LLM(folder, **engine, **({"enforce_eager": True} if kind == "eager" else s.graph_options))
+        for path, (spec, steers) in requests.items():
+            before = policy_counts(llm)
+            params = SamplingParams(max_tokens=s.parity_new, temperature=0, ignore_eos=True, hidden_states=spec,
+                                    steering=steers, logprobs=0 if path == "plain" else None)
+            outs[kind][path] = llm.generate(ps, params, use_tqdm=False)
+            if kind == "graph":
+                steps[path] = policy_delta(llm, before)
         del llm
         free(device)
-    report["parity"] = result
-    print("\n== parity (float32, 4 blocks, every position) against transformers on the same device")
-    for engine, r in result.items():
-        print(f"  {engine:14s} greedy tokens equal {r['tokens_equal']}, states within {r['max_rel_state_error']:.1e} "
-              "of the largest value")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device).eval()
+    rows: dict[str, Any] = {}
+    for path, (spec, steers) in requests.items():
+        want_tokens = [hf_generate(hf, p, s.parity_new, steers, device) for p in ps]
+        same = {"graph": 0, "eager": 0, "both": 0}
+        errors: dict[str, float] = {"graph": 0.0, "eager": 0.0, "both": 0.0}
+        for i, p in enumerate(ps):
+            got = {kind: outs[kind][path][i] for kind in ("graph", "eager")}
+            tokens = {kind: got[kind].outputs[0].token_ids for kind in got}
+            for kind in ("graph", "eager"):
+                same[kind] += tokens[kind] == want_tokens[i]
+                errors[kind] = max(errors[kind], parity_error(hf, p, got[kind], path, steers, device))
+            same["both"] += tokens["graph"] == tokens["eager"]
+            if tokens["graph"] == tokens["eager"]:
+                errors["both"] = max(errors["both"], max(
+                    rel_error(_observed(got["graph"], path, k), _observed(got["eager"], path, k))
+                    for k in _observed_keys(path)))
+        n = len(ps)
+        rows[path] = {"tokens_equal": f"{same['graph']}/{n}", "tokens_vs_eager": f"{same['both']}/{n}",
+                      "eager_tokens_equal": f"{same['eager']}/{n}", "max_rel_error": errors["graph"],
+                      "eager_max_rel_error": errors["eager"], "vs_eager_max_rel_error": errors["both"],
+                      "compared": "the chosen tokens' logprobs" if path == "plain" else
+                      "resid_pre of every block and the final norm's output, every position", **steps[path]}
+    del hf
+    free(device)
+    return rows
+
+
+def hf_generate(hf: Any, prompt: list[int], new: int, steers: list[Any] | None, device: torch.device) -> list[int]:
+    """transformers' greedy tokens for ``prompt`` (under the steering hooks when ``steers``)."""
+    hooks = HFSteers(hf, steers, record=False) if steers else None
+    try:
+        ids = torch.tensor([prompt], device=device)
+        with torch.inference_mode():
+            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False, pad_token_id=0)
+    finally:
+        if hooks is not None:
+            hooks.remove()
+    return out[0, len(prompt):].tolist()
+
+
+def _observed_keys(path: str) -> tuple[str, ...]:
+    return ("logprobs",) if path == "plain" else ("resid_pre", "final")
+
+
+def _observed(out: Any, path: str, key: str) -> torch.Tensor:
+    """What a tapllm output holds of ``key``: the chosen tokens' logprobs, or a captured point."""
+    if key == "logprobs":
+        c = out.outputs[0]
+        return torch.tensor([c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)])
+    return out.hidden_states[key].float()
+
+
+def parity_error(hf: Any, prompt: list[int], out: Any, path: str, steers: list[Any] | None,
+                 device: torch.device) -> float:
+    """The largest relative error of a tapllm output against transformers over the same sequence."""
+    seq = (prompt + out.outputs[0].token_ids)[:-1]  # the last sampled token is never run
+    ids = torch.tensor([seq], device=device)
+    hooks = HFSteers(hf, steers or [], record=True) if path == "steered" else None
+    try:
+        with torch.inference_mode():
+            res = hf(input_ids=ids, output_hidden_states=path == "tapped")
+    finally:
+        if hooks is not None:
+            hooks.remove()
+    if path == "plain":
+        logp = res.logits[0, len(prompt) - 1:].float().log_softmax(-1)
+        want = logp.gather(1, torch.tensor(out.outputs[0].token_ids, device=device)[:, None])[:, 0]
+        return rel_error(_observed(out, path, "logprobs"), want)
+    if path == "tapped":
+        layers = len(res.hidden_states) - 1  # embeddings, each block's output, the last one normed
+        want_pre = torch.stack([res.hidden_states[i][0] for i in range(layers)], 1)
+        want_final = res.hidden_states[layers][0][:, None]
+    else:
+        want_pre = torch.stack(hooks.states["resid_pre"], 1)
+        want_final = hooks.states["final"][0][:, None]
+    return max(rel_error(_observed(out, path, "resid_pre"), want_pre),
+               rel_error(_observed(out, path, "final"), want_final))
+
+
+# ---- targets --------------------------------------------------------------------------------
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target with its value and PASS, MISS or NOT MEASURED."""
+    rows: list[dict[str, Any]] = []
+
+    def add(tid: str, label: str, value: Any, want: str, ok: Callable[[Any], bool]) -> None:
+        status = "NOT MEASURED" if value is None else ("PASS" if ok(value) else "MISS")
+        rows.append({"id": tid, "label": label, "value": value, "want": want, "status": status})
+
+    parity = report.get("parity", {}).get("float32")
+    for path in PATHS:
+        r = parity.get(path) if isinstance(parity, dict) else None
+        tokens = f"{r['tokens_equal']} vs transformers, {r['tokens_vs_eager']} vs eager" if r else None
+        add(f"parity.float32.{path}.tokens", f"parity float32, {path} graphs: greedy tokens", tokens,
+            "all equal", lambda v: all(a == b for a, b in (x.split()[0].split("/") for x in v.split(", "))))
+        add(f"parity.float32.{path}.error", f"parity float32, {path} graphs: largest relative error",
+            r["max_rel_error"] if r else None, "<= 1e-4", lambda v: v <= 1e-4)
+    names = list(report.get("models", {}))
+    first, second = (names + [None, None])[:2]
+
+    def model_value(name: str | None, engine: str, key: str) -> Any:
+        value = report.get("models", {}).get(name, {}).get(engine, {}).get(key) if name else None
+        return value if isinstance(value, (int, float)) else None
+
+    add("speed.small.step_over_bound", f"{first}: batch-1 step / weights' streaming time",
+        model_value(first, "tapllm", "step_over_bound"), "<= 2.0", lambda v: v <= 2.0)
+    add("speed.large.step_over_bound", f"{second}: batch-1 step / weights' streaming time",
+        model_value(second, "tapllm", "step_over_bound"), "<= 1.5", lambda v: v <= 1.5)
+    for batch in (16, 64):
+        add(f"speed.small.b{batch}_vs_transformers", f"{first}: batch {batch} vs transformers",
+            model_value(first, "tapllm", f"b{batch}_vs_transformers"), ">= 6x", lambda v: v >= 6.0)
+    add("speed.large.b256_tok_s", f"{second}: batch 256 output tokens/s", model_value(second, "tapllm", "b256"),
+        ">= 12,000", lambda v: v >= 12000)
+    cases = report.get("capture", {}).get("cases", {})
+    for label, limit in CAPTURE_TARGETS.items():
+        add(f"capture.{label}", f"capture cost: {label} (%)", cases.get(label, {}).get("cost_pct"),
+            f"<= {limit}%", lambda v, limit=limit: v <= limit)
+    runs = report.get("serving", {}).get("runs", {})
+    shares = [r["eager_share"] for r in runs.values() if r.get("eager_share") is not None]
+    add("serving.eager_share", "serving: share of eager steps", max(shares) if shares else None, "<= 2%",
+        lambda v: v <= 0.02)
+    add("serving.tapped_over_plain", "serving: half tapped / plain throughput",
+        report.get("serving", {}).get("tapped_over_plain"), ">= 0.9", lambda v: v >= 0.9)
+    late = [e["captures_after_warmup"] for e in report.get("graph_engines", {}).values()]
+    add("graphs.captures_after_warmup", "graphs captured after start-up (every graph engine)",
+        sum(late) if late else None, "0", lambda v: v == 0)
+    return rows
+
+
+def print_targets(rows: list[dict[str, Any]], smoke: bool) -> None:
+    print("\n== targets" + (" (a CPU smoke run: these figures check the script, not a GPU)" if smoke else ""))
+    for r in rows:
+        value = r["value"]
+        text = f"{value:.3g}" if isinstance(value, float) else str(value)
+        print(f"  {r['status']:13s}{r['label']:58s}{text:>32s}  (want {r['want']})")
+
+
+# ---- the run --------------------------------------------------------------------------------
+def provenance(device: torch.device, commit: str | None) -> dict[str, Any]:
+    """Versions, device, date and the git commit of this run."""
+    import transformers
+
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    dirty = None
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                    check=True).stdout.strip()
+            dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                                        capture_output=True, text=True, check=True).stdout.strip())
+        except (OSError, subprocess.CalledProcessError):
+            commit = None
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+            "uncommitted_changes": dirty}
 
 
 def run_tests(args: argparse.Namespace, report: dict[str, Any]) -> int:
@@ -412,44 +1092,50 @@ def run_tests(args: argparse.Namespace, report: dict[str, Any]) -> int:
     return proc.returncode
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Sizes]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks the script itself")
-    p.add_argument("--prepare", type=Path, help="write the tokenizer files for a GPU machine into this folder, then exit")
-    p.add_argument("--tokenizer", type=Path, help="a folder with the default tokenizer's files (default: the model's)")
-    p.add_argument("--json", type=Path, help="also write every figure here")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    p.add_argument("--hf-max-batch", type=int, default=64, help="largest batch transformers runs")
-    p.add_argument("--capture-batch", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--kv-gb", type=float, default=16.0, help="KV cache per engine (GB)")
-    p.add_argument("--budget", type=float, default=450.0, help="seconds before later sections are skipped")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, backend='cuda': checks the script itself")
+    p.add_argument("--prepare", type=Path,
+                   help="write the tokenizer files for a GPU machine into this folder, then exit")
+    p.add_argument("--tokenizer", type=Path,
+                   help="a folder with the default tokenizer's files (default: the default model's)")
+    p.add_argument("--json", type=Path, help="also write every figure here (after every section)")
+    p.add_argument("--commit", help="the git commit measured, where the checkout has no .git")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="of the speed, capture, serving and step sections")
+    p.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=None)
+    p.add_argument("--hf-max-batch", type=int, default=None, help="largest batch transformers runs")
+    p.add_argument("--capture-batch", type=int, default=None)
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--kv-gb", type=float, default=None, help="KV cache per engine (GB)")
+    p.add_argument("--serve-requests", type=int, default=None)
+    p.add_argument("--budget", type=float, default=400.0,
+                   help="seconds of measuring before the sections (and rows) not yet started are skipped; 0: none")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-tests", action="store_true")
-    p.add_argument("--only", choices=["speed", "capture", "parity"], action="append",
+    p.add_argument("--only", choices=["parity", "speed", "split", "capture", "serving", "eager"], action="append",
                    help="run only these sections (repeatable)")
-    p.add_argument("--test-timeout", type=int, default=600)
+    p.add_argument("--tests", action="store_true", help="then run pytest -m cuda (not part of the 8 minutes)")
+    p.add_argument("--test-timeout", type=int, default=900)
     args = p.parse_args(argv)
-    if args.batches is None:
-        args.batches = [1, 4] if args.smoke else [1, 16, 64, 256]
-    args.runs, args.step_tokens = 2, 64
+    sizes = smoke_sizes() if args.smoke else Sizes()
+    for name in ("batches", "hf_max_batch", "capture_batch", "prompt_len", "new_tokens", "kv_gb", "serve_requests"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sizes, name, value)
     if args.smoke:
-        args.prompt_len, args.new_tokens, args.kv_gb, args.capture_batch = 16, 4, 0.05, 4
-        args.runs, args.step_tokens = 1, 8
-        args.hf_max_batch = min(args.hf_max_batch, 4)
-    return args
+        args.dtype = "float32"
+    return args, sizes
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args, sizes = parse_args(argv)
     if args.prepare is not None:
         prepare(args.prepare)
         return 0
     if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
         device = torch.device("cpu")
-        args.dtype = "float32"
     elif not torch.cuda.is_available():
         print("no CUDA GPU here: run with --smoke to check the script on CPU", file=sys.stderr)
         return 2
@@ -459,40 +1145,56 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = args.tokenizer or default_tokenizer()
     root = Path(os.environ.get("TAPLLM_GPU_BENCH_DIR", "/tmp/tapllm-gpu-bench"))
     root.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "dtype": args.dtype, "models": {}, "errors": {}}
-    try:
-        import triton
-
-        report["triton"] = triton.__version__
-    except ImportError:
-        report["triton"] = None
-    print(f"tapllm GPU check on {report['device']} (torch {report['torch']}, triton {report['triton']}, "
-          f"{args.dtype})", flush=True)
-    bw = bandwidth_gbs(device, 64e6 if args.smoke else 4e9)
-    report["bandwidth_gbs"] = round(bw, 1)
-    print(f"read bandwidth: {bw:,.0f} GB/s")
-    # the first shape's speed, capture, parity, then the larger shape: the most telling figures first
-    sections = [("speed", "speed-0", lambda: speed(args, device, root, tokenizer, bw, report, 0)),
-                ("capture", "capture", lambda: capture_costs(args, device, root, tokenizer, report)),
-                ("parity", "parity", lambda: parity(args, device, root, tokenizer, report)),
-                ("speed", "speed-1", lambda: speed(args, device, root, tokenizer, bw, report, 1))]
+    bench = Bench(args, sizes, device, root, tokenizer)
+    report = bench.report
+    report.update(provenance(device, args.commit))
+    report.update(smoke=args.smoke, dtype=args.dtype, budget_s=args.budget, errors={}, skipped={})
+    print(f"tapllm GPU check on {report['device']} (torch {report['torch']}, CUDA {report['cuda']}, triton "
+          f"{report['triton']}, transformers {report['transformers']}, {args.dtype}; commit {report['commit']}, "
+          f"{report['date']})", flush=True)
+    started = time.monotonic()
+    bench.bandwidth = bandwidth_gbs(device, sizes.bandwidth_bytes)
+    report["bandwidth_gbs"] = round(bench.bandwidth, 1)
+    print(f"read bandwidth: {bench.bandwidth:,.0f} GB/s")
+    # The most telling figures first: parity, the first shape (its graph engine serves four sections),
+    # the second shape, then the eager reference step's speed.
+    sections: list[tuple[str, str, Callable[[], None]]] = [
+        ("parity", "parity", lambda: parity(bench)),
+        ("speed", "speed-0", lambda: speed(bench, 0)),
+        ("split", "split", lambda: step_split(bench)),
+        ("capture", "capture", lambda: capture_costs(bench)),
+        ("serving", "serving", lambda: serving(bench)),
+        ("speed", "speed-1", lambda: speed(bench, 1)),
+        ("eager", "eager-0", lambda: eager_speed(bench, 0)),
+        ("eager", "eager-1", lambda: eager_speed(bench, 1)),
+    ]
     for kind, name, fn in sections:
         if args.only and kind not in args.only:
             continue
-        if args.deadline and time.monotonic() > args.deadline:
-            report["errors"][name] = "skipped: time budget"
+        if bench.over():
+            report["skipped"][name] = "time budget"
+            print(f"\n== {name}: skipped (time budget)", flush=True)
             continue
+        t0 = time.monotonic()
+        print(f"\n[{t0 - started:.0f}s] {name}", flush=True)
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others' figures
             traceback.print_exc()
             report["errors"][name] = f"{type(exc).__name__}: {exc}"
+        report.setdefault("section_seconds", {})[name] = round(time.monotonic() - t0, 1)
         free(device)
         if args.json is not None:  # after every section: a run cut short keeps what it measured
             args.json.write_text(json.dumps(report, indent=2, default=str))
+    bench.drop_graph_engine()
+    report["seconds"] = round(time.monotonic() - started, 1)
+    report["targets"] = targets(report)
+    print_targets(report["targets"], args.smoke)
+    print(f"\nmeasured for {report['seconds']:.0f}s")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
     status = 0
-    if not args.skip_tests and not args.smoke:
+    if args.tests and not args.smoke:
         status = run_tests(args, report)
         if args.json is not None:
             args.json.write_text(json.dumps(report, indent=2, default=str))

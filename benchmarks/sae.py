@@ -179,7 +179,7 @@ def feature_cost(llm, sae, args: argparse.Namespace, vocab: int) -> None:
     import statistics
 
     from tapllm import HiddenStatesSpec, SamplingParams
-    from tapllm.sae import features as feature_module
+    from tapllm.sae import batch as feature_module
 
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     featured = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True,

@@ -484,10 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-layers", type=int, default=2, help="blocks of the trace's Llama (default 2)")
     p.add_argument("--trace-seed", type=int, default=0)
     args = p.parse_args(argv)
-    from tapllm.kernels import triton_attention, triton_elementwise, triton_fused_sites, triton_tap
+    from tapllm.kernels import triton_attention, triton_elementwise, triton_fused_sites, triton_sae, triton_tap
 
     TRITON = TritonCount([m for m in (triton_attention._kernels(), triton_elementwise._kernels(),
-                                      triton_fused_sites._kernels(), triton_tap._kernels()) if m is not None])
+                                      triton_fused_sites._kernels(), triton_tap._kernels(), triton_sae._kernels())
+                          if m is not None])
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     batches = [int(b) for b in args.batches.split(",")]
     report: dict[str, Any] = {"machine": _machine(), "torch": torch.__version__, "dtype": args.dtype,

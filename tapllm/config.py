@@ -224,7 +224,7 @@ class EngineConfig:
             ``kv_cache_precommit``) and the heap's free memory, so a burst of requests does not
             leave the process bigger. ``None``: never.
         enable_prefix_caching: share KV blocks between requests with equal prefixes.
-        seed: seeds the generators of requests that set no seed of their own.
+        seed: draws the seeds of requests that set no seed of their own.
         enable_hidden_states: serve ``hidden_states`` requests at all (a service may turn it off).
         hidden_states_max_bytes_per_request: refuse a request whose captured states could
             exceed this many bytes (``None``: no limit). Generous by default for offline use.
@@ -248,6 +248,9 @@ class EngineConfig:
             ``"eager"`` (as ``enforce_eager``), ``"cpu"``, or ``"cuda"``; ``"cuda"`` on a CPU runs the
             CUDA backend's modules there with Triton's interpreter and emulated graphs (for tests:
             ``TRITON_INTERPRET=1`` must be set before triton is imported).
+        async_scheduling: keep the host a step ahead of the device (vLLM's async scheduling): the next
+            step is scheduled and launched while the previous one runs, and stops take effect one
+            step late (the extra token is never returned); ``None``: on with CUDA graphs on a GPU.
         quantization: keep the linear weights, the LM head and the embedding table quantized,
             vLLM's spelling: ``"int8"`` (weight-only, a scale per output channel) or ``"int4"``
             (weight-only, a scale and a min per group of inputs), or llama.cpp's ``"q4_k"`` (int4
@@ -297,6 +300,7 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None = None
     cuda_graph_token_sizes: list[int] | None = None
     backend: str = "auto"
+    async_scheduling: bool | None = None
     quantization: str | None = None
     quantization_group_size: int | None = None
     quantize_embedding: bool = True
@@ -343,6 +347,8 @@ class EngineConfig:
                                       or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 65536
                                              for b in sizes)):
                 raise ValueError(f"{name} must be a list of sizes in [1, 65536], got {sizes!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if self.backend not in ("auto", "eager", "cpu", "cuda"):
             raise ValueError(f"backend must be one of 'auto', 'eager', 'cpu', 'cuda'; got {self.backend!r}")
         self.quant()

@@ -17,7 +17,7 @@ from tapllm.utils.text import check_unicode
 # Below this a temperature means greedy decoding, as in vLLM: dividing logits by it would
 # overflow float32 (1e-45 is a valid float but makes every logit infinite).
 SAMPLING_EPS = 1e-5
-# torch.Generator.manual_seed accepts exactly this range.
+# A seed is read as its low 64 bits (an int64 or a uint64; see tapllm.engine.rng.as_int64).
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 

@@ -176,19 +176,25 @@ def check_points(llm: LLM, model: nn.Module, layout: HFLayout, prompts: list[lis
     check_head_points(llm, model, layout, prompts, new)
 
 
-def check_situations(folder, model: nn.Module, prompts: list[list[int]], new: int) -> None:
-    """Greedy tokens and logprobs equal transformers alone, batched, chunked, after a cache hit, preempted."""
+def check_situations(folder, model: nn.Module, prompts: list[list[int]], new: int, **engine: Any) -> list[LLM]:
+    """Greedy tokens and logprobs equal transformers alone, batched, chunked, after a cache hit, preempted;
+    returns the engines it made (for a caller's checks of how their steps ran).
+
+    ``engine``: options every ``LLM`` made here gets (the backend, graph sizes); each situation's own
+    options (the chunk budget, the cache's size) override them.
+    """
     refs = [hf_greedy(model, p, new) for p in prompts]
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=0)
-    llm = LLM(folder, dtype="float32")
+    llm = LLM(folder, **{"dtype": "float32", **engine})
     for p, ref in zip(prompts, refs):  # (a) alone
         assert_matches_reference(llm.generate([p], params, use_tqdm=False), [ref])
     others = random_prompts([4, 9, 15], seed=77)
     outs = llm.generate(others[:2] + prompts + others[2:], params, use_tqdm=False)  # (b) batched with others
     assert_matches_reference(outs[2:2 + len(prompts)], refs)
-    chunked = LLM(folder, dtype="float32", max_num_batched_tokens=5, enable_prefix_caching=False)
+    chunked = LLM(folder, **{"dtype": "float32", **engine, "max_num_batched_tokens": 5,
+                            "enable_prefix_caching": False})
     assert_matches_reference(chunked.generate(prompts, params, use_tqdm=False), refs)  # (c) chunked
-    cached = LLM(folder, dtype="float32", block_size=4)
+    cached = LLM(folder, **{"dtype": "float32", **engine, "block_size": 4})
     cached.generate(prompts, params, use_tqdm=False)
     hits = cached.generate(prompts, params, use_tqdm=False)  # (d) prefix-cache hits
     assert any(o.metrics["num_cached_tokens"] > 0 for o in hits)
@@ -196,9 +202,11 @@ def check_situations(folder, model: nn.Module, prompts: list[list[int]], new: in
     # (e) preemption: the cache holds every prompt at once, so growing while decoding must preempt.
     batch = prompts + others
     blocks = sum(-(-len(p) // 4) for p in batch)
-    tight = LLM(folder, dtype="float32", block_size=4, kv_cache_blocks=blocks, enable_prefix_caching=False)
+    tight = LLM(folder, **{"dtype": "float32", **engine, "block_size": 4, "kv_cache_blocks": blocks,
+                          "enable_prefix_caching": False})
     assert_matches_reference(tight.generate(batch, params, use_tqdm=False)[: len(prompts)], refs)
     assert tight.engine.scheduler.num_preemptions > 0
+    return [llm, chunked, cached, tight]
 
 
 class HFSteering(SteeringHooks):
@@ -282,9 +290,10 @@ def steering_cases(hidden: int, num_layers: int, skip: set[tuple[str, str]]) -> 
     return cases
 
 
-def check_steering(folder, model: nn.Module, layout: HFLayout, new: int = 6) -> None:
-    """Each steering case: tokens and final states equal the hooks'; the steer changes something."""
-    llm = LLM(folder, dtype="float32")
+def check_steering(folder, model: nn.Module, layout: HFLayout, new: int = 6, **engine: Any) -> LLM:
+    """Each steering case: tokens and final states equal the hooks'; the steer changes something.
+    ``engine``: options of the ``LLM`` (as :func:`check_situations` takes them); returns that ``LLM``."""
+    llm = LLM(folder, **{"dtype": "float32", **engine})
     cfg = llm.engine.model_config
     prompt = random_prompts([11], seed=21)[0]
     spec = HiddenStatesSpec(points=["final"], positions="all")
@@ -299,3 +308,4 @@ def check_steering(folder, model: nn.Module, layout: HFLayout, new: int = 6) -> 
         assert_close_states(out.hidden_states["final"], final[:, None], what)
         n = min(len(base.hidden_states.positions), len(out.hidden_states.positions))
         assert not torch.allclose(out.hidden_states["final"][:n], base.hidden_states["final"][:n]), what
+    return llm

@@ -28,7 +28,7 @@ def _within(t: torch.Tensor, owner: torch.Tensor) -> bool:
 
 
 def _host_buffers(runner) -> list[torch.Tensor]:
-    return [runner.staging.host, *runner.download._host.values()]
+    return [runner.staging.host, *(h for ring in runner.download._host.values() for h in ring)]
 
 
 class StepWatch(TorchFunctionMode):
@@ -69,7 +69,7 @@ class CopyWatch(TorchDispatchMode):
             dst, src = args[0], args[1]
             if _within(src, self.runner.staging.host):
                 self.uploads += 1
-            elif any(_within(dst, h) for h in self.runner.download._host.values()):
+            elif any(_within(dst, h) for ring in self.runner.download._host.values() for h in ring):
                 self.downloads += 1
         return func(*args, **kwargs)
 

@@ -13,6 +13,7 @@ import torch
 
 from conftest import random_prompts
 from tapllm import LLM, SAE, HiddenStatesSpec, SamplingParams, Steer
+from tapllm.hidden_states import HIDDEN_POINTS
 from tapllm.kernels import triton_tap
 from tapllm.sae.sae_config import SAEConfig
 
@@ -134,15 +135,32 @@ def test_what_a_graph_cannot_hold_runs_eagerly_and_says_why(tiny_models):
     assert stats.graph_fallbacks == dict(reasons) and stats.graph_steps == graphed.engine.runner.policy.graph_steps
 
 
+def test_a_step_whose_captures_overrun_the_buffer_runs_eagerly(tiny_models):
+    """The capture buffer holds 8 hidden-size rows per token of the largest step; a step capturing more
+    (every point of every block at every position of 22 prompt tokens, with steps of at most 32) runs
+    eagerly instead of writing past it, and the later decode steps replay graphs."""
+    folder = tiny_models["llama"]
+    graphed = _graphed(folder, max_num_batched_tokens=32)
+    spec = HiddenStatesSpec(layers="all", points=list(HIDDEN_POINTS), positions="all")
+    prompts = random_prompts([10, 12], seed=13)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, hidden_states=spec)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    policy = graphed.engine.runner.policy
+    assert policy.eager_steps == {"the step's captures exceed the capture buffer": 1}, policy.eager_steps
+    assert policy.graph_steps == 2
+    _same(_eager(folder).generate(prompts, params, use_tqdm=False), got)
+
+
 def test_every_graph_is_captured_at_start_and_none_after(tiny_models):
     graphed = _graphed(tiny_models["llama"])
     runner = graphed.engine.runner.graph_step.graphs
-    assert runner.distinct_graphs == 2 * runner.buckets == 2 * (len(DECODE) + len(MIXED))
+    graphs = 2 * (len(DECODE) + len(MIXED)) + len(runner.draw_sizes)  # step graphs, then sampler graphs
+    assert runner.buckets == len(DECODE) + len(MIXED) and runner.distinct_graphs == graphs
     spec = HiddenStatesSpec(layers=[0], points="resid_post", positions="all")
     prompts = random_prompts([4, 6, 5], seed=8)
     graphed.generate(prompts, [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
                                               hidden_states=spec if i else None) for i in range(3)], use_tqdm=False)
-    assert runner.captures_after_warmup == 0 and runner.distinct_graphs == 2 * (len(DECODE) + len(MIXED))
+    assert runner.captures_after_warmup == 0 and runner.distinct_graphs == graphs
     assert sum(runner.replays.values()) > 0
 
 
@@ -190,3 +208,28 @@ def test_a_preempted_request_captures_each_position_once(tiny_models):
     got = graphed.generate(prompts, params, use_tqdm=False)
     assert graphed.engine.scheduler.num_preemptions > 0
     _same(_eager(folder).generate(prompts, params, use_tqdm=False), got)
+
+
+def test_projected_head_selected_and_sae_extended_captures_in_a_graph(tiny_models):
+    """A capture whose record differs from its result: a projection, a head selection, and raw states
+    of layers other than the one its SAE reads (the record also holds the SAE's layer). The graph
+    hands each request its rows as recorded (every head, full width, only its own layers)."""
+    folder = tiny_models["llama"]
+    graphed = _graphed(folder)
+    hidden = graphed.engine.model_config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    sae = SAE(SAEConfig("standard", hidden, 32, point="resid_post", layer=1), torch.randn(hidden, 32, generator=g),
+              torch.zeros(32), torch.randn(32, hidden, generator=g), torch.zeros(hidden))
+    specs = [HiddenStatesSpec(layers=[0, 2], points="resid_post", positions="all", project=torch.randn(2, hidden)),
+             HiddenStatesSpec(layers=[1], points=["z", "k"], positions="all", heads=[2, 0]),
+             HiddenStatesSpec(layers=[0], points="resid_post", positions="all", sae=sae, features="topk:4")]
+    prompts = random_prompts([6, 9, 5], seed=13)
+    params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, hidden_states=s) for s in specs]
+    want = _eager(folder).generate(prompts, params, use_tqdm=False)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert all(o.error is None for o in got), [o.error for o in got]
+    assert graphed.engine.runner.policy.graph_steps > 0 and not graphed.engine.runner.policy.eager_steps
+    _same(want, got)
+    f, h = got[2].hidden_states.features, want[2].hidden_states.features
+    assert f.ids.tolist() == h.ids.tolist()
+    _close(f.values, h.values)

@@ -222,8 +222,8 @@ def test_a_step_without_capture_or_steering_builds_no_tap(tiny_models, monkeypat
     real_build = tap_module.StepTap.build
     monkeypatch.setattr(tap_module, "CapturePlan", refuse)
     monkeypatch.setattr(tap_module, "SteeringPlan", refuse)
-    monkeypatch.setattr(tap_module.StepTap, "build",
-                        classmethod(lambda cls, *a: built.append(real_build.__func__(cls, *a)) or built[-1]))
+    monkeypatch.setattr(tap_module.StepTap, "build", classmethod(
+        lambda cls, *a, **kw: built.append(real_build.__func__(cls, *a, **kw)) or built[-1]))
     out = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                        use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)

@@ -95,15 +95,15 @@ def test_a_steer_that_overflows_the_activations_fails_its_request_alone(tiny_mod
 def test_a_forward_pass_error_is_isolated_to_its_request(llm, solo, monkeypatch):
     """An unexpected error inside the batched forward: the step is rerun in halves to find its owner."""
     runner = llm.engine.runner
-    real = runner.execute
+    real = runner.launch
     poisoned = random_prompts([10], seed=99)[0]
 
-    def execute(items):
+    def launch(items):
         if any(it.request.prompt_token_ids == poisoned for it in items):
             raise RuntimeError("kernel failure")
         return real(items)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "launch", launch)
     outs = llm.generate(GOOD[:3] + [poisoned] + GOOD[3:], _good_params(), use_tqdm=False)
     failed = outs.pop(3)
     assert failed.outputs[0].finish_reason == "error" and "kernel failure" in failed.error
@@ -162,3 +162,23 @@ def test_logprobs_up_to_the_limit_and_the_limit_is_configurable(tiny_models, llm
     wide = LLM(tiny_models["llama"], dtype="float32", max_logprobs=49152)
     out = wide.generate([GOOD[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=49152), use_tqdm=False)[0]
     assert len(out.outputs[0].logprobs[0]) == 49152
+
+
+def test_a_failed_step_leaves_a_seeded_request_s_draws_unchanged(llm, monkeypatch):
+    """A step that fails in its forward pass had already drawn its seeded rows' uniforms; when it is
+    rerun (in halves), each seeded request must draw the same uniform again, not its next one."""
+    seeded = SamplingParams(max_tokens=8, temperature=5.0, seed=7, ignore_eos=True)
+    want = llm.generate([GOOD[1]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    poison = 17  # in no GOOD prompt (their ids are 100 and above)
+    model = llm.engine.runner.model
+    real = model.forward
+
+    def forward(input_ids, *args, **kwargs):
+        if bool((input_ids == poison).any()):
+            raise RuntimeError("kernel failure")
+        return real(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", forward)
+    bad, good = llm.generate([[poison] + GOOD[0], GOOD[1]], [_good_params(), seeded], use_tqdm=False)
+    assert bad.error is not None and "kernel failure" in bad.error
+    assert good.error is None and good.outputs[0].token_ids == want

@@ -24,7 +24,7 @@ def capture(num_prompt: int, max_positions: int, **spec: object) -> RequestCaptu
     hs = HiddenStatesSpec(**spec)
     sel = resolve(hs, num_layers=LAYERS, hidden_size=HIDDEN, model_dtype=torch.float32, num_prompt=num_prompt,
                   max_positions=max_positions, encode=False)
-    return RequestCapture(sel, hs, num_prompt, CPU)
+    return RequestCapture(sel, hs, CPU)
 
 
 def steering(num_prompt: int, *steers: Steer) -> RequestSteering:

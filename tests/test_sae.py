@@ -328,7 +328,7 @@ def _sae(arch: str, point: str = "resid_post", layer: int = 1, d_sae: int = 256,
 def test_sparse_latents_decode_by_gathering(arch):
     """A sparse SAE's reconstruction (for the error norm) gathers its active decoder rows; it equals
     the dense decode, with per-row normalization too, and a row with no active latent gives b_dec."""
-    from tapllm.sae import features as fm
+    from tapllm.sae import encode as fm
 
     sae = _sae(arch, d_sae=512, seed=11)
     sae.b_enc -= 6.0  # about 1 latent in 100 active

@@ -266,3 +266,27 @@ def test_resid_mid_steering_matches_transformers_hooks(arch, tiny_models):
         assert_close(states["final"][:, 0], hs[-1], 1e-4)
         n = min(len(states.positions), len(base.hidden_states.positions))
         assert not torch.allclose(states["final"][:n], base.hidden_states["final"][:n])  # the steer did something
+
+
+def test_several_adds_at_a_head_point_take_a_head_dim_vector(tiny_models):
+    """Adds at one head point merge into one index_add_ in the eager step: a ``[head_dim]`` vector
+    (applied to every head) must merge with others as its ``[heads, head_dim]`` expansion does."""
+    llm = LLM(tiny_models["llama"], dtype="float32", enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(8)
+    u, w = torch.randn(16, generator=g), torch.randn(16, generator=g)
+
+    def params(short: bool) -> SamplingParams:
+        a, b = (u, w) if short else (u.expand(4, 16), w.expand(4, 16))
+        return SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                              steering=[Steer(layers=[1], point="z", vector=a, scale=2.0),
+                                        Steer(layers=[1], point="z", vector=b, positions="generated")],
+                              hidden_states=HiddenStatesSpec(layers=[1], points="z", positions="all"))
+
+    prompts = random_prompts([7, 11], seed=4)
+    want = llm.generate(prompts, params(short=False), use_tqdm=False)
+    for got in (llm.generate(prompts, params(short=True), use_tqdm=False),  # two requests, two adds each
+                llm.generate(prompts, [params(short=True), params(short=False)], use_tqdm=False)):
+        for a, b in zip(got, want):
+            assert a.error is None, a.error
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert_close(a.hidden_states["z"], b.hidden_states["z"])

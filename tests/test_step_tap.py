@@ -23,7 +23,7 @@ def capture(num_prompt: int, **spec: object) -> RequestCapture:
     hs = HiddenStatesSpec(**spec)
     sel = resolve(hs, num_layers=LAYERS, hidden_size=HIDDEN, model_dtype=torch.float32, num_prompt=num_prompt,
                   max_positions=num_prompt, encode=True, point_shapes=SHAPES)
-    return RequestCapture(sel, hs, num_prompt, CPU)
+    return RequestCapture(sel, hs, CPU)
 
 
 def steering(num_prompt: int, *steers: Steer) -> RequestSteering:

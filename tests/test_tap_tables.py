@@ -88,6 +88,7 @@ def test_site_kernel_equals_reference(dtype):
                 rec += sites.all[s].width
             cap = SlotCapture(offsets, rec, int(torch.randint(0, 3, (1,), generator=g)), 7, last_only=slot == 3)
             assert t.write(slot, cap if slot != 2 else None, _random_ops(g, sites, dtype)) is None
+        t.flush_pending()
     row_slot = torch.tensor([1, 1, 1, 0, 2, 2, 3, 3, 3, 4, 5, 5])
     positions = torch.tensor([2, 3, 4, 9, 0, 1, 4, 5, 6, 3, 0, 0])
     last = torch.tensor([0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0], dtype=torch.bool)
@@ -114,6 +115,7 @@ def test_untapped_rows_are_left_exactly_as_they_were():
     ops = [SlotOp(site.index, OP_SCALE, 0, NO_END, torch.full((1, HIDDEN), 3.0)),
            SlotOp(site.index, OP_DIRECTION, 0, NO_END, torch.nn.functional.normalize(torch.randn(1, HIDDEN)), value=2.0)]
     assert t.write(2, None, ops) is None
+    t.flush_pending()
     row_slot, positions = torch.tensor([0, 2, 1]), torch.tensor([5, 5, 5])
     t.prologue(row_slot, positions, torch.ones(3, dtype=torch.bool))
     x = torch.randn(3, HIDDEN).to(torch.bfloat16)

@@ -131,7 +131,7 @@ class BlockManager:
         """Publish the blocks of ``req`` that are now completely computed."""
         if not self.enable_prefix_caching:
             return
-        full = req.num_computed_tokens // self.block_size
+        full = min(req.num_computed_tokens, len(req.token_ids)) // self.block_size  # tokens the host knows
         for i, h in enumerate(self._hashes(req, full)):
             b = req.block_table[i]
             if self.block_hash[b] is None and h not in self.cached:

@@ -2,7 +2,7 @@
 
 A graph holds a whole step over the static :class:`~tapllm.engine.input_buffers.InputBuffers`:
 the cache slots of its rows (looked up on the device from the block table), every block, the
-final norm and the logits of the rows that sample. Two kinds:
+final norm, the logits of the rows that sample and their greedy tokens. Two kinds:
 
 * ``decode``: every row is one request's next token; the size is the number of rows, and decode
   attention reads each row's blocks in place;
@@ -16,6 +16,11 @@ captures what each row's slot asked for in the slot tables, so one tapped graph 
 taps: the number of graphs is bounded by the buckets, and nothing is captured after start-up. A
 step of ``n`` rows or tokens replays the graph of the next size up; its padding rows read the
 padding slot and write to the padding block.
+
+Rows that draw at random are sampled by a second, small graph per number of sampled rows
+(:meth:`GraphRunner.draw`), replayed after the step's graph only when some row draws: it reads the
+step graph's logits and each row's slot parameters (``engine/graph_sampler.py``), so greedy steps
+pay for no sort.
 
 Without a GPU, ``capture=False`` makes :meth:`GraphRunner.run` call the very function a graph holds,
 on the same buffers (the tests and ``benchmarks/step_budget.py`` count what it does).
@@ -32,6 +37,7 @@ import torch
 
 from tapllm.backends.ops import AttentionOps
 from tapllm.engine.block_tables import BlockTables
+from tapllm.engine.graph_sampler import SlotSampling
 from tapllm.backends.policy import GraphKey
 from tapllm.engine.input_buffers import InputBuffers, InputViews
 from tapllm.engine.table_tap import TableTap
@@ -47,19 +53,23 @@ class GraphOutputs:
 
     hidden: torch.Tensor  # [size, hidden]
     logits: torch.Tensor  # [rows that may sample, vocab]
+    tokens: torch.Tensor  # [rows that may sample] float64: greedy tokens, or the drawn ones after draw()
 
 
 class GraphRunner:
     """Captures every graph at start-up and replays them (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, tables: BlockTables, inputs: InputBuffers,
-                 taps: TapTables | None, attn: AttentionOps, keys: list[GraphKey], device: torch.device, *,
+                 taps: TapTables | None, sampler: SlotSampling, attn: AttentionOps, keys: list[GraphKey],
+                 device: torch.device, *, last_token: torch.Tensor, vocab_size: int, dtype: torch.dtype,
                  capture: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.tables = tables
         self.inputs = inputs
         self.taps = taps
+        self.sampler = sampler
+        self.last_token = last_token  # [slots]: each slot's latest sampled token (inputs read it where they say -1)
         self.attn = attn
         self.device = device
         self.capture = capture
@@ -68,6 +78,15 @@ class GraphRunner:
         self.decode_sizes = sorted({k.size for k in keys if k.kind == "decode"})
         self.mixed_sizes = sorted({k.size for k in keys if k.kind == "mixed"})
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph | None, GraphOutputs | None]] = {}
+        self.draw_sizes = sorted({self.extent(k)[1] for k in keys})
+        self._draws: dict[int, torch.cuda.CUDAGraph | None] = {}
+        most = self.draw_sizes[-1]
+        # What a step graph leaves for the sampler graphs: the sampled rows' logits, slots and counters
+        # (the index of the token each samples), and the tokens.
+        self.logits = torch.zeros((most, vocab_size), dtype=dtype, device=device)
+        self.sample_slots = torch.full((most,), inputs.padding_slot, dtype=torch.int64, device=device)
+        self.counters = torch.zeros(most, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(most, dtype=torch.float64, device=device)
         self._pool = None
         self.warm = False
         self.captures_after_warmup = 0
@@ -86,7 +105,8 @@ class GraphRunner:
 
     @property
     def distinct_graphs(self) -> int:
-        return len(self._graphs)
+        """Step graphs (each bucket plain and tapped) and sampler graphs (one per number of sampled rows)."""
+        return len(self._graphs) + len(self._draws)
 
     # ---- capture ------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -94,6 +114,8 @@ class GraphRunner:
         t0 = time.perf_counter()
         for key in sorted(self.keys, key=lambda k: -k.size):
             self._graphs[key] = self._record(key)
+        for size in reversed(self.draw_sizes):
+            self._draws[size] = self._record_draw(size)
         self.capture_seconds += time.perf_counter() - t0
         self.warm = True
 
@@ -114,12 +136,26 @@ class GraphRunner:
             self._pool = graph.pool()
         return graph, outputs
 
+    def _record_draw(self, size: int) -> torch.cuda.CUDAGraph | None:
+        if not self.capture:
+            return None
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.draw_body(size)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.draw_body(size)
+        return graph
+
     def _pad(self, key: GraphKey) -> None:
         """Every row and sequence padding: what capturing may run without harm."""
         rows, seqs = self.extent(key)
         host = torch.zeros(self.inputs.size, dtype=torch.int64)
         self.inputs.fill(host.numpy(), rows, seqs, ids=[], positions=[], row_slot=[], last_rows=[], cu_q=[0], ctx=[],
-                         seq_rows=[], sample_rows=[])
+                         seq_rows=[], sample_rows=[], sample_slot=[])
         self.inputs.load(host.to(self.device))
 
     # ---- replay -------------------------------------------------------------------------------
@@ -136,6 +172,23 @@ class GraphRunner:
             return self.body(key)
         graph.replay()
         return outputs
+
+    def draw(self, rows: int) -> torch.Tensor:
+        """Replay the sampler graph over the first ``rows`` sampled rows of the step just replayed (some of
+        them draw at random); returns the tokens (float64, the sampler graph's size)."""
+        size = next(s for s in self.draw_sizes if s >= rows)
+        graph = self._draws.get(size)
+        if graph is None:
+            self.draw_body(size)
+        else:
+            graph.replay()
+        return self.tokens[:size]
+
+    def draw_body(self, size: int) -> None:
+        """What a sampler graph holds: every row's token by its slot's parameters."""
+        self.tokens[:size].copy_(self.sampler.sample(self.logits[:size], self.sample_slots[:size],
+                                                     self.counters[:size], draw=True))
+        self.last_token.index_copy_(0, self.sample_slots[:size], self.tokens[:size].clamp(min=0).long())
 
     def extent(self, key: GraphKey) -> tuple[int, int]:
         """(rows, sequences) of ``key``'s inputs."""
@@ -162,6 +215,18 @@ class GraphRunner:
         if key.tapped:
             tap = TableTap(self.taps, v.row_slot, v.positions, v.last_rows, fuse=self.fuse_sites)
             tap.begin()
-        hidden = self.model(v.ids, v.positions, self.kv_caches, meta, tap)
-        rows = hidden if key.kind == "decode" else hidden.index_select(0, v.sample_rows)
-        return GraphOutputs(hidden, self.model.compute_logits(rows))
+        ids = torch.where(v.ids < 0, self.last_token.index_select(0, v.row_slot), v.ids)
+        hidden = self.model(ids, v.positions, self.kv_caches, meta, tap)
+        if key.kind == "decode":  # every row samples
+            rows, slots, positions = hidden, v.row_slot, v.positions
+        else:
+            rows = hidden.index_select(0, v.sample_rows)
+            slots, positions = v.sample_slot, v.positions.index_select(0, v.sample_rows)
+        n = rows.shape[0]
+        logits = self.logits[:n]
+        logits.copy_(self.model.compute_logits(rows))
+        self.sample_slots[:n].copy_(slots)
+        torch.add(positions, 1, out=self.counters[:n])
+        self.tokens[:n].copy_(self.sampler.sample(logits, self.sample_slots[:n], self.counters[:n], draw=False))
+        self.last_token.index_copy_(0, self.sample_slots[:n], self.tokens[:n].clamp(min=0).long())
+        return GraphOutputs(hidden, logits, self.tokens[:n])

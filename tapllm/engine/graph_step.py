@@ -9,8 +9,10 @@ is remembered per request, and the steps holding it run eagerly with that reason
 After a replay, :meth:`GraphStep.deliver` hands each capturing request its rows: the host worked
 out, from its mirror of the tables, where every captured row went in the capture buffer; the part
 used is copied to the host once, and a request that keeps its rows as captured takes a view of
-its block of it. A request that reduces, projects, selects heads, reads the lens or SAE features
-takes its block on the device and goes through its usual consumer.
+its block of it. A request that reduces, projects, selects heads or reads the lens takes its block
+on the device and goes through its usual consumer. SAE features are computed for every request of
+an SAE at once, from their blocks on the device, and come back in one copy per SAE
+(:class:`tapllm.sae.batch.FeatureBatch`, with the fused kernel where it applies).
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ import torch
 from tapllm.backends.policy import GraphKey, GraphSizes, StepShape
 from tapllm.engine.block_tables import BlockTables
 from tapllm.engine.cuda_graphs import GraphOutputs, GraphRunner
+from tapllm.engine.graph_sampler import SlotSampling
 from tapllm.engine.input_buffers import InputBuffers
 from tapllm.engine.request import Request
 from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
 from tapllm.engine.step_inputs import StepLayout
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.sink import CopySink
-from tapllm.sae.features import FeatureBatch
+from tapllm.sae.batch import FeatureBatch
+from tapllm.tap.points import BY_NAME
 from tapllm.tap.sites import Sites
 from tapllm.tap.tables import TapTables
 
@@ -67,7 +71,7 @@ class GraphStep:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, tables: BlockTables, sizes: GraphSizes,
                  attn: object, shapes: dict[str, tuple[int, ...]], num_layers: int, dtype: torch.dtype,
-                 device: torch.device, *, capture: bool) -> None:
+                 vocab_size: int, last_token: torch.Tensor, device: torch.device, *, capture: bool) -> None:
         self.device = device
         self.block_tables = tables
         rows = max(sizes.mixed[-1] if sizes.mixed else 0, sizes.decode[-1] if sizes.decode else 0)
@@ -78,10 +82,13 @@ class GraphStep:
                               pool_rows=POOL_ROWS_PER_SEQ * slots,
                               capture_numbers=CAPTURE_POINTS_PER_TOKEN * hidden * rows)
         self.inputs = InputBuffers(rows, sizes.max_seqs, tables.padding_slot, device)
-        self.graphs = GraphRunner(model, kv_caches, tables, self.inputs, self.taps, attn, sizes.keys(), device,
-                                  capture=capture)
+        self.sampler = SlotSampling(slots, vocab_size, device)
+        self.graphs = GraphRunner(model, kv_caches, tables, self.inputs, self.taps, self.sampler, attn, sizes.keys(),
+                                  device, last_token=last_token, vocab_size=vocab_size, dtype=dtype, capture=capture)
         self._generation = tables.generation
         self._joined: dict[Request, _Joined] = {}
+        self.pending: list[tuple[torch.Tensor, np.ndarray]] = []  # sampling rows of slots joined this step
+        self._places: tuple[np.ndarray, int] | None = None  # the step's capture places (TapTables.places)
 
     def warm_up(self) -> None:
         """Capture every graph (start-up)."""
@@ -90,18 +97,27 @@ class GraphStep:
     # ---- slots ---------------------------------------------------------------------------------
     def shape(self, lay: StepLayout) -> StepShape:
         """The step's shape for the decider; requests new to their slot write their tables first."""
-        tapped = False
+        tapped = captures = False
         blocked = None
         for it, slot in zip(lay.items, lay.item_slots):
             req = it.request
-            if req.capture is None and req.steering is None:
-                continue
             joined = self._join(req, slot)
             if joined.blocked is not None:
                 blocked = blocked or joined.blocked
             tapped = tapped or self.taps.taps(slot)
+            captures = captures or req.capture is not None
         if self.block_tables.generation != self._generation:
             blocked = "the block table moved"
+        self._places = None
+        if captures and blocked is None:
+            # The site kernel writes each captured row where the prologue places it, unchecked: a step
+            # whose captures all together overrun the buffer must not replay.
+            sizes = [it.num_tokens for it in lay.items]
+            last = np.zeros(len(lay.pos), dtype=np.bool_)
+            last[np.cumsum(sizes) - 1] = True
+            self._places = self.taps.places(np.repeat(lay.item_slots, sizes), np.asarray(lay.pos), last)
+            if self._places[1] > self.taps.cap_out.numel():
+                blocked = "the step's captures exceed the capture buffer"
         return StepShape(lay.decode_only, len(lay.ids), len(lay.items), len(lay.sample_rows), tapped, blocked)
 
     def _join(self, req: Request, slot: int) -> _Joined:
@@ -111,6 +127,9 @@ class GraphStep:
         if joined is not None and joined.slot != slot:
             self.taps.clear(joined.slot)
         joined = self._joined[req] = _Joined(slot, req.num_preemptions)
+        self.pending.append(self.sampler.pending_write(slot, req.params, req.seed))
+        if req.capture is None and req.steering is None:
+            return joined
         capture = layout = None
         ops: list = []
         if req.capture is not None:
@@ -145,28 +164,37 @@ class GraphStep:
             for it in lay.items:
                 cu.append(cu[-1] + it.num_tokens)
                 ctx.append(it.start)
-            kw = dict(cu_q=cu, ctx=ctx, seq_rows=lay.item_slots, sample_rows=[r for r, _ in lay.sample_rows])
-        self._row_slot, self._last = row_slot, last
+            kw = dict(cu_q=cu, ctx=ctx, seq_rows=lay.item_slots, sample_rows=[r for r, _ in lay.sample_rows],
+                      sample_slot=[row_slot[r] for r, _ in lay.sample_rows])
         self.inputs.fill(host, rows, seqs, ids=lay.ids, positions=lay.pos, row_slot=row_slot, last_rows=last, **kw)
+
+    def writes(self) -> list[tuple[torch.Tensor, np.ndarray]]:
+        """The table rows written since the last step (slots joined), for the step's upload; then forgotten."""
+        out = self.pending + self.taps.pending
+        self.pending, self.taps.pending = [], []
+        return out
 
     def run(self, key: GraphKey, uploaded: torch.Tensor) -> GraphOutputs:
         """Copy the step's uploaded inputs into the graph's buffers and replay ``key``'s graph."""
         self.inputs.load(uploaded)
         return self.graphs.run(key)
 
-    def deliver(self, lay: StepLayout, sink: CopySink) -> dict[RequestCapture, str]:
-        """Hand each capturing request its rows of the step just replayed (see the module docstring);
-        returns the captures that failed alone."""
+    def deliver(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset = frozenset()
+                ) -> dict[RequestCapture, str]:
+        """Hand each capturing request its rows of the step just replayed (see the module docstring), except
+        requests in ``stopped`` (they ended at the step before: these rows are past their end); returns the
+        captures that failed alone."""
         entries: list[_Delivery] = []
         base = None
         for it, row in _capture_items(lay):
             req = it.request
+            if req in stopped or req.finished:
+                continue
             window = req.capture.window(it.start, it.num_tokens)
             if window is None:
                 continue
             if base is None:
-                base, total = self.taps.places(np.asarray(self._row_slot), np.asarray(lay.pos),
-                                               np.asarray(self._last))
+                base, _ = self._places  # computed by shape() for this step
             rows = base[row : row + it.num_tokens]
             inside = np.flatnonzero(rows >= 0)
             a, b = window
@@ -180,17 +208,17 @@ class GraphStep:
             return {}
         sink.settle()
         host = None
-        if any(e.capture.takes_host_rows for e in entries):
-            end = max(e.start + (e.b - e.a) * e.layout.size for e in entries if e.capture.takes_host_rows)
+        raw = [e for e in entries if e.capture.sel.points]  # a request of SAE features only keeps no rows
+        if any(e.capture.takes_host_rows for e in raw):
+            end = max(e.start + (e.b - e.a) * e.layout.size for e in raw if e.capture.takes_host_rows)
             host = _to_host(self.taps.cap_out[:end], sink)
         failed: dict[RequestCapture, str] = {}
-        for e in entries:
+        for e in raw:
             n, size = e.b - e.a, e.layout.size
             on_host = e.capture.takes_host_rows
             block = (host if on_host else self.taps.cap_out)[e.start : e.start + n * size].view(n, size)
             for point in e.capture.sel.points:
-                keys, start, width = e.layout.part(point)
-                rows = block[:, start : start + width].view(n, len(keys), *e.capture.sel.shapes[point])
+                rows = self._recorded(e, block, point)
                 try:
                     if on_host:
                         e.capture.take(point, rows, e.a, e.b)
@@ -201,12 +229,22 @@ class GraphStep:
                     break
         features = [e for e in entries if e.features and e.capture not in failed]
         if features:
-            failed.update(FeatureBatch(features).run(self._device_rows, sink, failed))
+            failed.update(FeatureBatch(features, kernel=True).run(self._device_rows, sink, failed))
         sink.flush()
         for e in entries:
             if e.capture not in failed:
                 e.capture.advance(e.a, e.b)
         return failed
+
+    def _recorded(self, e: _Delivery, block: torch.Tensor, point: str) -> torch.Tensor:
+        """``e``'s rows of ``point`` as the tap recorded them, ``[b - a, layers, *row]``: the site's full row
+        (every head, no projection: the capture selects and projects them) of the layers the request
+        captures, which come first in the record; the layers only its SAE reads follow them."""
+        keys, start, _ = e.layout.part(point)
+        site = self.sites.of(point, keys[0])
+        row = (site.groups, site.group_width) if BY_NAME[point].heads is not None else (site.width,)
+        layers = len(e.capture.sel.layer_keys(point))
+        return block[:, start : start + layers * site.width].view(block.shape[0], layers, *row)
 
     def _device_rows(self, e: _Delivery, point: str, key: int) -> torch.Tensor:
         """``e``'s rows of ``point`` at layer ``key`` in the capture buffer: ``[b - a, width]``."""
@@ -215,6 +253,18 @@ class GraphStep:
         each = width // len(keys)
         first = start + keys.index(key) * each
         return self.taps.cap_out[e.start : e.start + n * size].view(n, size)[:, first : first + each]
+
+
+def graph_step_bytes(sizes: GraphSizes, hidden: int, vocab: int, slots: int, act_bytes: int) -> int:
+    """About what a graph step holds on the device besides a step's activations (counted out of the KV
+    cache's budget): the capture buffer, the steering pool, the sampled rows' logits, every graph's kept
+    hidden rows, and a drawing step's sort of its logits."""
+    rows = max(max(sizes.mixed, default=0), max(sizes.decode, default=0))
+    sampled = max(max(sizes.decode, default=0), min(rows, sizes.max_seqs))
+    capture = CAPTURE_POINTS_PER_TOKEN * hidden * rows * act_bytes
+    pool = POOL_ROWS_PER_SEQ * slots * 4 * hidden * 4  # rows as wide as the widest point (about 4x hidden)
+    graphs_hidden = 2 * sum(s for s in (*sizes.decode, *sizes.mixed)) * hidden * act_bytes
+    return capture + pool + sampled * vocab * (act_bytes + 24) + graphs_hidden
 
 
 def _capture_items(lay: StepLayout):
@@ -229,9 +279,4 @@ def _capture_items(lay: StepLayout):
 def _to_host(t: torch.Tensor, sink: CopySink) -> torch.Tensor:
     """A host copy of ``t``, for requests to keep views of: pinned and asynchronous on CUDA (the sink
     waits for it before any result is read), a plain copy on the CPU."""
-    if t.device.type == "cpu":
-        return t.clone()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    sink.track(host, t)
-    return host
+    return t.clone() if t.device.type == "cpu" else sink.host_copy(t)

@@ -9,7 +9,9 @@ block-table row names only the padding block, at position 0 and writes its key a
 Per row: the token id, its position, its slot (the block-table row of its request) and whether it
 is the last row of its request's chunk. Per sequence (for the attention of a step with prefill
 chunks): the first row of each sequence (``cu_q``, one more entry than sequences), the tokens it
-had cached before the step (``ctx``) and its slot. Per sampled row: the batch row it reads.
+had cached before the step (``ctx``) and its slot. Per sampled row: the batch row it reads and its
+slot (the padding slot past the step's). A row whose token id is -1 reads its slot's last sampled
+token on the device (the host is a step ahead of the tokens).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 _ROW_FIELDS = ("ids", "positions", "row_slot", "last_rows")
-_SEQ_FIELDS = ("ctx", "seq_rows", "sample_rows")
+_SEQ_FIELDS = ("ctx", "seq_rows", "sample_rows", "sample_slot")
 
 
 @dataclass(slots=True)
@@ -35,6 +37,7 @@ class InputViews:
     ctx: torch.Tensor
     seq_rows: torch.Tensor
     sample_rows: torch.Tensor
+    sample_slot: torch.Tensor
 
 
 class InputBuffers:
@@ -64,11 +67,12 @@ class InputBuffers:
 
         return InputViews(field("ids", rows), field("positions", rows), field("row_slot", rows),
                           field("last_rows", rows), field("cu_q", seqs + 1), field("ctx", seqs),
-                          field("seq_rows", seqs), field("sample_rows", seqs))
+                          field("seq_rows", seqs), field("sample_rows", seqs), field("sample_slot", seqs))
 
     def fill(self, host: np.ndarray, rows: int, seqs: int, *, ids: list[int], positions: list[int], row_slot: list[int],
              last_rows: list[int], cu_q: list[int] | None = None, ctx: list[int] | None = None,
-             seq_rows: list[int] | None = None, sample_rows: list[int] | None = None) -> None:
+             seq_rows: list[int] | None = None, sample_rows: list[int] | None = None,
+             sample_slot: list[int] | None = None) -> None:
         """Write one step's values into ``host`` (laid out like the buffer), padding its rows to ``rows`` and
         its sequences to ``seqs`` (a padding row reads the padding slot at position 0; a padding sequence is
         empty)."""
@@ -92,9 +96,10 @@ class InputBuffers:
                 h[:k] = values
                 h[k:seqs] = pad
         if sample_rows is not None:
-            h = field("sample_rows")
-            h[: len(sample_rows)] = sample_rows
-            h[len(sample_rows) : seqs] = 0
+            for name, values, pad in (("sample_rows", sample_rows, 0), ("sample_slot", sample_slot, self.padding_slot)):
+                h = field(name)
+                h[: len(values)] = values
+                h[len(values) : seqs] = pad
 
     def load(self, uploaded: torch.Tensor) -> None:
         """Copy a step's uploaded values (what :meth:`fill` wrote) into the buffers (a copy on the device)."""

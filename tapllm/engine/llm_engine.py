@@ -22,12 +22,12 @@ from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.input_processor import InputProcessor
 from tapllm.engine.kv_memory import IdleRelease
 from tapllm.engine.model_source import resolve_model_config
-from tapllm.engine.model_runner import ModelRunner, StepResult
+from tapllm.engine.model_runner import ModelRunner
+from tapllm.engine.step_loop import StepLoop
 from tapllm.engine.output_processor import OutputProcessor
 from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.request import Request, RequestStatus
-from tapllm.engine.sampler import RowFailure
-from tapllm.engine.scheduler import ScheduledItem, Scheduler
+from tapllm.engine.scheduler import Scheduler
 from tapllm.engine.chat import load_chat_template
 from tapllm.engine.tokenizer import load_tokenizer
 from tapllm.hidden_states.capture import RequestCapture
@@ -80,6 +80,10 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.last_step_tokens = 0  # tokens the latest step ran (prompt chunks and decodes): a metric
         self.idle = IdleRelease(self.runner, self.blocks, engine_config)
+        ahead = engine_config.async_scheduling
+        if ahead is None:  # a step ahead where it pays: the device runs steps while the host prepares the next
+            ahead = self.runner.graph_step is not None and not self.runner.backend.graphs_emulated
+        self.loop = StepLoop(self, ahead)
         # The loaded model, tokenizer and grammar tables are long-lived: frozen out of the collector's
         # generations, they are no longer walked by every full collection of the step loop.
         gc.collect()
@@ -135,7 +139,7 @@ class LLMEngine:
             seed = params.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-            req.generator = torch.Generator().manual_seed(seed)
+            req.seed = seed
         req.detokenizer = self.output_processor.detokenizer(req)
         if not req.encode_only:
             req.samples = [self._new_sample(req, i, seed, prepared.grammar) for i in range(1, params.num_samples)]
@@ -148,7 +152,7 @@ class LLMEngine:
         self.requests[req.request_id] = req
         if req.selection is not None:
             try:  # a reducer plugin's start() runs here
-                req.capture = RequestCapture(req.selection, params.hidden_states, req.num_prompt_tokens, self.device,
+                req.capture = RequestCapture(req.selection, params.hidden_states, self.device,
                                              self.runner.model.lens_logits)
             except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                 self._fail(req, f"hidden_states: starting the capture failed: {type(exc).__name__}: {exc}",
@@ -160,7 +164,7 @@ class LLMEngine:
     def _new_sample(self, req: Request, index: int, seed: int | None, grammar: Grammar | None) -> Request:
         """Sample ``index`` of ``req``'s prompt, waiting to fork from it once the prompt is computed."""
         sample = Request(f"{req.request_id}#{index}", req.arrival, req.prompt, req.prompt_token_ids, req.params,
-                         None if seed is None else torch.Generator().manual_seed(sample_seed(seed, index)),
+                         None if seed is None else sample_seed(seed, index),
                          cache_salt=req.cache_salt, status=RequestStatus.WAITING, selection=req.selection,
                          steering=req.steering, max_tokens=req.max_tokens,
                          controls=req.controls, track_cumulative=req.track_cumulative, sample_index=index,
@@ -186,8 +190,8 @@ class LLMEngine:
                 self.runner.release(sample)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is queued or running."""
-        return self.scheduler.has_unfinished()
+        """True while any request is queued or running (or a step's tokens are still to be taken)."""
+        return self.scheduler.has_unfinished() or self.loop.busy()
 
     def stats(self) -> EngineStats:
         """Live numbers for monitoring (requests running and waiting, cache use and hits)."""
@@ -202,55 +206,12 @@ class LLMEngine:
 
         A failure that belongs to one request (its sampling, capture, reducer plugin,
         steering, detokenization) finishes that request alone with ``finish_reason="error"``;
-        the others in the batch go on as if it had not been there.
+        the others in the batch go on as if it had not been there. With the host a step ahead
+        (``async_scheduling``), a step's tokens are taken during the next call (see
+        ``engine/step_loop.py``).
         """
         self.idle.busy()
-        sched = self.scheduler.schedule()
-        for req in sched.preempted:  # its slot goes back: it takes one anew when it runs again
-            self.runner.release(req)
-        self.runner.copy_blocks(self.blocks.take_copies())  # copy-on-write of blocks shared by samples
-        finished: list[Request] = []
-        for req in sched.dropped:  # unreachable while max_model_len fits the cache; kept as a guard
-            self._fail(req, f"the request needs {req.num_tokens} tokens of KV cache, more than the cache "
-                       f"holds ({self.blocks.num_blocks * self.blocks.block_size})", "invalid_request_error")
-            finished.append(req)
-        self.last_step_tokens = sum(it.num_tokens for it in sched.items)
-        if not sched.items:
-            return finished
-        now = time.monotonic()
-        for it in sched.items:
-            if it.request.times.scheduled is None:
-                it.request.times.scheduled = now
-        result = self._execute_isolated(sched.items)
-        for req, failure in result.failed.items():
-            self._fail(req, failure.message, failure.error_type)
-            finished.append(req)
-        for it in sched.items:
-            req = it.request
-            if req.finished:
-                continue
-            req.num_computed_tokens += it.num_tokens
-            self.blocks.cache_full_blocks(req)
-            if req.encode_only and it.samples:
-                self._finish(req, "length", None)
-                finished.append(req)
-        for req in result.sampled:
-            if req.parent is not None and req in req.parent.forks:
-                self._fork(req)
-        now = time.monotonic()
-        for req, token in result.sampled.items():
-            if req.finished:
-                continue
-            req.times.on_token(now)
-            self.num_generated_tokens += 1
-            end = self.output_processor.append_token(req, token)
-            if end is None:
-                continue
-            if end.error_type is not None:
-                self._fail(req, end.message or "", end.error_type)
-            else:
-                self._finish(req, end.reason, end.stop_reason)
-            finished.append(req)
+        finished = self.loop.step()
         # A prompt with several samples is finished when its last sample is.
         done: dict[int, Request] = {}
         for req in finished:
@@ -293,28 +254,6 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - belongs to this sample alone
                 self._fail(sample, f"hidden_states: copying the capture for sample {sample.sample_index} failed: "
                            f"{type(exc).__name__}: {exc}", "server_error")
-
-    def _execute_isolated(self, items: list[ScheduledItem]) -> StepResult:
-        """Run ``items``; if the batch raises, rerun halves until the failing request is alone.
-
-        Nothing a step commits (KV slots are rewritten with the same values, capture and
-        sampling happen after the forward) is done twice, so the other requests' tokens and
-        states equal those of an undisturbed step.
-        """
-        try:
-            return self.runner.execute(items)
-        except Exception as exc:  # noqa: BLE001 - isolated below
-            if len(items) == 1:
-                logger.exception("request %s failed in the forward pass", items[0].request.request_id)
-                return StepResult(failed={items[0].request: RowFailure(
-                    f"the forward pass failed for this request: {type(exc).__name__}: {exc}", "server_error")})
-            logger.warning("a step of %d requests failed (%s: %s); rerunning it in halves to isolate the cause",
-                           len(items), type(exc).__name__, exc)
-        mid = len(items) // 2
-        first, second = self._execute_isolated(items[:mid]), self._execute_isolated(items[mid:])
-        first.sampled.update(second.sampled)
-        first.failed.update(second.failed)
-        return first
 
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
         req.times.finished = time.monotonic()

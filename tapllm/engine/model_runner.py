@@ -6,8 +6,6 @@ import logging
 import math
 import mmap
 import time
-from dataclasses import dataclass, field
-
 import torch
 
 from tapllm.backends import Backend, select_backend
@@ -15,10 +13,12 @@ from tapllm.backends.policy import StepPolicy, default_graph_sizes
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.engine.logits_processors import TokenCounts
 from tapllm.engine.request import Request
-from tapllm.engine.sampler import RowFailure
+from tapllm.engine.sampler import RowFailure, graph_samples, read_tokens
 from tapllm.engine.scheduler import ScheduledItem
 from tapllm.engine.block_tables import BlockTables
-from tapllm.engine.graph_step import GraphStep
+from tapllm.engine.cuda_graphs import GraphOutputs
+from tapllm.engine.graph_step import GraphStep, graph_step_bytes
+from tapllm.engine.launched_step import Deliver, LaunchedStep, StepResult
 from tapllm.engine.staging import Download, Staging
 from tapllm.engine.step_inputs import StepBatch, StepLayout, lay_out, upload, upload_graph
 from tapllm.engine.step_tap import StepTap
@@ -83,14 +83,6 @@ def _linear_path(backend: Backend, dtype: torch.dtype) -> str:
     return f"plain F.linear ({support.reason or 'no oneDNN packing for ' + str(dtype)})"
 
 
-@dataclass(slots=True)
-class StepResult:
-    """What a step produced: a token per sampling request, and requests that failed alone."""
-
-    sampled: dict[Request, int] = field(default_factory=dict)
-    failed: dict[Request, RowFailure] = field(default_factory=dict)
-
-
 class ModelRunner:
     """Loads weights, allocates the paged KV cache and executes steps."""
 
@@ -149,6 +141,9 @@ class ModelRunner:
         width = min(-(-model_config.max_model_len // engine_config.block_size), self.num_blocks)
         self.block_tables = BlockTables(engine_config.max_num_seqs, width, engine_config.block_size, device,
                                         padding_block=self.padding_block)
+        # Each slot's latest sampled token, on the device: a step laid out before the previous one's tokens
+        # reached the host reads its rows' input there (see LLMEngine's host a step ahead).
+        self.last_token = torch.zeros(self.block_tables.table.shape[0], dtype=torch.int64, device=device)
         shape = (model_config.num_kv_heads, self.num_blocks + 1, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
             (_zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit),
@@ -172,7 +167,8 @@ class ModelRunner:
             self.graph_step = GraphStep(self.model, self.kv_caches, self.block_tables, graphs, self.backend.attention,
                                         {**{p: (model_config.hidden_size,) for p in HIDDEN_POINTS},
                                          **point_shapes(self.model)}, model_config.num_layers, model_config.dtype,
-                                        device, capture=not self.backend.graphs_emulated)
+                                        model_config.vocab_size, self.last_token, device,
+                                        capture=not self.backend.graphs_emulated)
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             with torch.inference_mode():
                 self.graph_step.warm_up()
@@ -221,20 +217,31 @@ class ModelRunner:
         mc = self.mcfg
         act_bytes = torch.tensor([], dtype=mc.dtype).element_size()
         reserve = self.ecfg.max_num_batched_tokens * (16 * mc.hidden_size + mc.vocab_size) * act_bytes
+        if self.backend.graphs is not None:  # what the graph step keeps besides its activations
+            reserve += graph_step_bytes(self.backend.graphs, mc.hidden_size, mc.vocab_size,
+                                        self.ecfg.max_num_seqs + 1, act_bytes)
         budget = util * total - weights - reserve
         if budget <= 0:
             raise ValueError(f"gpu_memory_utilization={util} leaves no memory for the KV cache "
                              f"({total / 1e9:.1f} GB device, {weights / 1e9:.1f} GB of weights)")
         return budget
 
-    @torch.inference_mode()
     def execute(self, items: list[ScheduledItem]) -> StepResult:
-        """Run one step of ``items``; returns the sampled tokens and the requests that failed alone.
+        """Run one step of ``items`` to the end; returns the sampled tokens and the requests that failed alone.
+
+        Raises only for errors that belong to the whole batch (the engine then isolates them).
+        """
+        step = self.launch(items)
+        step.deliver()
+        return step.result()
+
+    @torch.inference_mode()
+    def launch(self, items: list[ScheduledItem]) -> LaunchedStep:
+        """Queue one step of ``items`` on the device (see ``engine/launched_step.py``).
 
         The step is laid out on the host, the decider (:class:`~tapllm.backends.policy.StepPolicy`)
-        picks a graph or the eager step, its inputs go up in one upload, the forward runs, and the
-        results (captures, prompt logprobs, samples) come back. Raises only for errors that belong
-        to the whole batch (the engine then isolates them).
+        picks a graph or the eager step, its inputs go up in one upload, the forward and the sampling
+        are queued, and the tokens start on their way back; prompt logprobs are taken now.
         """
         items = sorted(items, key=lambda it: it.num_tokens != 1)  # decodes first
         self.capture_sink.pending.clear()  # a previous failed step may have left staged copies
@@ -244,29 +251,55 @@ class ModelRunner:
             key, _ = self.policy.choose(self.graph_step.shape(lay))
         if key is not None:
             gs = self.graph_step
+            # The graph's sampler takes every row unless one needs the plan (logprobs, controls, a grammar) or
+            # a row samples for several requests (forks of a prompt); then the plan samples the graph's logits.
+            own = all(graph_samples(req) for _, req in lay.sample_rows) and \
+                len({r for r, _ in lay.sample_rows}) == len(lay.sample_rows)
             batch, inputs = upload_graph(lay, self.staging, self.block_tables, lambda host: gs.fill(lay, key, host),
                                          gs.inputs.size, vocab_size=self.mcfg.vocab_size, device=self.device,
-                                         rows=len(lay.ids) if key.kind == "decode" else None)
+                                         rows=len(lay.ids) if key.kind == "decode" else None, writes=gs.writes(),
+                                         plan=not own)
             pending_mask = self._submit_masks(batch)
             out = gs.run(key, inputs)
             hidden, logits = out.hidden, out.logits
+
+            def deliver(stopped: set[Request]) -> dict:
+                return gs.deliver(lay, self.capture_sink, stopped)
+
+            if own:
+                return self._graph_sampled(items, batch, out, deliver)
             logits = logits.index_select(0, batch.sample_index) if batch.sample_index is not None else \
                 logits[: len(lay.sample_rows)]
-            failed_captures = self.graph_step.deliver(lay, self.capture_sink)
         else:
-            tap = StepTap.build(lay.captures, lay.steers, self.device, self.capture_sink)
+            tap = StepTap.build(lay.captures, lay.steers, self.device, self.capture_sink,
+                                sae_kernel=self.backend.name == "cuda")
             # Prompt-only requests need the blocks up to their deepest capture; a step of only such
             # requests stops there (their blocks are salted by that depth: see InputProcessor.prepare).
             depths = [it.request.depth for it in items]
             depth = None if None in depths else max(depths)
             batch = upload(lay, self.staging, self.block_tables, attn=self.backend.attention,
                            prompt_lengths=self.model.needs_prompt_lengths, vocab_size=self.mcfg.vocab_size,
-                           device=self.device)
+                           device=self.device, last_token=self.last_token)
             pending_mask = self._submit_masks(batch)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
             logits = None
-            failed_captures = tap.finish() if tap is not None else {}
-        return self._results(items, batch, hidden, logits, failed_captures, pending_mask)
+            deliver = (lambda stopped: tap.finish()) if tap is not None else None
+        return self._planned(items, batch, hidden, logits, deliver, pending_mask)
+
+    def _graph_sampled(self, items: list[ScheduledItem], batch: StepBatch, out: GraphOutputs, deliver: Deliver
+                       ) -> LaunchedStep:
+        """A graph step whose tokens the graph samples (drawing rows by its sampler graph)."""
+        failed = self._prompt_logprobs(batch, out.hidden)
+        requests = [req for _, req in batch.sample_rows]
+        if not requests:
+            return LaunchedStep(items, [], deliver=deliver, tokens=None, read=None, failed=failed, row_failures={},
+                                graph_sampled=True)
+        tokens = out.tokens
+        if any(not req.params.greedy for req in requests):
+            tokens = self.graph_step.graphs.draw(len(requests))
+        return LaunchedStep(items, requests, deliver=deliver, tokens=self.download.start(tokens[: len(requests)]),
+                            read=lambda codes, failures: read_tokens(codes, requests, failures), failed=failed,
+                            row_failures={}, graph_sampled=True)
 
     def _submit_masks(self, batch: StepBatch) -> object:
         """Grammar masks of the step's constrained rows, computed while the forward runs."""
@@ -274,28 +307,29 @@ class ModelRunner:
             [(i, req.grammar) for i, (_, req) in enumerate(batch.sample_rows) if req.grammar is not None],
             self.mcfg.vocab_size)
 
-    def _results(self, items: list[ScheduledItem], batch: StepBatch, hidden: torch.Tensor | None,
-                 logits: torch.Tensor | None, failed_captures: dict, pending_mask: object) -> StepResult:
-        """Captures' failures, prompt logprobs, then the samples (the one download the step waits for)."""
-        result = StepResult()
-        if failed_captures:
-            owner = {it.request.capture: it.request for it in items if it.request.capture is not None}
-            for capture, message in failed_captures.items():
-                result.failed[owner[capture]] = RowFailure(message, "server_error")
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor | None) -> dict[Request, RowFailure]:
+        """Fold the step's rows into the prompt logprobs of the requests that ask; returns those that failed."""
+        failed: dict[Request, RowFailure] = {}
         for it, row in batch.prompt_logprob_rows:
             req = it.request
             window = req.prompt_lp.window(it.start, it.num_tokens)
-            if window is None or req in result.failed:
+            if window is None:
                 continue
             a, b = window
             try:
                 req.prompt_lp.consume(hidden[row + a - it.start : row + b - it.start], a, b, self.model.compute_logits)
             except Exception as exc:  # noqa: BLE001 - belongs to this request alone
-                result.failed[req] = RowFailure(f"prompt_logprobs failed: {type(exc).__name__}: {exc}",
-                                                "server_error")
+                failed[req] = RowFailure(f"prompt_logprobs failed: {type(exc).__name__}: {exc}", "server_error")
+        return failed
+
+    def _planned(self, items: list[ScheduledItem], batch: StepBatch, hidden: torch.Tensor | None,
+                 logits: torch.Tensor | None, deliver: Deliver | None, pending_mask: object) -> LaunchedStep:
+        """A step the sampling plan samples: prompt logprobs, then the samples (their copy started)."""
+        failed = self._prompt_logprobs(batch, hidden)
         plan = batch.sampling
         if plan is None:
-            return result
+            return LaunchedStep(items, [], deliver=deliver, tokens=None, read=None, failed=failed, row_failures={},
+                                graph_sampled=False)
         if logits is None:
             if batch.sample_index is not None:  # all rows sample in a pure decode step: no gather
                 hidden = hidden.index_select(0, batch.sample_index)
@@ -303,13 +337,8 @@ class ModelRunner:
         mask = pending_mask.result() if pending_mask else None
         results = plan.sample(logits, self.token_counts, mask)
         failures = {row: RowFailure(message, "server_error") for row, message in (mask.errors if mask else {}).items()}
-        tokens = plan.read(self.download.fetch(results), failures)
-        for row, (req, token) in enumerate(zip(plan.requests, tokens)):
-            if row in failures:
-                result.failed.setdefault(req, failures[row])
-            elif req not in result.failed:
-                result.sampled[req] = token
-        return result
+        return LaunchedStep(items, plan.requests, deliver=deliver, tokens=self.download.start(results), read=plan.read,
+                            failed=failed, row_failures=failures, graph_sampled=False)
 
     def release(self, req: Request) -> None:
         """Forget a request that finished, was aborted or preempted (its slot is free again)."""

@@ -89,7 +89,7 @@ class OutputProcessor:
             return Finish("stop", stop_token)
         if req.grammar is not None and req.grammar.terminated and not self._eos_can_follow(req):
             return Finish("stop")  # complete, and no EOS may end it: nothing can follow
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= mc.max_model_len:
+        if len(req.output_token_ids) >= req.max_tokens or len(req.token_ids) >= mc.max_model_len:
             return Finish("length")
         return None
 

@@ -6,8 +6,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from tapllm.engine.logits_processors import LogitsControls
 from tapllm.engine.prompt_logprobs import PromptLogprobs
 from tapllm.engine.tokenizer import IncrementalDetokenizer
@@ -75,7 +73,7 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # what its random draws come from (tapllm.engine.rng); None: it never draws
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -87,6 +85,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_pending: int = 0  # tokens sampled on the device whose value the host has not taken yet (a step ahead)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -148,8 +147,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens so far."""
-        return len(self.token_ids)
+        """Prompt plus generated tokens so far, those still on their way from the device included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,9 +1,10 @@
-"""Token sampling on the device, with per-request parameters and per-request random generators.
+"""Token sampling on the device, with per-request parameters and per-request seeded draws.
 
 A step's sampling is planned on the host before its forward pass (:class:`SamplingPlan`):
 which rows draw and with what temperature, top-k, top-p and min-p, which rows have logits
-controls or want logprobs, and one uniform per drawing row from that request's own
-generator (so a seeded request gets the same tokens whatever else shares its batch). The
+controls or want logprobs, and one uniform per drawing row from its request's seed and the index
+of the token it samples (:mod:`tapllm.engine.rng`: so a seeded request gets the same tokens
+whatever else shares its batch, and the same tokens from a CUDA graph's sampler). The
 plan's numbers travel in the step's one upload (:mod:`tapllm.engine.staging`). On the device,
 :meth:`SamplingPlan.sample` turns the logits into one float64 vector of results (the tokens,
 then the logprobs asked for), which the step copies back in its one download and
@@ -13,9 +14,10 @@ between reads a device value on the host.
 Greedy rows take the argmax. Drawing rows divide by their temperature, keep their top-k,
 their top-p nucleus (the most likely token always stays) and tokens with at least min-p times
 the top probability, then pick by inverse CDF with their uniform (float64 sums keep the
-tail's mass; a zero-probability token is never picked). Logprobs are taken from the
-distribution before the controls, temperature and top-k/p (after the grammar mask), as vLLM
-reports them. A row whose logits are not finite (e.g. a steer too strong for the dtype), or
+tail's mass; a zero-probability token is never picked). Every cut is by value, so tokens tied
+with the last one kept are kept too: the result does not depend on how a sort orders ties.
+Logprobs are taken from the distribution before the controls, temperature and top-k/p (after
+the grammar mask), as vLLM reports them. A row whose logits are not finite (e.g. a steer too strong for the dtype), or
 whose controls leave no token, fails alone.
 """
 
@@ -28,11 +30,12 @@ import torch
 
 from tapllm.engine.logits_processors import ControlledRow, TokenCounts, apply_controls
 from tapllm.engine.request import Request
+from tapllm.engine.rng import as_int64, uniform_host
 from tapllm.engine.staging import Staging
 from tapllm.outputs import Logprob
 from tapllm.structured.masks import TokenMask
 
-_NONFINITE, _NO_TOKEN = -1, -2  # failure codes in the token slot of a row's result
+NONFINITE, NO_TOKEN = -1, -2  # failure codes in the token slot of a row's result
 _TOP_P_HEAD = 256  # on CPU, tokens ordered first for top-p (the whole row only when they hold too little)
 
 
@@ -65,7 +68,7 @@ class SamplingPlan:
             drawn = [params[j] for j in self.draw]
             top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in drawn]
             self.top_k_max = max(top_k)
-            self.nucleus = [i for i, p in enumerate(drawn) if p.top_p < 1.0]
+            self.nucleus = [i for i, p in enumerate(drawn) if np.float32(p.top_p) < 1]  # as the device sees it
             self.min_p = any(p.min_p > 0 for p in drawn)
             self._add(staging, "draw", self.draw, torch.int64)
             self._add(staging, "temperature", [p.temperature for p in drawn], torch.float32)
@@ -75,9 +78,9 @@ class SamplingPlan:
             if self.nucleus:
                 self._add(staging, "nucleus", self.nucleus, torch.int64)
                 self._add(staging, "top_p", [drawn[i].top_p for i in self.nucleus], torch.float32)
-            self._sections["uniform"], uniforms = staging.host_tensor(len(self.draw), torch.float64)
-            for i, j in enumerate(self.draw):  # each from its own request's generator, written in place
-                torch.rand(1, dtype=torch.float64, generator=requests[j].generator, out=uniforms[i:i + 1])
+            self._sections["uniform"], uniforms = staging.zeros(len(self.draw), torch.float64)
+            uniforms[:] = uniform_host(_seeds([requests[j] for j in self.draw]),
+                                       np.array([requests[j].num_tokens for j in self.draw], dtype=np.int64))
         if self.controlled:
             self._add(staging, "controlled", self.controlled, torch.int64)
         if self.penalized:
@@ -120,8 +123,8 @@ class SamplingPlan:
             tokens = tokens.index_copy(0, v["draw"], self._draw(processed.index_select(0, v["draw"])))
         tokens = tokens.double()
         if ok_codes is not None:
-            tokens = tokens.masked_fill(ok_codes, _NO_TOKEN)
-        tokens = tokens.masked_fill(~ok, _NONFINITE)
+            tokens = tokens.masked_fill(ok_codes, NO_TOKEN)
+        tokens = tokens.masked_fill(~ok, NONFINITE)
         if self.penalized and counts is not None:
             chosen = tokens.index_select(0, v["controlled"]).index_select(0, v["penalized"]).clamp(min=0).long()
             counts.record_on_device(v["count_slots"], chosen)
@@ -164,19 +167,7 @@ class SamplingPlan:
     def read(self, results: np.ndarray, failures: dict[int, RowFailure]) -> list[int]:
         """Tokens per row from the downloaded ``results``; failed rows go to ``failures`` (by row)."""
         n = self.rows
-        tokens = results[:n].astype(np.int64).tolist()
-        for row, token in enumerate(tokens):
-            if row in failures or token >= 0:
-                continue
-            req = self.requests[row]
-            if token == _NONFINITE:
-                cause = "invalid_request_error" if req.steering else "server_error"
-                hint = " (its steering is too strong for this dtype)" if req.steering else ""
-                failures[row] = RowFailure(f"the model produced non-finite logits for this request{hint}", cause)
-            else:
-                failures[row] = RowFailure(
-                    "no token can be sampled: allowed_token_ids, bad_words and min_tokens together exclude every "
-                    "token (or a bias or penalty made the logits non-finite)", "invalid_request_error")
+        tokens = read_tokens(results[:n], self.requests, failures)
         if self.logprob_rows:
             width = 2 + 2 * self.max_k
             block = results[n:].reshape(len(self.logprob_rows), width)
@@ -198,26 +189,69 @@ class SamplingPlan:
         return tokens
 
 
+def _seeds(requests: list[Request]) -> np.ndarray:
+    """The drawing requests' seeds as int64 (each is given one at admission)."""
+    missing = [r.request_id for r in requests if r.seed is None]
+    if missing:
+        raise ValueError(f"requests {missing} sample at random but have no seed (LLMEngine.add gives each one)")
+    return np.array([as_int64(r.seed) for r in requests], dtype=np.int64)
+
+
+def read_tokens(results: np.ndarray, requests: list[Request], failures: dict[int, RowFailure]) -> list[int]:
+    """Tokens per row from a sampler's downloaded codes (one per row of ``requests``); a row whose code
+    says it failed goes to ``failures`` (by row) with why."""
+    tokens = results.astype(np.int64).tolist()
+    for row, token in enumerate(tokens):
+        if row in failures or token >= 0:
+            continue
+        req = requests[row]
+        if token == NONFINITE:
+            cause = "invalid_request_error" if req.steering else "server_error"
+            hint = " (its steering is too strong for this dtype)" if req.steering else ""
+            failures[row] = RowFailure(f"the model produced non-finite logits for this request{hint}", cause)
+        else:
+            failures[row] = RowFailure(
+                "no token can be sampled: allowed_token_ids, bad_words and min_tokens together exclude every "
+                "token (or a bias or penalty made the logits non-finite)", "invalid_request_error")
+    return tokens
+
+
+def graph_samples(req: Request) -> bool:
+    """Whether a request's row can be sampled by the graph's sampler (``engine/graph_sampler.py``): no
+    logprobs, logits controls or grammar (those stay with :class:`SamplingPlan`)."""
+    return req.params.logprobs is None and not req.track_cumulative and req.controls is None and req.grammar is None
+
+
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """``probs`` [m, vocab] cut to each row's top-p nucleus and renormalised.
 
-    A token is dropped once the mass before it already reaches top_p; the most likely one always
-    stays. On CUDA every row is sorted (no host read). On CPU the cut usually falls among the few
-    most likely tokens: when the top 256 of every row hold its top_p, only they are ordered
-    (a host read of a host tensor, not a device sync), else the rows are sorted whole.
+    In the row sorted by probability, a position is kept while the mass before it is below
+    top_p (the first always is); every token at least as likely as the least likely kept one
+    stays, so tied tokens stay or go together. On CUDA every row is sorted (no host read). On
+    CPU the cut usually falls among the few most likely tokens: when the top 256 of every row
+    hold its top_p, only they are ordered (a host read of a host tensor, not a device sync),
+    else the rows are sorted whole; both give the same tokens (the head's running sums are the
+    sorted row's, and past them nothing is kept).
     """
     head = min(_TOP_P_HEAD, probs.shape[-1])
     if probs.device.type == "cpu" and head < probs.shape[-1]:
-        top, order = torch.topk(probs, head, dim=-1)
-        if bool((top.sum(dim=-1) >= top_p).all()):
-            return _keep(probs, top, order, top_p)
-    top, order = torch.sort(probs, dim=-1, descending=True)
-    return _keep(probs, top, order, top_p)
+        top = torch.topk(probs, head, dim=-1).values
+        mass = top.cumsum(dim=-1)
+        if bool((mass[:, -1] >= top_p).all()):
+            return keep_nucleus(probs, top, mass, top_p)
+    top = torch.sort(probs, dim=-1, descending=True).values
+    return keep_nucleus(probs, top, top.cumsum(dim=-1), top_p)
 
 
-def _keep(probs: torch.Tensor, top: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    kept = (top.cumsum(dim=-1) - top) < top_p[:, None]
-    kept[:, 0] = True
-    mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, kept)
-    out = probs.masked_fill(~mask, 0.0)
+def keep_nucleus(probs: torch.Tensor, top: torch.Tensor, mass: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``probs`` [m, vocab] with every token below each row's nucleus floor zeroed, renormalised.
+
+    ``top`` is the row's probabilities in descending order (all of them, or a head that holds
+    top_p) and ``mass`` their running sums: a position is kept while the mass before it is
+    below ``top_p``, and the floor is the least kept probability (by value: ties at the cut are kept).
+    """
+    before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)
+    kept = before < top_p[:, None]
+    floor = top.masked_fill(~kept, float("inf")).amin(dim=-1, keepdim=True)
+    out = probs.masked_fill(probs < floor, 0.0)
     return out / out.sum(dim=-1, keepdim=True)

@@ -67,6 +67,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and len(req.output_token_ids) + req.num_pending >= req.max_tokens:
+                i += 1  # its token on the way is its last: nothing more to run (the host is a step ahead)
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.blocks.allocate(req, n):
                 victim = self.running.pop()

@@ -107,23 +107,53 @@ class Staging:
             self._done = None
 
 
+class PendingDownload:
+    """Results on their way to the host (see :meth:`Download.start`)."""
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event | None) -> None:
+        self.host = host
+        self.done = done
+
+    def result(self) -> np.ndarray:
+        """The results, once the copy has finished (waits for it)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.numpy()
+
+
 class Download:
-    """A step's results copied back into one reused host buffer (pinned on CUDA)."""
+    """A step's results copied back into reused host buffers (pinned on CUDA): three per dtype in turn,
+    so a step's results may still be on their way while the next step's are started."""
+
+    RING = 3
 
     def __init__(self, device: torch.device) -> None:
         self._pinned = device.type == "cuda"
-        self._host: dict[torch.dtype, torch.Tensor] = {}
+        self._host: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._turn = 0
+
+    def _buffer(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        ring = self._host.setdefault(dtype, [])
+        self._turn = (self._turn + 1) % self.RING
+        while len(ring) <= self._turn:
+            ring.append(torch.empty(0, dtype=dtype))
+        host = ring[self._turn]
+        if host.numel() < n:
+            host = ring[self._turn] = torch.empty(max(n, 256, 2 * host.numel()), dtype=dtype, pin_memory=self._pinned)
+        return host[:n]
 
     def fetch(self, values: torch.Tensor) -> np.ndarray:
         """``values`` (1-D, on the device) as a host array: one copy, waited for."""
-        n = values.numel()
-        host = self._host.get(values.dtype)
-        if host is None or host.numel() < n:
-            host = torch.empty(max(n, 256, 2 * (host.numel() if host is not None else 0)), dtype=values.dtype,
-                               pin_memory=self._pinned)
-            self._host[values.dtype] = host
-        out = host[:n]
+        return self.start(values).result()
+
+    def start(self, values: torch.Tensor) -> PendingDownload:
+        """Start copying ``values`` (1-D, on the device) to the host without waiting (read it with
+        :meth:`PendingDownload.result`): the copy waits for the work queued before it, so the host may
+        prepare the next step meanwhile."""
+        out = self._buffer(values.dtype, values.numel())
         out.copy_(values, non_blocking=self._pinned)
+        done = None
         if self._pinned:
-            torch.cuda.current_stream(values.device).synchronize()
-        return out.numpy()
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(values.device))
+        return PendingDownload(out, done)

@@ -27,6 +27,10 @@ from tapllm.layers.attention import AttentionMetadata, PrefillBatch, PrefillChun
 from tapllm.tap import RowSpan
 
 
+_DTYPES = {np.dtype(np.int64).str: torch.int64, np.dtype(np.int32).str: torch.int32,
+           np.dtype(np.float32).str: torch.float32}
+
+
 @dataclass(slots=True)
 class StepLayout:
     """A step's rows on the host: what :func:`upload` sends."""
@@ -77,7 +81,8 @@ def lay_out(items: list[ScheduledItem], tables: BlockTables) -> StepLayout:
     for it in items:
         req, start, n = it.request, it.start, it.num_tokens
         row = len(ids)
-        ids.extend(req.token_ids[start : start + n])
+        chunk = req.token_ids[start : start + n]
+        ids.extend(chunk if len(chunk) == n else chunk + [-1] * (n - len(chunk)))  # -1: still on the device
         table = req.block_table
         trow = tables.row(req, start // bs, diff)
         lay.item_slots.append(trow)
@@ -107,12 +112,18 @@ def lay_out(items: list[ScheduledItem], tables: BlockTables) -> StepLayout:
 
 
 def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: AttentionOps | None,
-           prompt_lengths: bool, vocab_size: int, device: torch.device) -> StepBatch:
+           prompt_lengths: bool, vocab_size: int, device: torch.device, last_token: torch.Tensor | None = None
+           ) -> StepBatch:
     """The model's inputs for ``lay``, uploaded in one copy; ``attn`` is the backend's attention
-    kernels (None: the PyTorch attention, which wants other metadata)."""
+    kernels (None: the PyTorch attention, which wants other metadata). A row whose token is not on the
+    host yet (id -1: the host is a step ahead) reads its slot's entry of ``last_token`` on the device."""
     bs = tables.block_size
     staging.begin()
     s_ids = staging.add(lay.ids, torch.int64)
+    s_fed = None
+    if last_token is not None and min(lay.ids, default=0) < 0:
+        s_fed = staging.add([slot for it, slot in zip(lay.items, lay.item_slots) for _ in range(it.num_tokens)],
+                            torch.int64)
     s_pos = staging.add(lay.pos, torch.int64)
     s_slots = staging.add(lay.slots, torch.int64)
     s_diff = staging.add(lay.diff, torch.int64, (len(lay.diff) // 3, 3))
@@ -144,6 +155,9 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
     tables.apply(views[s_diff])
     if sampling is not None:
         sampling.bind(views)
+    ids = views[s_ids]
+    if s_fed is not None:
+        ids = torch.where(ids < 0, last_token.index_select(0, views[s_fed]), ids)
     decode_bt = decode_mask = lens = None
     if nd:
         lens = views[s_lens]
@@ -174,17 +188,20 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
         attn=attn,
         prefill_batch=prefill_batch,
     )
-    return StepBatch(views[s_ids], views[s_pos], meta, lay.sample_rows,
+    return StepBatch(ids, views[s_pos], meta, lay.sample_rows,
                      views[s_sample] if s_sample is not None else None, sampling, lay.captures, lay.steers,
                      lay.prompt_logprob_rows)
 
 
 def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: Callable[[np.ndarray], None],
-                 size: int, *, vocab_size: int, device: torch.device, rows: int | None
+                 size: int, *, vocab_size: int, device: torch.device, rows: int | None,
+                 writes: list[tuple[torch.Tensor, np.ndarray]] | None = None, plan: bool = True
                  ) -> tuple[StepBatch, torch.Tensor]:
     """A graph step's upload, in one copy: its rows' inputs (``fill`` writes the ``size`` int64 numbers of
-    ``tapllm.engine.input_buffers``), the block-table entries that changed, the sampling plan's numbers.
-    Returns the batch and the device view of the inputs.
+    ``tapllm.engine.input_buffers``), the block-table entries that changed, the sampling plan's numbers, and
+    ``writes`` (device rows and their new host values: the slot tables of requests that joined), copied into
+    place on the device after the upload. Returns the batch and the device view of the inputs. ``plan``
+    False: the graph samples every row itself, and no sampling plan is made.
 
     ``rows``: a decode graph's logits are its batch rows, gathered when the sampled rows are not all of
     them in order; None: a mixed graph's logits are already the sampled rows.
@@ -192,13 +209,18 @@ def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: C
     staging.begin()
     s_inputs, host = staging.zeros(size, torch.int64)
     fill(host)
+    s_writes = [(dest, staging.add(values, _DTYPES[values.dtype.str])) for dest, values in writes or ()]
     s_diff = staging.add(lay.diff, torch.int64, (len(lay.diff) // 3, 3))
-    if rows is None:
+    if not plan:
+        s_sample, sampling = None, None
+    elif rows is None:
         s_sample, sampling = None, (SamplingPlan([r for _, r in lay.sample_rows], vocab_size, staging, device)
                                     if lay.sample_rows else None)
     else:
         s_sample, sampling = _sampling_sections(lay, staging, vocab_size, device, rows)
     views = staging.upload()
+    for dest, i in s_writes:
+        dest.copy_(views[i].view(dest.shape))
     tables.apply(views[s_diff])
     if sampling is not None:
         sampling.bind(views)

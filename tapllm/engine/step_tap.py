@@ -44,11 +44,12 @@ class StepTap:
 
     @classmethod
     def build(cls, captures: Sequence[CaptureSpan], steers: Sequence[SteerSpan], device: torch.device,
-              sink: CopySink) -> StepTap | None:
-        """The tap of a step, or None when no span captures or steers anything this step."""
+              sink: CopySink, *, sae_kernel: bool = False) -> StepTap | None:
+        """The tap of a step, or None when no span captures or steers anything this step (``sae_kernel``:
+        SAE features may use the fused Triton kernel, as on the CUDA backend)."""
         if not captures and not steers:
             return None
-        capture = CapturePlan(captures, device, sink)
+        capture = CapturePlan(captures, device, sink, sae_kernel=sae_kernel)
         steering = SteeringPlan(steers, device)
         if not capture and not steering:
             return None

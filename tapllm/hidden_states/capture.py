@@ -29,7 +29,7 @@ from tapllm.sae.features import FeatureBuffers
 class RequestCapture:
     """One request's capture state: its chunks of rows, or on-device reducers (see the module docstring)."""
 
-    def __init__(self, sel: Selection, spec: HiddenStatesSpec, num_prompt: int, device: torch.device,
+    def __init__(self, sel: Selection, spec: HiddenStatesSpec, device: torch.device,
                  lens_fn: LensFn | None = None) -> None:
         self.sel = sel
         self.spec_dict = spec.to_dict()
@@ -51,8 +51,7 @@ class RequestCapture:
                 raise ValueError("hidden_states.lens: this model gives no lens function")
             layers = {p: len(sel.layer_keys(p)) for p in sel.points}
             self.lens = LensBuffers(sel.points, layers, sel.lens_k, spec.lens_targets, lens_fn, device)
-        self.features = (FeatureBuffers(sel.features, sel.lo, sel.hi, sel.last_only, num_prompt)
-                         if sel.features is not None else None)
+        self.features = FeatureBuffers(sel.features, sel.last_only) if sel.features is not None else None
 
     def _new_reducer(self, point: str) -> Reducer:
         r = get_reducer(self.sel.reduce)()

@@ -19,7 +19,7 @@ import torch
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.sink import CopySink
 from tapllm.layers.attention import AttentionOptions, attention_probs, gather_keys
-from tapllm.sae.features import FeatureBatch
+from tapllm.sae.batch import FeatureBatch
 from tapllm.tap import RowSpan, rows_tensor
 
 
@@ -60,7 +60,7 @@ class CapturePlan:
     """Rows and points to record in one step (see the module docstring)."""
 
     def __init__(self, spans: Sequence[tuple[RowSpan, RequestCapture, list[int]]], device: torch.device,
-                 sink: CopySink) -> None:
+                 sink: CopySink, *, sae_kernel: bool = False) -> None:
         entries = []
         for span, capture, block_table in spans:
             window = capture.window(span.start, span.num_tokens)
@@ -86,7 +86,7 @@ class CapturePlan:
         self.points: list[_PointPlan] = []
         self._placed: dict[tuple[str, int], tuple[int, dict[int, int]]] = {}  # (point, entry) -> offset, slots
         self._stages: dict[str, _PointPlan] = {}
-        self.features = FeatureBatch(entries)
+        self.features = FeatureBatch(entries, kernel=sae_kernel)
         for point, es in by_point.items():
             keys = sorted({k for e in es for k in e.capture.sel.tap_keys(point)})
             slot = {k: i for i, k in enumerate(keys)}

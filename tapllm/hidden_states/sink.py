@@ -5,14 +5,15 @@ step's writes to host buffers are queued; :meth:`CopySink.flush` packs them per 
 copies them to pinned host memory on a side stream, after the step's work, without
 waiting; the rows reach the requests' buffers at :meth:`CopySink.settle`, which the next
 step calls before it touches any buffer (so the copy overlaps that step's forward) and the
-engine calls before it reads a finished request's states. Every source tensor stays referenced
-until its copy is done: a source made for the copy (a cast, a slice's contiguous copy) belongs to
-the main stream's allocator, which would otherwise hand its memory to the next step while the side
-stream still reads it. A write whose buffer lives on the device itself
+engine calls before it reads a finished request's states. The rows are packed on the main stream,
+so they are read before the next step can overwrite what they came from (a graph step's capture
+buffer), and only the packed copy is read on the side stream; it stays referenced until its copy is
+done (the main stream's allocator would otherwise hand its memory to the next step). A write whose buffer lives on the device itself
 (``HiddenStatesSpec(device="cuda")``) is a device copy, made at once.
 
 A graph step copies its whole capture buffer's used part to the host at once and hands requests
-views of it; :meth:`CopySink.track` makes :meth:`settle` wait for that copy too.
+views of it, as the SAE work does with each SAE's results (:meth:`CopySink.host_copy`);
+:meth:`CopySink.track` makes :meth:`settle` wait for those copies too.
 """
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ class CopySink:
         done.record(torch.cuda.current_stream(src.device))
         self._inflight.append((-1, done, [], [src, host]))
 
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the host, for requests to keep views of: ``t`` itself when it is there already (the caller
+        copies what it reuses), else a pinned copy; made asynchronously when staged (:meth:`settle` waits)."""
+        if t.device.type == "cpu":
+            return t
+        if not self.staged:
+            return t.cpu()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        self.track(host, t)
+        return host
+
     def flush(self) -> None:
         """Start the queued copies to the host (a no-op unless staged)."""
         if not self.pending:
@@ -63,16 +76,17 @@ class CopySink:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         main = torch.cuda.current_stream(device)
-        self._stream.wait_stream(main)
         turn, self._turn = self._turn, self._turn ^ 1
         if any(t == turn for t, _, _, _ in self._inflight):  # its pinned set is still being read: finish first
             self.settle()
         hosts = self._host[turn]
         scatter: list[tuple[torch.Tensor, torch.Tensor]] = []
+        flats = {dtype: torch.cat([src.reshape(-1) for _, src in pairs]) for dtype, pairs in by_dtype.items()}
+        sources += flats.values()
+        self._stream.wait_stream(main)
         with torch.cuda.stream(self._stream):
             for dtype, pairs in by_dtype.items():
-                flat = torch.cat([src.reshape(-1) for _, src in pairs])
-                sources.append(flat)
+                flat = flats[dtype]
                 host = hosts.get(dtype)
                 if host is None or host.numel() < flat.numel():
                     host = torch.empty(max(flat.numel(), 2 * (host.numel() if host is not None else 0)),

@@ -1,24 +1,21 @@
-"""SAE features with generation: the spec's ``sae``/``features``, resolved per request, computed
-per step on the engine's device for every request that asks, and returned as ``Features``.
+"""SAE features with generation: the spec's ``sae``/``features``, resolved per request, and each
+request's ``Features``, gathered step by step.
 
 The capture plan records the SAE's input point like any captured point (steered first, so
-features see what the model computed). After the forward, :class:`FeatureBatch` groups the
-step's requests by SAE: each SAE encodes the rows of all its requests in one pass (one matmul
-with ``W_enc``), decodes them for the reconstruction error, and each request takes its part:
-the top-k latents (one ``topk`` at the group's largest k, sorted, then sliced), the listed
-features' columns, or the dense latents. Only that part is copied to the host.
+features see what the model computed). After the forward, :class:`tapllm.sae.batch.FeatureBatch`
+encodes the step's rows per SAE, every request reading it at once, and copies the results to the
+host once; each request keeps views of its rows there (:class:`FeatureBuffers`), joined when it
+finishes.
 """
 
 from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from tapllm.sae.model import SAE
 from tapllm.utils.dtypes import DTYPES
@@ -140,8 +137,8 @@ def features_to_text(parsed: tuple[str, int, list[int] | None]) -> str | list[in
 class FeatureSelection:
     """A request's features, resolved: the SAE, where it reads, what is kept.
 
-    As the input processor resolves it, ``sae`` is the spec's own SAE and ``ids`` a CPU tensor;
-    :meth:`on_device` gives the engine's copy, with the SAE and ids on its device.
+    As the input processor resolves it, ``sae`` is the spec's own SAE; :meth:`on_device` gives the
+    engine's copy, with the SAE on its device. ``ids`` stays a CPU tensor (the step reads it on the host).
     """
 
     sae: SAE
@@ -149,14 +146,13 @@ class FeatureSelection:
     key: int  # the layer key of ``point`` (block index, or the pseudo-layer)
     mode: str  # "topk", "ids" or "all"
     k: int
-    ids: torch.Tensor | None  # the listed features (int64)
+    ids: torch.Tensor | None  # the listed features (int64, CPU)
     dtype: torch.dtype  # of values / dense
     out: tuple[str, int] | None = None  # a transcoder's target (point, key)
 
     def on_device(self, saes: DeviceSAEs) -> FeatureSelection:
-        """This selection with the SAE (moved once per engine) and the ids on ``saes``' device."""
-        ids = self.ids.to(saes.device) if self.ids is not None else None
-        return replace(self, sae=saes.get(self.sae), ids=ids)
+        """This selection with the SAE on ``saes``' device (moved once per engine)."""
+        return replace(self, sae=saes.get(self.sae))
 
     @property
     def width(self) -> int:
@@ -289,163 +285,44 @@ class Features:
         return f"Features({what}; {len(self.positions)} positions; {self.sae})"
 
 
+Columns = dict[str, slice | list[int]]  # a field's columns in a step's pack rows (see tapllm.sae.batch)
+
+
 class FeatureBuffers:
-    """One request's features on the host, written by absolute position (as capture buffers are)."""
+    """One request's features on the host: its rows of each step's pack (views, in position order),
+    joined into ``Features`` when it finishes."""
 
-    def __init__(self, fs: FeatureSelection, lo: int, hi: int, last_only: bool, num_prompt: int) -> None:
+    def __init__(self, fs: FeatureSelection, last_only: bool) -> None:
         self.fs = fs
-        self.lo, self.hi, self.last_only = lo, hi, last_only
-        if last_only:
-            cap = 1
-        elif lo < num_prompt:
-            cap = min(hi, num_prompt) - lo
-        else:
-            cap = min(hi - lo, 16)
-        self.bufs = self._empty(cap)
+        self.last_only = last_only
+        self.chunks: list[tuple[int, torch.Tensor, Columns]] = []  # (first position, pack rows, columns)
 
-    def _empty(self, rows: int) -> dict[str, torch.Tensor]:
-        fs = self.fs
-        out = {"error_norm": torch.empty(rows, dtype=torch.float32)}
-        if fs.mode == "topk":
-            out["ids"] = torch.empty((rows, fs.k), dtype=torch.int32)
-            out["values"] = torch.empty((rows, fs.k), dtype=fs.dtype)
-        else:
-            out["dense"] = torch.empty((rows, fs.width), dtype=fs.dtype)
-        return out
-
-    def consume(self, parts: dict[str, torch.Tensor], a: int, b: int, sink: Any) -> None:
-        """Take positions ``[a, b)``'s ``parts`` (device tensors named as the buffers)."""
+    def take(self, rows: torch.Tensor, cols: Columns, a: int, b: int) -> None:
+        """Keep ``rows``, int32 host pack rows of positions ``[a, b)`` (filled by the time results are read),
+        whose fields are at ``cols``."""
         if self.last_only:
-            for name, t in parts.items():
-                sink.write(self.bufs[name], t[-1:])
-            return
-        need = b - self.lo
-        rows = next(iter(self.bufs.values())).shape[0]
-        if need > rows:
-            grown = self._empty(min(max(need, 2 * rows), self.hi - self.lo))
-            for name, buf in self.bufs.items():
-                grown[name][:rows].copy_(buf)
-            self.bufs = grown
-        for name, t in parts.items():
-            sink.write(self.bufs[name][a - self.lo : need], t)
+            self.chunks = [(b - 1, rows[-1:], cols)]
+        else:
+            self.chunks.append((a, rows, cols))
 
     def result(self, positions: torch.Tensor) -> Features:
         """The captured rows as ``Features`` (``positions`` as the request's states have them)."""
-        n = len(positions)
-        cut = {name: (buf[:n].clone() if n < buf.shape[0] else buf) for name, buf in self.bufs.items()}
         fs = self.fs
+        n = len(positions)
+        names = ("ids", "values") if fs.mode == "topk" else ("dense",)
+        out: dict[str, torch.Tensor] = {}
+        for name in (*names, "error_norm"):
+            parts = [rows[:, cols[name]] for _, rows, cols in self.chunks]
+            width = 1 if name == "error_norm" else fs.width
+            t = torch.cat(parts) if parts else torch.empty((0, width), dtype=torch.int32)
+            if t.shape[0] != n:
+                raise RuntimeError(f"hidden_states: {t.shape[0]} rows of SAE features were captured for {n} "
+                                   "positions")
+            if name == "error_norm":
+                t = t.view(torch.float32).reshape(n)
+            elif name != "ids":
+                t = t.view(torch.float32).to(fs.dtype)
+            out[name] = t
         listed = fs.ids.tolist() if fs.ids is not None else None
-        return Features(positions.clone(), cut["error_norm"], ids=cut.get("ids"), values=cut.get("values"),
-                        dense=cut.get("dense"), feature_ids=listed, sae=repr(fs.sae))
-
-
-# ---- the step ---------------------------------------------------------------------------------
-RowsOf = Callable[[Any, str, int], torch.Tensor]  # (entry, point, layer key) -> that entry's rows [n, ...]
-
-
-class FeatureBatch:
-    """The step's SAE work: per distinct SAE, every entry reading it, encoded together (module docstring)."""
-
-    def __init__(self, entries: Sequence[Any]) -> None:
-        self.groups: dict[int, list[Any]] = {}
-        for e in entries:
-            fs = e.capture.sel.features
-            if fs is not None:
-                self.groups.setdefault(id(fs.sae), []).append(e)
-
-    def __bool__(self) -> bool:
-        return bool(self.groups)
-
-    def run(self, rows_of: RowsOf, sink: Any, skip: Any) -> dict[Any, str]:
-        """Encode each group, hand each entry its part; returns ``{capture: error}`` for entries that failed."""
-        failed: dict[Any, str] = {}
-        for entries in self.groups.values():
-            entries = [e for e in entries if e.capture not in skip]
-            if not entries:
-                continue
-            try:
-                parts = _encode_group(entries, rows_of)
-            except Exception as exc:  # noqa: BLE001 - the group's requests fail, the others go on
-                for e in entries:
-                    failed[e.capture] = f"hidden_states: computing SAE features failed: {type(exc).__name__}: {exc}"
-                continue
-            for e, part in zip(entries, parts):
-                try:
-                    e.capture.features.consume(part, e.a, e.b, sink)
-                except Exception as exc:  # noqa: BLE001 - belongs to this request alone
-                    failed[e.capture] = f"hidden_states: delivering SAE features failed: {type(exc).__name__}: {exc}"
-        return failed
-
-
-def _encode_group(entries: list[Any], rows_of: RowsOf) -> list[dict[str, torch.Tensor]]:
-    fs0: FeatureSelection = entries[0].capture.sel.features
-    sae = fs0.sae
-    sizes = [e.b - e.a for e in entries]
-    x = torch.cat([rows_of(e, fs0.point, fs0.key).reshape(n, -1) for e, n in zip(entries, sizes)]).float()
-    z, recon = encode_and_reconstruct(sae, x)
-    if fs0.out is not None:
-        target = torch.cat([rows_of(e, *fs0.out).reshape(n, -1) for e, n in zip(entries, sizes)]).float()
-    else:
-        target = x
-    err = (target - recon).norm(dim=-1)
-    sels = [e.capture.sel.features for e in entries]
-    kmax = max((s.k for s in sels if s.mode == "topk"), default=0)
-    top = torch.topk(z, kmax, dim=-1) if kmax else None
-    out, row = [], 0
-    for s, n in zip(sels, sizes):
-        part = {"error_norm": err[row : row + n]}
-        if s.mode == "topk":
-            part["ids"] = top.indices[row : row + n, : s.k].to(torch.int32)
-            part["values"] = top.values[row : row + n, : s.k].to(s.dtype)
-        elif s.mode == "all":
-            part["dense"] = z[row : row + n].to(s.dtype)
-        else:
-            part["dense"] = z[row : row + n].index_select(1, s.ids).to(s.dtype)
-        out.append(part)
-        row += n
-    return out
-
-
-def encode_and_reconstruct(sae: SAE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense latents ``[n, d_sae]`` and the reconstruction ``[n, d_out]`` of float32 rows ``x``.
-
-    A top-k SAE decodes only its k active latents (a gather of k decoder rows per row); on CPU,
-    so does any SAE whose latents are sparse enough that gathering beats the dense matmul.
-    """
-    xn, factors = sae.normalize(x)
-    z = sae.encode_normalized(xn)
-    c = sae.cfg
-    if c.architecture == "topk":
-        vals, idx = torch.topk(z, c.k, dim=-1)
-        if c.rescale_acts_by_decoder_norm:
-            vals = vals / sae.W_dec.norm(dim=-1)[idx]
-        y = F.embedding_bag(idx, sae.W_dec, per_sample_weights=vals, mode="sum") + sae.b_dec
-        if factors is not None:
-            scale, shift = factors
-            y = y * scale + shift
-    elif z.device.type == "cpu" and not c.rescale_acts_by_decoder_norm and \
-            int(z.count_nonzero()) * SPARSE_DECODE_DENSITY < z.numel():
-        y = sparse_decode(z, sae.W_dec) + sae.b_dec
-        if factors is not None:
-            scale, shift = factors
-            y = y * scale + shift
-    else:
-        y = sae.decode_normalized(z, factors)
-    if sae.W_skip is not None:
-        y = y + x @ sae.W_skip.T
-    return z, y
-
-
-SPARSE_DECODE_DENSITY = 32  # decode by gathering when fewer than 1 latent in this many is active (CPU)
-
-
-def sparse_decode(z: torch.Tensor, w_dec: torch.Tensor) -> torch.Tensor:
-    """``z @ w_dec`` for mostly-zero latents ``z`` ``[n, d_sae]``: a weighted sum of the active rows of
-    ``w_dec`` per row (equal to the matmul up to float rounding; a row with no active latent gives 0)."""
-    n, d = z.shape
-    flat = z.reshape(-1)
-    idx = flat.nonzero().squeeze(1)  # row-major, so each row's latents are contiguous
-    rows = idx // d
-    offsets = torch.searchsorted(rows, torch.arange(n, device=z.device))  # where each row's bag starts
-    return F.embedding_bag(idx - rows * d, w_dec, offsets=offsets, per_sample_weights=flat.index_select(0, idx),
-                           mode="sum")
+        return Features(positions.clone(), out["error_norm"], ids=out.get("ids"), values=out.get("values"),
+                        dense=out.get("dense"), feature_ids=listed, sae=repr(fs.sae))

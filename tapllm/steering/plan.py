@@ -21,13 +21,16 @@ from tapllm.tap import RowSpan, rows_tensor
 
 @dataclass(slots=True)
 class _AddRows:
-    """Add ``delta`` [n, hidden] to batch rows ``rows`` [n]: every plain addition at a point, merged."""
+    """Add each ``(n, vector)`` of ``deltas`` to its run of ``n`` batch rows in ``rows``: every plain
+    addition at a point, merged into one ``index_add_``."""
 
     rows: torch.Tensor
-    delta: torch.Tensor
+    deltas: list[tuple[int, torch.Tensor]]
 
     def apply(self, t: torch.Tensor) -> None:
-        t.index_add_(0, self.rows, self.delta)
+        # Expanded to the point's row here: a head point's vector may be [head_dim], for every head.
+        row = t.shape[1:]
+        t.index_add_(0, self.rows, torch.cat([v.expand(n, *row) for n, v in self.deltas]))
 
 
 @dataclass(slots=True)
@@ -104,8 +107,7 @@ class SteeringPlan:
             if len(ops) > 1 and len(adds) == len(ops):
                 # Plain additions commute: one index_add_ for every steered row at this point.
                 rows = torch.cat([torch.arange(r0, r1, device=device) for r0, r1, _ in adds])
-                delta = torch.cat([v.expand(r1 - r0, *v.shape) for r0, r1, v in adds])
-                self.ops[key] = [_AddRows(rows, delta)]
+                self.ops[key] = [_AddRows(rows, [(r1 - r0, v) for r0, r1, v in adds])]
             else:
                 self.ops[key] = list(ops)
 

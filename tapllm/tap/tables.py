@@ -134,6 +134,9 @@ class TapTables:
         self._ops = RangeAllocator(max_ops)
         self._pool = RangeAllocator(pool_rows)
         self._held: dict[int, tuple[int, int, int, int]] = {}  # slot -> (op start, ops, pool start, rows)
+        # Rows written since the last step's upload: (device rows, host values); the engine sends them in the
+        # step's one upload (a copy from pageable host memory would wait for the device).
+        self.pending: list[tuple[torch.Tensor, np.ndarray]] = []
 
     # ---- per slot ----------------------------------------------------------------------------
     def write(self, slot: int, capture: SlotCapture | None, ops: Sequence[SlotOp]) -> str | None:
@@ -141,11 +144,11 @@ class TapTables:
         self.clear(slot)
         if capture is not None and capture.record:
             if capture.record > self.cap_out.numel():
-                return f"its captured record ({capture.record} numbers) exceeds the capture buffer"
-            off = torch.full((len(self.sites),), -1, dtype=torch.int32)
+                return "a request's captured record exceeds the capture buffer"
+            off = np.full(len(self.sites), -1, dtype=np.int32)
             for site, o in capture.offsets.items():
                 off[site] = o
-            self.cap_off[slot].copy_(off)
+            self.pending.append((self.cap_off[slot], off))
             self.cap_rec[slot] = capture.record
             self.cap_lo[slot] = capture.lo
             self.cap_hi[slot] = capture.hi
@@ -170,33 +173,39 @@ class TapTables:
                 self._pool.give(first_row, n_rows)
             return "its steering operands exceed the graph's steering tables"
         self._held[slot] = (first_op, len(ops), first_row, n_rows)
-        table = torch.zeros((len(ops), OP_FIELDS), dtype=torch.int64)
-        values = torch.zeros(len(ops), dtype=torch.float32)
-        pool = torch.zeros((n_rows, self.sites.max_width), dtype=torch.float32)
-        first = torch.zeros(len(self.sites), dtype=torch.int32)
-        count = torch.zeros(len(self.sites), dtype=torch.int32)
+        table = np.zeros((len(ops), OP_FIELDS), dtype=np.int64)
+        values = np.zeros(len(ops), dtype=np.float32)
+        pool = np.zeros((n_rows, self.sites.max_width), dtype=np.float32)
+        first = np.zeros(len(self.sites), dtype=np.int32)
+        count = np.zeros(len(self.sites), dtype=np.int32)
         row = 0
         for k, i in enumerate(order):
             op = ops[i]
             n, width = op.rows.shape
-            pool[row : row + n, :width] = op.rows
-            table[k] = torch.tensor([op.kind, op.lo, op.hi, first_row + row, op.stride])
+            pool[row : row + n, :width] = op.rows.numpy()
+            table[k] = (op.kind, op.lo, op.hi, first_row + row, op.stride)
             values[k] = op.value
             if count[op.site] == 0:
                 first[op.site] = first_op + k
             count[op.site] += 1
             row += n
-        self.ops[first_op : first_op + len(ops)].copy_(table)
-        self.op_value[first_op : first_op + len(ops)].copy_(values)
+        self.pending += [(self.ops[first_op : first_op + len(ops)], table),
+                         (self.op_value[first_op : first_op + len(ops)], values),
+                         (self.st_first[slot], first), (self.st_count[slot], count)]
         if n_rows:
-            self.pool[first_row : first_row + n_rows].copy_(pool)
-        self.st_first[slot].copy_(first)
-        self.st_count[slot].copy_(count)
+            self.pending.append((self.pool[first_row : first_row + n_rows], pool))
         self.steered[slot] = True
         return None
 
+    def flush_pending(self) -> None:
+        """Write the pending rows now, each its own copy (without a step's upload to carry them)."""
+        for dest, values in self.pending:
+            dest.copy_(torch.from_numpy(values).view(dest.shape))
+        self.pending.clear()
+
     def clear(self, slot: int) -> None:
         """Forget ``slot``'s capture and steering (its operations and pool rows are free again)."""
+        self.pending = [(d, v) for d, v in self.pending if not _in_slot(d, self, slot)]
         if self.rec[slot]:
             self.cap_off[slot].fill_(-1)
             self.cap_rec[slot] = 0
@@ -238,3 +247,12 @@ class TapTables:
         numbers = np.where(inside, rec, 0)
         ends = np.cumsum(numbers)
         return np.where(numbers > 0, ends - numbers, -1), int(ends[-1]) if len(ends) else 0
+
+
+def _in_slot(dest: torch.Tensor, tables: TapTables, slot: int) -> bool:
+    """Whether a pending write goes to one of ``slot``'s per-slot rows (dropped when the slot is cleared)."""
+    for t in (tables.cap_off, tables.st_first, tables.st_count):
+        if dest.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() and \
+                dest.storage_offset() == t[slot].storage_offset():
+            return True
+    return False
