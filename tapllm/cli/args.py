@@ -33,6 +33,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template file (or the template text) used instead of the tokenizer's")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the plain PyTorch step instead of the fused C++ kernels (the reference path)")
+    p.add_argument("--backend", default="auto", choices=["auto", "eager", "cpu", "cuda"],
+                   help="the forward path (default auto: CUDA's on a GPU, the fused C++ kernels on a CPU)")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="*", default=None, metavar="N",
+                   help="batch sizes of decode steps captured as CUDA graphs at start-up (default 1, 2, 4, then "
+                        "multiples of 8 up to --max-num-seqs; none given: no decode graphs)")
+    p.add_argument("--cuda-graph-token-sizes", type=int, nargs="*", default=None, metavar="N",
+                   help="token counts of steps with prefill chunks captured as CUDA graphs (default powers of two "
+                        "from 16 up to --max-num-batched-tokens; none given: such steps run eagerly)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the host a step ahead of the device (default: on with CUDA graphs on a GPU)")
     p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "q4_k", "gguf"],
                    help="keep weights quantized (weight-only): int8 (per channel), int4 (per group), "
                         "q4_k (int4 in GGUF's Q4_K super-blocks), gguf (a .gguf file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored)")
