@@ -54,7 +54,7 @@ def _steered_tables(dtype: torch.dtype, g: torch.Generator) -> tuple[TapTables, 
         if slot == 4:
             ops += [SlotOp(s.index, OP_ADD, 0, NO_END, torch.randn(1, s.width, generator=g)) for s in sites.all]
         assert tables.write(slot, every if slot % 2 else None, ops) is None
-    getattr(tables, "flush_pending", lambda: None)()  # tables that defer their writes to the step's upload
+    tables.flush_pending()
     row_slot, positions = torch.tensor([0, 1, 2, 3, 4, 5, 4, 3, 2, 1, 0, 4]), torch.randint(0, 8, (12,), generator=g)
     tables.prologue(row_slot, positions, torch.ones(12, dtype=torch.bool))
     return tables, KernelSites(tables, row_slot, positions)
@@ -163,9 +163,32 @@ def test_rows_wider_than_a_tile_are_left_to_the_caller():
     assert fs.gated_act_sites(torch.randn(1, 2 * te.ONE_PASS_WIDTH + 2), ACT_SILU, rows, 0) is None
 
 
+@pytest.mark.parametrize("rows", [1, 12, 300])
+def test_the_prologue_kernel_places_rows_as_the_tables_do(rows):
+    g = torch.Generator().manual_seed(rows)
+    sites = Sites(LAYERS, SHAPES)
+    kern, ref = (TapTables(sites, 6, 300, torch.device("cpu"), torch.float32, max_ops=1, pool_rows=1,
+                           capture_numbers=1 << 20) for _ in range(2))
+    for t in (kern, ref):
+        for slot, (lo, hi, last) in enumerate([(0, 5, False), (2, 1 << 40, True), (3, 9, False), (0, 1 << 40, False)]):
+            assert t.write(slot, SlotCapture({0: 0}, 10 + slot, lo, hi, last), []) is None
+        t.flush_pending()
+    row_slot = torch.randint(0, 6, (rows,), generator=g)
+    positions = torch.randint(0, 12, (rows,), generator=g)
+    last_rows = torch.randint(0, 2, (rows,), generator=g)
+    kern.row_base.fill_(-7)
+    triton_tap.prologue(kern, row_slot, positions, last_rows)
+    ref.prologue(row_slot, positions, last_rows)
+    host, _ = ref.places(row_slot.numpy(), positions.numpy(), last_rows.numpy())
+    assert kern.row_base[:rows].tolist() == ref.row_base[:rows].tolist() == host.tolist()
+    assert (kern.row_base[rows:] == -7).all()  # rows past the step's are not written
+    assert rows == 1 or ((kern.row_base[:rows] >= 0).any() and (kern.row_base[:rows] < 0).any())
+
+
 def test_fused_site_kernels_compile_for_a_gpu():
     """Every variant the launchers use, compiled for an sm_90 target (no GPU needed), with the site logic
-    of ``triton_tap_kernels`` inlined, in a process where TRITON_INTERPRET is not set."""
+    of ``triton_tap_kernels`` inlined, and the tap's prologue kernel, in a process where TRITON_INTERPRET
+    is not set."""
     script = textwrap.dedent("""
         import inspect, os
         os.environ.pop("TRITON_INTERPRET", None)
@@ -200,6 +223,10 @@ def test_fused_site_kernels_compile_for_a_gpu():
             for act, block in ((0, 16384), (1, 2048)):
                 compile(k.gated_act_sites_kernel, dict(tables, x_ptr=p, out_ptr=p), ACT=act, BLOCK=block,
                         EMULATE_RNE=False)
+        from tapllm.kernels import triton_tap_kernels as tk
+        compile(tk.prologue_kernel, dict(row_slot_ptr="*i64", pos_ptr="*i64", last_ptr="*i64", cap_rec_ptr="*i64",
+                                         cap_lo_ptr="*i64", cap_hi_ptr="*i64", cap_last_ptr="*i1",
+                                         row_base_ptr="*i64"), BLOCK=512)
         print("compiled")
     """)
     try:
@@ -307,9 +334,10 @@ def _step_budget():
     return module
 
 
-def _decode_block_kernels(llm: LLM, params: SamplingParams) -> list[list[str]]:
-    """What each block of the last decode graph body launches while ``params``' requests run, counted as
-    ``benchmarks/step_budget.py`` counts (aten ops that launch a kernel, and Triton launches)."""
+def _decode_kernels(llm: LLM, params: SamplingParams) -> tuple[list[list[str]], list[str]]:
+    """What each block of the last decode graph body launches while ``params``' requests run, and what the
+    body launches outside the blocks, counted as ``benchmarks/step_budget.py`` counts (aten ops that launch
+    a kernel, and Triton launches)."""
     from tapllm.kernels import triton_attention, triton_fused_sites
 
     sb = _step_budget()
@@ -318,6 +346,7 @@ def _decode_block_kernels(llm: LLM, params: SamplingParams) -> list[list[str]]:
     layers = llm.engine.runner.model.layers
     body = graphs.body
     seen: list[list[str]] = []
+    step: list[str] = []
 
     def counted(key):
         if key.kind != "decode":
@@ -337,6 +366,7 @@ def _decode_block_kernels(llm: LLM, params: SamplingParams) -> list[list[str]]:
                 h.remove()
             triton.counter = None
         seen[:] = [counter.ops.get(f"block{i}", []) + triton.launches.get(f"block{i}", []) for i in range(len(layers))]
+        step[:] = counter.ops.get("step", []) + triton.launches.get("step", [])
         return out
 
     graphs.body = counted
@@ -346,7 +376,7 @@ def _decode_block_kernels(llm: LLM, params: SamplingParams) -> list[list[str]]:
         del graphs.body
         triton.restore()
     assert seen, "no decode graph ran"
-    return seen
+    return seen, step
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -354,12 +384,15 @@ def test_a_tapped_decode_block_launches_one_kernel_more_than_a_plain_one(tiny_mo
     """A plain decode block: input norm with the previous block's residual add, qkv, rotary with the KV
     write, attention (split over the context: plus its merge), o, post norm with its add, gate/up,
     gated activation, down. A tapped one: the same, with its sites in the norms, rotary and activation,
-    plus the ``z`` site kernel."""
+    plus the ``z`` site kernel; and the step outside the blocks one more, the prologue that places the
+    captured rows (the final norm applies the ``final`` site)."""
     llm = _graphed(tiny_models["llama"], dtype)
-    plain = _decode_block_kernels(llm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    tapped = _decode_block_kernels(llm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
-                                                       hidden_states=HiddenStatesSpec(points="final",
-                                                                                      positions="last")))
+    plain, plain_step = _decode_kernels(llm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    tapped, tapped_step = _decode_kernels(llm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                                              hidden_states=HiddenStatesSpec(points="final",
+                                                                                             positions="last")))
+    unsited = sorted(name.replace("_sites_kernel", "_kernel") for name in tapped_step)
+    assert unsited == sorted(plain_step + ["prologue_kernel"]), (plain_step, tapped_step)
     for block, tapped_block in zip(plain, tapped, strict=True):
         merge = block.count("decode_reduce_kernel")
         assert len(block) <= 9 + merge <= 10, block

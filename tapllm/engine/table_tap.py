@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tapllm.kernels.triton_tap import tap_site
+from tapllm.kernels.triton_tap import prologue, tap_site
 from tapllm.tap.fused import FusingTap, KernelSites
 from tapllm.tap.points import BY_NAME
 from tapllm.tap.tables import TapTables
@@ -40,8 +40,8 @@ class TableTap(FusingTap):
         return self._sites
 
     def begin(self) -> None:
-        """Each captured row's place in the capture buffer (device ops: part of the graph)."""
-        self.tables.prologue(self.row_slot, self.positions, self.last_rows)
+        """Each captured row's place in the capture buffer (one kernel: part of the graph)."""
+        prologue(self.tables, self.row_slot, self.positions, self.last_rows)
 
     def __call__(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         index = self.tables.sites.index.get((point, layer))

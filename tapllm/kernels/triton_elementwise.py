@@ -83,7 +83,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_rows(op: str, name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
+def check_rows(op: str, name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
     """``t`` is ``[T, N]`` rows of a supported dtype with contiguous columns (shaped and typed as ``like``)."""
     if t.dim() != 2:
         raise ValueError(f"{op}: {name} must be 2-D rows [T, N]; got shape {tuple(t.shape)}")
@@ -100,8 +100,10 @@ def _check_rows(op: str, name: str, t: torch.Tensor, like: torch.Tensor | None =
             raise ValueError(f"{op}: {name} is on {t.device}, x on {like.device}")
 
 
-def _check_norm(op: str, x: torch.Tensor, w: torch.Tensor, mode: int) -> None:
-    _check_rows(op, "x", x)
+def check_norm(op: str, x: torch.Tensor, w: torch.Tensor, mode: int) -> None:
+    """``x`` is rows of at least one column, ``w`` its weight (contiguous, x's dtype and device), ``mode`` a
+    norm order of :mod:`tapllm.kernels.constants`."""
+    check_rows(op, "x", x)
     if x.shape[1] < 1:
         raise ValueError(f"{op}: x must have at least one column")
     if w.dim() != 1 or w.shape[0] != x.shape[1] or w.dtype != x.dtype:
@@ -135,7 +137,7 @@ def _norm(op: str, x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int) -> torch.Tensor:
     """RMSNorm of rows ``x`` [T, N] with weight ``w`` [N] in ``mode``'s order -> [T, N] in x's dtype
     (:func:`tapllm.kernels.reference.rms_norm`)."""
-    _check_norm("rms_norm", x, w, mode)
+    check_norm("rms_norm", x, w, mode)
     return _norm("rms_norm", x, None, w, eps, mode)
 
 
@@ -143,12 +145,12 @@ def add_rms_norm_(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
     """``x += r`` in place (rounded to x's dtype, as ``x + r`` is), and returns the RMSNorm of the
     new ``x`` (as :func:`rms_norm`), in one pass over the rows."""
     op = "add_rms_norm_"
-    _check_norm(op, x, w, mode)
-    _check_rows(op, "r", r, like=x)
+    check_norm(op, x, w, mode)
+    check_rows(op, "r", r, like=x)
     return _norm(op, x, r, w, eps, mode)
 
 
-def _check_heads(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
+def check_heads(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
     """Validate q [T, H, D], k [T, Hkv, D] and cos/sin [T, R]; returns R."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"{op}: q and k must be [T, heads, head_dim] with the same T and head_dim; "
@@ -221,7 +223,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     [T, H, D] and ``k`` [T, Hkv, D] (strided views welcome: rows and heads may have any stride);
     cos/sin are ``[T, R]`` rows (:func:`tapllm.kernels.reference.rotary`)."""
     op = "rotary_"
-    _check_heads(op, q, k, cos, sin)
+    check_heads(op, q, k, cos, sin)
     _rotary(op, q, k, cos, sin, None)
 
 
@@ -232,13 +234,13 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     launch: what ``rotary_`` then :func:`tapllm.kernels.triton_attention.kv_write` do (a negative
     slot skips its token; values of ``v`` that are not finite are stored as 0)."""
     op = "rotary_kv_write"
-    _check_heads(op, q, k, cos, sin)
-    _check_values(op, q, k, v)
-    _check_kv_write(op, q, k, k_cache, v_cache, slot_mapping)
+    check_heads(op, q, k, cos, sin)
+    check_values(op, q, k, v)
+    check_kv_write(op, q, k, k_cache, v_cache, slot_mapping)
     _rotary(op, q, k, cos, sin, (v, k_cache, v_cache, slot_mapping))
 
 
-def _check_values(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def check_values(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """``v`` is shaped and typed as ``k``, with contiguous heads, on q's device."""
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"{op}: v must match k ({tuple(k.shape)} {k.dtype}); got {tuple(v.shape)} {v.dtype}")
@@ -248,7 +250,7 @@ def _check_values(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
         raise ValueError(f"{op}: v is on {v.device}, q on {q.device}")
 
 
-def _check_kv_write(op: str, q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def check_kv_write(op: str, q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
     """The caches and slots of a K/V write of ``k``'s tokens."""
     if k_cache.dim() == 4 and k.shape[1] != k_cache.shape[0]:
@@ -265,7 +267,7 @@ def gated_act(gate_up: torch.Tensor, mode: int) -> torch.Tensor:
     """``act(gate) * up`` of rows ``gate_up`` [T, 2I] (gate first) -> [T, I]: SiLU (``mode`` 0) or
     GELU's tanh form (1) (:func:`tapllm.kernels.reference.gated_act`)."""
     op = "gated_act"
-    _check_rows(op, "gate_up", gate_up)
+    check_rows(op, "gate_up", gate_up)
     rows, width = gate_up.shape
     if width % 2:
         raise ValueError(f"{op}: gate_up must have an even number of columns [gate | up]; got {width}")

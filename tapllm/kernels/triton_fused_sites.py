@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU
-from tapllm.kernels.triton_elementwise import (ONE_PASS_WIDTH, _check_heads, _check_kv_write, _check_norm,
-                                               _check_rows, _check_values, _pow2, rotary_launch)
+from tapllm.kernels.triton_elementwise import (ONE_PASS_WIDTH, check_heads, check_kv_write, check_norm, check_rows,
+                                               check_values, rotary_launch)
 from tapllm.kernels.triton_rounding import emulate_rne
 from tapllm.kernels.triton_tap import site_args
 from tapllm.tap.fused import HeadSites, KernelSites, NormSites
@@ -61,6 +61,10 @@ def _launcher(op: str, t: torch.Tensor, rows: KernelSites) -> tuple[Any, bool]:
     return kernels, emulate_rne(kernels.INTERPRETED, t.dtype)
 
 
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def _padded(sites: tuple[int, ...], n: int) -> tuple[int, ...]:
     return sites + (0,) * (n - len(sites))
 
@@ -71,9 +75,9 @@ def rms_norm_sites(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps
     ``sites`` applied (the residual, steered, is stored in ``x``); None when the rows or sites do not
     fit one kernel (then nothing is done: see the module docstring)."""
     op = "rms_norm_sites"
-    _check_norm(op, x, w, mode)
+    check_norm(op, x, w, mode)
     if r is not None:
-        _check_rows(op, "r", r, like=x)
+        check_rows(op, "r", r, like=x)
     elif sites.on_r:
         raise ValueError(f"{op}: sites on r without r")
     rows, width = x.shape
@@ -99,7 +103,7 @@ def gated_act_sites(gate_up: torch.Tensor, mode: int, rows: KernelSites, site: i
     """``act(gate) * up`` of rows ``gate_up`` [T, 2I] in ``mode`` (as ``gated_act``), with ``site`` applied;
     None when a row is wider than one tile (then nothing is done)."""
     op = "gated_act_sites"
-    _check_rows(op, "gate_up", gate_up)
+    check_rows(op, "gate_up", gate_up)
     t, width = gate_up.shape
     inter = width // 2
     if width % 2:
@@ -126,10 +130,10 @@ def rotary_sites(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.T
     on q, k and on ``v`` [T, Hkv, D] (steered in place); with ``write`` ``(k_cache, v_cache,
     slot_mapping)`` the keys and values are then stored in the cache, as ``rotary_kv_write`` does."""
     op = "rotary_sites"
-    _check_heads(op, q, k, cos, sin)
-    _check_values(op, q, k, v)
+    check_heads(op, q, k, cos, sin)
+    check_values(op, q, k, v)
     if write is not None:
-        _check_kv_write(op, q, k, *write)
+        check_kv_write(op, q, k, *write)
     kernels, emulate = _launcher(op, q, sites.rows)
     if q.shape[0] == 0:
         return
