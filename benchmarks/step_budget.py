@@ -173,7 +173,7 @@ def cases(hidden: int, layers: int) -> dict[str, Callable[[int], Any]]:
 
     g = torch.Generator().manual_seed(0)
     direction = torch.randn(hidden, generator=g)
-    three = [0, layers // 2, layers - 1]
+    three = sorted({0, layers // 2, layers - 1})  # three blocks where the model has them
     d_sae = 16 * hidden
     sae = SAE(SAEConfig("topk", hidden, d_sae, point="resid_post", layer=layers // 2, k=64),
               torch.randn(hidden, d_sae, generator=g) / hidden**0.5, torch.zeros(d_sae),
