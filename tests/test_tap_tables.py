@@ -130,9 +130,9 @@ def test_a_cleared_slot_frees_its_operands_and_captures_nothing():
     big = SlotOp(site.index, OP_ADD, 0, NO_END, torch.ones(40, HIDDEN), stride=1)
     assert t.write(1, SlotCapture({site.index: 0}, HIDDEN, 0, 100), [big]) is None
     assert "exceed" in t.write(2, None, [SlotOp(site.index, OP_ADD, 0, NO_END, torch.ones(30, HIDDEN), 1)])
-    assert not t.taps(2)
+    assert not t.any_taps([2])
     t.clear(1)
-    assert not t.taps(1) and t.write(2, None, [SlotOp(site.index, OP_ADD, 0, NO_END, torch.ones(30, HIDDEN), 1)]) is None
+    assert not t.any_taps([1]) and t.write(2, None, [SlotOp(site.index, OP_ADD, 0, NO_END, torch.ones(30, HIDDEN), 1)]) is None
     base, total = t.places(np.array([1, 2]), np.array([0, 0]), np.array([True, True]))
     assert total == 0 and base.tolist() == [-1, -1]
     assert "capture buffer" in t.write(3, SlotCapture({site.index: 0}, 10**6, 0, 1), [])

@@ -31,7 +31,7 @@ from tapllm.engine.input_buffers import InputBuffers
 from tapllm.engine.request import Request
 from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
 from tapllm.engine.step_inputs import StepLayout
-from tapllm.hidden_states.capture import RequestCapture
+from tapllm.hidden_states.capture import RequestCapture, RowViews
 from tapllm.hidden_states.sink import CopySink
 from tapllm.sae.batch import FeatureBatch
 from tapllm.tap.points import BY_NAME
@@ -45,12 +45,20 @@ OPS_PER_SEQ = 32
 CAPTURE_POINTS_PER_TOKEN = 8  # the capture buffer holds this many hidden-size rows per token of the largest step
 
 
+def capture_numbers(hidden: int, rows: int, decode_rows: int, num_layers: int) -> int:
+    """The capture buffer's size: ``CAPTURE_POINTS_PER_TOKEN`` hidden-size rows per token of the largest
+    step, and at least one point at every block (and ``final``) for every row of the largest decode step,
+    so a decode batch that all captures a residual point at every block still replays its graph."""
+    return hidden * max(CAPTURE_POINTS_PER_TOKEN * rows, (num_layers + 1) * decode_rows)
+
+
 @dataclass(slots=True)
 class _Joined:
     slot: int
     preemptions: int
     layout: RecordLayout | None = None
     blocked: str | None = None
+    views: tuple[RequestCapture, RowViews] | None = None  # the capture's rows cut from a step's host block
 
 
 @dataclass(slots=True)
@@ -78,9 +86,10 @@ class GraphStep:
         self.sites = Sites(num_layers, shapes)
         slots = tables.table.shape[0]
         hidden = shapes["resid_post"][0]
+        decode_rows = sizes.decode[-1] if sizes.decode else 0
         self.taps = TapTables(self.sites, slots, rows, device, dtype, max_ops=OPS_PER_SEQ * slots,
                               pool_rows=POOL_ROWS_PER_SEQ * slots,
-                              capture_numbers=CAPTURE_POINTS_PER_TOKEN * hidden * rows)
+                              capture_numbers=capture_numbers(hidden, rows, decode_rows, num_layers))
         self.inputs = InputBuffers(rows, sizes.max_seqs, tables.padding_slot, device)
         self.sampler = SlotSampling(slots, vocab_size, device)
         self.graphs = GraphRunner(model, kv_caches, tables, self.inputs, self.taps, self.sampler, attn, sizes.keys(),
@@ -97,25 +106,33 @@ class GraphStep:
     # ---- slots ---------------------------------------------------------------------------------
     def shape(self, lay: StepLayout) -> StepShape:
         """The step's shape for the decider; requests new to their slot write their tables first."""
-        tapped = captures = False
+        captures = False
         blocked = None
+        known = self._joined
         for it, slot in zip(lay.items, lay.item_slots):
             req = it.request
-            joined = self._join(req, slot)
-            if joined.blocked is not None:
-                blocked = blocked or joined.blocked
-            tapped = tapped or self.taps.taps(slot)
-            captures = captures or req.capture is not None
+            joined = known.get(req)
+            if joined is None or joined.slot != slot or joined.preemptions != req.num_preemptions:
+                joined = self._join(req, slot)
+            if joined.blocked is not None and blocked is None:
+                blocked = joined.blocked
+            if req.capture is not None:
+                captures = True
+        tapped = self.taps.any_taps(lay.item_slots)
         if self.block_tables.generation != self._generation:
             blocked = "the block table moved"
         self._places = None
         if captures and blocked is None:
             # The site kernel writes each captured row where the prologue places it, unchecked: a step
             # whose captures all together overrun the buffer must not replay.
-            sizes = [it.num_tokens for it in lay.items]
-            last = np.zeros(len(lay.pos), dtype=np.bool_)
-            last[np.cumsum(sizes) - 1] = True
-            self._places = self.taps.places(np.repeat(lay.item_slots, sizes), np.asarray(lay.pos), last)
+            if lay.decode_only:
+                row_slot, last = np.asarray(lay.item_slots), np.ones(len(lay.pos), dtype=np.bool_)
+            else:
+                sizes = [it.num_tokens for it in lay.items]
+                last = np.zeros(len(lay.pos), dtype=np.bool_)
+                last[np.cumsum(sizes) - 1] = True
+                row_slot = np.repeat(lay.item_slots, sizes)
+            self._places = self.taps.places(row_slot, np.asarray(lay.pos), last)
             if self._places[1] > self.taps.cap_out.numel():
                 blocked = "the step's captures exceed the capture buffer"
         return StepShape(lay.decode_only, len(lay.ids), len(lay.items), len(lay.sample_rows), tapped, blocked)
@@ -185,47 +202,69 @@ class GraphStep:
         requests in ``stopped`` (they ended at the step before: these rows are past their end); returns the
         captures that failed alone."""
         entries: list[_Delivery] = []
-        base = None
-        for it, row in _capture_items(lay):
-            req = it.request
-            if req in stopped or req.finished:
+        kept: list[tuple[RequestCapture, RowViews, int, int, int]] = []
+        places = None
+        end = 0  # the host copy covers the rows of requests that keep them as captured
+        row = 0
+        for it in lay.items:
+            req, n, r = it.request, it.num_tokens, row
+            row += n
+            cap = req.capture
+            if cap is None or req in stopped or req.finished:
                 continue
-            window = req.capture.window(it.start, it.num_tokens)
+            window = cap.window(it.start, n)
             if window is None:
                 continue
-            if base is None:
-                base, _ = self._places  # computed by shape() for this step
-            rows = base[row : row + it.num_tokens]
-            inside = np.flatnonzero(rows >= 0)
+            if places is None:
+                base = self._places[0]  # computed by shape() for this step
+                places = base.tolist()
             a, b = window
-            if len(inside) != b - a:
-                raise RuntimeError(f"request {req.request_id}: the graph captured {len(inside)} rows where its "
+            if n == 1:
+                first = places[r]
+                placed = int(first >= 0)
+            else:
+                inside = np.flatnonzero(base[r : r + n] >= 0)
+                placed = len(inside)
+                first = places[r + int(inside[0])] if placed else -1
+            if placed != b - a:
+                raise RuntimeError(f"request {req.request_id}: the graph captured {placed} rows where its "
                                    f"window holds {b - a}")
-            layout = self._joined[req].layout
-            entries.append(_Delivery(req.capture, layout, a, b, int(rows[inside[0]]),
-                                     req.capture.sel.features is not None))
-        if not entries:
+            joined = self._joined[req]
+            host_rows = cap.takes_host_rows and cap.sel.points
+            if host_rows:
+                last = first + (b - a) * joined.layout.size
+                if last > end:
+                    end = last
+            if host_rows and cap.sel.features is None:
+                # rows kept as captured: cut from the step's host copy when the result is read
+                views = joined.views
+                if views is None or views[0] is not cap:
+                    views = joined.views = (cap, self._views(joined.layout, cap))
+                kept.append((cap, views[1], first, a, b))
+            else:
+                entries.append(_Delivery(cap, joined.layout, a, b, first, cap.sel.features is not None))
+        if not entries and not kept:
             return {}
         sink.settle()
-        host = None
-        raw = [e for e in entries if e.capture.sel.points]  # a request of SAE features only keeps no rows
-        if any(e.capture.takes_host_rows for e in raw):
-            end = max(e.start + (e.b - e.a) * e.layout.size for e in raw if e.capture.takes_host_rows)
-            host = _to_host(self.taps.cap_out[:end], sink)
+        host = _to_host(self.taps.cap_out[:end], sink) if end else None
+        for cap, views, first, a, b in kept:
+            cap.defer(views, host, first, a, b)
         failed: dict[RequestCapture, str] = {}
-        for e in raw:
+        for e in entries:
+            cap = e.capture
+            if not cap.sel.points:  # a request of SAE features only keeps no rows
+                continue
+            if cap.takes_host_rows:
+                cap.defer(self._views(e.layout, cap), host, e.start, e.a, e.b)
+                continue
             n, size = e.b - e.a, e.layout.size
-            on_host = e.capture.takes_host_rows
-            block = (host if on_host else self.taps.cap_out)[e.start : e.start + n * size].view(n, size)
-            for point in e.capture.sel.points:
-                rows = self._recorded(e, block, point)
+            block = self.taps.cap_out[e.start : e.start + n * size].view(n, size)
+            for point in cap.sel.points:
+                rows = self._recorded(e.layout, cap, block, point)
                 try:
-                    if on_host:
-                        e.capture.take(point, rows, e.a, e.b)
-                    else:
-                        e.capture.consume(point, rows, e.a, e.b, sink)
+                    cap.consume(point, rows, e.a, e.b, sink)
                 except Exception as exc:  # noqa: BLE001 - belongs to this request alone
-                    failed[e.capture] = f"hidden_states: capturing {point!r} failed: {type(exc).__name__}: {exc}"
+                    failed[cap] = f"hidden_states: capturing {point!r} failed: {type(exc).__name__}: {exc}"
                     break
         features = [e for e in entries if e.features and e.capture not in failed]
         if features:
@@ -236,14 +275,21 @@ class GraphStep:
                 e.capture.advance(e.a, e.b)
         return failed
 
-    def _recorded(self, e: _Delivery, block: torch.Tensor, point: str) -> torch.Tensor:
+    def _views(self, layout: RecordLayout, cap: RequestCapture) -> RowViews:
+        """``cap``'s :data:`RowViews` over a step's host block, by ``layout`` (cut when its result is read)."""
+        def views(host: torch.Tensor, start: int, n: int) -> dict[str, torch.Tensor]:
+            block = host[start : start + n * layout.size].view(n, layout.size)
+            return {point: self._recorded(layout, cap, block, point) for point in cap.sel.points}
+        return views
+
+    def _recorded(self, layout: RecordLayout, cap: RequestCapture, block: torch.Tensor, point: str) -> torch.Tensor:
         """``e``'s rows of ``point`` as the tap recorded them, ``[b - a, layers, *row]``: the site's full row
         (every head, no projection: the capture selects and projects them) of the layers the request
         captures, which come first in the record; the layers only its SAE reads follow them."""
-        keys, start, _ = e.layout.part(point)
+        keys, start, _ = layout.part(point)
         site = self.sites.of(point, keys[0])
         row = (site.groups, site.group_width) if BY_NAME[point].heads is not None else (site.width,)
-        layers = len(e.capture.sel.layer_keys(point))
+        layers = len(cap.sel.layer_keys(point))
         return block[:, start : start + layers * site.width].view(block.shape[0], layers, *row)
 
     def _device_rows(self, e: _Delivery, point: str, key: int) -> torch.Tensor:
@@ -255,25 +301,17 @@ class GraphStep:
         return self.taps.cap_out[e.start : e.start + n * size].view(n, size)[:, first : first + each]
 
 
-def graph_step_bytes(sizes: GraphSizes, hidden: int, vocab: int, slots: int, act_bytes: int) -> int:
+def graph_step_bytes(sizes: GraphSizes, hidden: int, vocab: int, slots: int, act_bytes: int, num_layers: int
+                     ) -> int:
     """About what a graph step holds on the device besides a step's activations (counted out of the KV
     cache's budget): the capture buffer, the steering pool, the sampled rows' logits, every graph's kept
     hidden rows, and a drawing step's sort of its logits."""
     rows = max(max(sizes.mixed, default=0), max(sizes.decode, default=0))
     sampled = max(max(sizes.decode, default=0), min(rows, sizes.max_seqs))
-    capture = CAPTURE_POINTS_PER_TOKEN * hidden * rows * act_bytes
+    capture = capture_numbers(hidden, rows, max(sizes.decode, default=0), num_layers) * act_bytes
     pool = POOL_ROWS_PER_SEQ * slots * 4 * hidden * 4  # rows as wide as the widest point (about 4x hidden)
     graphs_hidden = 2 * sum(s for s in (*sizes.decode, *sizes.mixed)) * hidden * act_bytes
     return capture + pool + sampled * vocab * (act_bytes + 24) + graphs_hidden
-
-
-def _capture_items(lay: StepLayout):
-    """(item, first batch row) of every item whose request captures."""
-    row = 0
-    for it in lay.items:
-        if it.request.capture is not None:
-            yield it, row
-        row += it.num_tokens
 
 
 def _to_host(t: torch.Tensor, sink: CopySink) -> torch.Tensor:

@@ -219,7 +219,7 @@ class ModelRunner:
         reserve = self.ecfg.max_num_batched_tokens * (16 * mc.hidden_size + mc.vocab_size) * act_bytes
         if self.backend.graphs is not None:  # what the graph step keeps besides its activations
             reserve += graph_step_bytes(self.backend.graphs, mc.hidden_size, mc.vocab_size,
-                                        self.ecfg.max_num_seqs + 1, act_bytes)
+                                        self.ecfg.max_num_seqs + 1, act_bytes, mc.num_layers)
         budget = util * total - weights - reserve
         if budget <= 0:
             raise ValueError(f"gpu_memory_utilization={util} leaves no memory for the KV cache "

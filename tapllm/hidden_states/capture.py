@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import fields
 
 import torch
@@ -25,6 +26,10 @@ from tapllm.hidden_states.result import HiddenStates
 from tapllm.hidden_states.sink import CopySink
 from tapllm.hidden_states.spec import QUERY_HEAD_POINTS, HiddenStatesSpec
 from tapllm.sae.features import FeatureBuffers
+
+# Cuts ``n`` positions of a step's host block from number ``start`` into each point's rows
+# ``[n, layers, *shape]`` (the graph step's record layout of one request).
+RowViews = Callable[[torch.Tensor, int, int], dict[str, torch.Tensor]]
 
 
 class RequestCapture:
@@ -53,18 +58,18 @@ class RequestCapture:
             layers = {p: len(sel.layer_keys(p)) for p in sel.points}
             self.lens = LensBuffers(sel.points, layers, sel.lens_k, spec.lens_targets, lens_fn, device)
         self.features = FeatureBuffers(sel.features, sel.last_only) if sel.features is not None else None
+        # True when the request keeps its rows exactly as captured (no reduction, projection, lens, head
+        # selection, other dtype or device), so a step's host copy of them can be handed over as is.
+        self.takes_host_rows = (self.reducers is None and self.proj is None and self.lens is None
+                                and self.heads is None and self.out_device.type == "cpu"
+                                and "attn_pattern" not in sel.points)
+        # Steps' host blocks whose rows are this request's, not yet cut into views (:meth:`defer`).
+        self.deferred: list[tuple[RowViews, torch.Tensor, int, int, int]] = []
 
     def _new_reducer(self, point: str) -> Reducer:
         r = get_reducer(self.sel.reduce)()
         r.start(len(self.sel.layer_keys(point)), math.prod(self.sel.shapes[point]), self.device)
         return r
-
-    @property
-    def takes_host_rows(self) -> bool:
-        """True when the request keeps its rows exactly as captured (no reduction, projection, lens,
-        head selection, other dtype or device), so a step's host copy of them can be handed over as is."""
-        return (self.reducers is None and self.proj is None and self.lens is None and self.heads is None
-                and self.out_device.type == "cpu" and "attn_pattern" not in self.sel.points)
 
     def first_needed(self, num_tokens: int) -> int:
         """The first position this request still has to run to capture what it asked for."""
@@ -113,6 +118,26 @@ class RequestCapture:
             rows, a = rows[-1:], b - 1
         self._keep(point, a, rows if rows.dtype == self.sel.dtype else rows.to(self.sel.dtype))
 
+    def defer(self, views: RowViews, host: torch.Tensor, start: int, a: int, b: int) -> None:
+        """Keep positions ``[a, b)`` as they lie in a step's host block ``host`` from number ``start``;
+        ``views(host, start, n)`` cuts them into each point's rows when the result is read (only when
+        :attr:`takes_host_rows`). A decode step then costs a request one append, not a view per point.
+        Records the positions as captured (:meth:`advance`)."""
+        if self.sel.last_only:
+            self.deferred = [(views, host, start, a, b)]
+            self.last_pos = b - 1
+        else:
+            self.deferred.append((views, host, start, a, b))
+        if b > self.next_pos:
+            self.next_pos = b
+
+    def _settle(self) -> None:
+        """Cut the deferred host blocks into chunks (:meth:`defer`)."""
+        for views, host, start, a, b in self.deferred:
+            for point, rows in views(host, start, b - a).items():
+                self.take(point, rows, a, b)
+        self.deferred = []
+
     def _keep(self, point: str, a: int, rows: torch.Tensor) -> None:
         if self.sel.last_only:
             self.chunks[point] = [(a, rows)]
@@ -149,6 +174,7 @@ class RequestCapture:
 
         Read-only parts (the projection, head indices, the model's lens function) stay shared.
         """
+        self._settle()
         shared = [self.sel, self.sel.features, self.proj, self.heads, self.device]  # the device SAE: shared
         if self.lens is not None:
             shared += [self.lens.fn, self.lens.targets]
@@ -157,6 +183,7 @@ class RequestCapture:
 
     def result(self) -> HiddenStates:
         """The request's ``HiddenStates`` (call once it has finished)."""
+        self._settle()
         sel = self.sel
         if sel.last_only:
             positions = torch.tensor([self.last_pos] if self.last_pos >= 0 else [], dtype=torch.long)

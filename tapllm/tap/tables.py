@@ -218,9 +218,9 @@ class TapTables:
             self._ops.give(held[0], held[1])
             self._pool.give(held[2], held[3])
 
-    def taps(self, slot: int) -> bool:
-        """True when ``slot`` captures or steers anything."""
-        return bool(self.rec[slot]) or bool(self.steered[slot])
+    def any_taps(self, slots: Sequence[int]) -> bool:
+        """True when any of ``slots`` captures or steers anything."""
+        return bool(self.rec[slots].any() or self.steered[slots].any())
 
     # ---- per step ----------------------------------------------------------------------------
     def prologue(self, row_slot: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor) -> None:
