@@ -1,0 +1,170 @@
+"""Tensor parallelism on the CPU (gloo): TP 2 gives what one process gives.
+
+Greedy tokens identical; states at every point kind (residual, attn_out, mlp_out, per-head
+q/k/v/z and patterns, neurons, the logit lens) within 1e-5 in float32; steering at residual and
+sharded points; chunked prefill, prefix-cache hits, seeded sampling with n > 1. A rank that dies
+makes the engine raise a clear error quickly, and no worker is left behind.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from helpers import assert_close, greedy
+from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
+from tapllm.parallel import ShardLayout, TensorParallelError, divisibility_problems
+from tapllm.tap.points import POINTS
+
+ENGINE = dict(dtype="float32", kv_cache_blocks=96, max_num_batched_tokens=32)
+
+
+def _pair(folder) -> tuple[LLM, LLM]:
+    return LLM(folder, enforce_eager=True, **ENGINE), LLM(folder, tensor_parallel_size=2, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    one, two = _pair(tiny_models["llama"])
+    yield one, two
+    two.close()
+
+
+def _same(outs_one, outs_two, points=None) -> None:
+    for a, b in zip(outs_one, outs_two, strict=True):
+        assert a.error is None and b.error is None, (a.error, b.error)
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            assert ca.token_ids == cb.token_ids
+        if points is None:
+            continue
+        for point in points:
+            assert_close(b.hidden_states[point], a.hidden_states[point], 1e-5)
+
+
+def test_every_point_and_token_equal_one_process(llama):
+    one, two = llama
+    spec = HiddenStatesSpec(layers="all", points=list(POINTS), positions="all")
+    params = greedy(6, hidden_states=spec, logprobs=2)
+    prompts = random_prompts([5, 40, 11], seed=3)  # 40 > the budget of 32: chunked prefill
+    a, b = one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False)
+    _same(a, b, POINTS)
+    for x, y in zip(a, b):
+        for t, lx, ly in zip(x.outputs[0].token_ids, x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
+            assert set(lx) == set(ly) and abs(lx[t].logprob - ly[t].logprob) < 1e-5
+
+
+def test_steering_at_residual_and_sharded_points(llama):
+    one, two = llama
+    g = torch.Generator().manual_seed(5)
+    hidden, head_dim = 64, 16
+
+    def v(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=g)
+
+    steers = [
+        Steer(layers=[0, 2], point="resid_post", vector=v(hidden), scale=2.0),
+        Steer(layers=[1], point="attn_out", op="ablate", vector=v(hidden)),
+        Steer(layers=[1], point="z", vector=v(head_dim), scale=3.0, heads=[1, 2]),  # one head on each rank
+        Steer(layers=[0], point="mlp_post", op="scale", scale=0.0, neurons=[3, 64, 100]),
+        Steer(layers=[2], point="k", vector=v(head_dim), heads=[1]),  # KV head 1 lives on rank 1
+        Steer(layers=[2], point="v", op="clamp", vector=v(head_dim), value=0.5),
+        Steer(layers=[0], point="q", op="scale", scale=1.5, heads=[0, 3], positions="generated"),
+    ]
+    spec = HiddenStatesSpec(layers="all", points=["resid_post", "z", "k", "mlp_post"], positions="all")
+    params = [greedy(6, steering=steers, hidden_states=spec), greedy(6)]  # a steered and a plain request
+    prompts = random_prompts([9, 14], seed=4)
+    _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False))
+    a = one.generate(prompts[:1], params[0], use_tqdm=False)
+    b = two.generate(prompts[:1], params[0], use_tqdm=False)
+    _same(a, b, ["resid_post", "z", "k", "mlp_post"])
+
+
+def test_lens_heads_prefix_hits_and_seeded_samples(llama):
+    one, two = llama
+    prefix = random_prompts([32], seed=8)[0]
+    prompts = [prefix + [500, 600, 700], prefix + [800]]  # the second hits the first's cached blocks
+    spec = HiddenStatesSpec(layers=[0, -1], points=["resid_post", "z"], positions="generated", heads=[3],
+                            lens=3, reduce="mean")
+    sample = SamplingParams(max_tokens=5, temperature=1.0, seed=11, n=2, hidden_states=spec)
+    for llm_pair in ((one, two),):
+        a = [o for p in prompts for o in llm_pair[0].generate([p], sample, use_tqdm=False)]
+        b = [o for p in prompts for o in llm_pair[1].generate([p], sample, use_tqdm=False)]
+        _same(a, b, ["resid_post", "z"])
+        for x, y in zip(a, b):
+            for point in x.hidden_states.lens:
+                assert torch.equal(x.hidden_states.lens[point].token_ids, y.hidden_states.lens[point].token_ids)
+                assert_close(y.hidden_states.lens[point].logprobs, x.hidden_states.lens[point].logprobs, 1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3-rope-tied"])
+def test_other_llama_family_models(arch, tiny_models):
+    one, two = _pair(tiny_models[arch])
+    try:
+        spec = HiddenStatesSpec(layers="all", points=["resid_post", "q", "v", "mlp_post", "final"], positions="all")
+        steer = [Steer(layers=[1], point="resid_mid", vector=torch.ones(64), scale=0.5)]
+        prompts = random_prompts([7, 12], seed=6)
+        params = greedy(5, hidden_states=spec, steering=steer)
+        _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False),
+              ["resid_post", "q", "v", "mlp_post", "final"])
+        full = _checkpoint_bytes(tiny_models[arch])
+        per_rank = two.engine.runner.tp.weight_bytes
+        assert len(per_rank) == 2 and all(b <= full * (0.5 + 0.05) for b in per_rank), (per_rank, full)
+        assert "tensor parallel: 2 ranks" in two.describe()
+    finally:
+        two.close()
+
+
+def _checkpoint_bytes(folder) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            total += sum(4 * math.prod(f.get_slice(n).get_shape()) for n in f.keys())  # float32
+    return total
+
+
+def test_layout_splits_and_names_fields_that_do_not_divide(tiny_models):
+    parts = [ShardLayout(r, 4, num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=64, vocab_size=100)
+             for r in range(4)]
+    assert [p.kv_head_start for p in parts] == [0, 0, 1, 1] and parts[0].kv_replicas == 2
+    assert [p.head_start for p in parts] == [0, 2, 4, 6] and parts[3].vocab_start == 75
+    problems = divisibility_problems(3, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=49152)
+    assert any("num_attention_heads=4" in p for p in problems)
+    assert any("num_key_value_heads=2" in p for p in problems)
+    assert any("intermediate_size=128" in p for p in problems)
+    assert not any("vocab_size" in p for p in problems)
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        LLM(tiny_models["llama"], tensor_parallel_size=3, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(tiny_models["llama"], tensor_parallel_size=0)
+
+
+def test_dead_rank_is_a_clear_error_and_leaves_no_process(tiny_models):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+    procs = list(llm.engine.runner.tp.procs)
+    llm.generate(random_prompts([6], seed=1), greedy(3), use_tqdm=False)
+    os.kill(procs[0].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1"):
+        llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    with pytest.raises(TensorParallelError):
+        llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
+    llm.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_close_stops_the_workers(tiny_models):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+    procs = list(llm.engine.runner.tp.procs)
+    assert all(p.is_alive() for p in procs)
+    llm.close()
+    llm.close()
+    assert not any(p.is_alive() for p in procs)
