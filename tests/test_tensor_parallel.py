@@ -120,6 +120,40 @@ def test_other_llama_family_models(arch, tiny_models):
         two.close()
 
 
+def test_kv_heads_fewer_than_ranks_are_replicated(tmp_path, default_model_folder):
+    from transformers import LlamaConfig
+
+    from conftest import TINY, save_tiny_model
+
+    cfg = LlamaConfig(vocab_size=49152, tie_word_embeddings=False, **{**TINY, "num_key_value_heads": 1})
+    one, two = _pair(save_tiny_model(tmp_path / "mqa", cfg, default_model_folder))
+    try:
+        assert two.engine.runner.tp.layout.kv_replicas == 2
+        points = ["q", "k", "v", "z", "attn_pattern", "resid_post"]
+        steers = [Steer(layers=[1], point="k", vector=torch.ones(16), scale=0.5),
+                  Steer(layers=[2], point="v", op="ablate", vector=torch.ones(16) / 4)]
+        params = greedy(5, hidden_states=HiddenStatesSpec(layers="all", points=points, positions="all"),
+                        steering=steers)
+        prompts = random_prompts([6, 19], seed=12)
+        _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False), points)
+    finally:
+        two.close()
+
+
+def test_preemption_under_a_small_cache(tiny_models):
+    small = {**ENGINE, "kv_cache_blocks": 8, "max_num_batched_tokens": 24}
+    one = LLM(tiny_models["llama"], enforce_eager=True, **small)
+    two = LLM(tiny_models["llama"], tensor_parallel_size=2, **small)
+    try:
+        params = greedy(20, hidden_states=HiddenStatesSpec(layers=[-1], points=["resid_post", "z"], positions="all"))
+        prompts = random_prompts([30, 26, 28, 22], seed=13)
+        _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False),
+              ["resid_post", "z"])
+        assert two.engine.scheduler.num_preemptions > 0
+    finally:
+        two.close()
+
+
 def _checkpoint_bytes(folder) -> int:
     from safetensors import safe_open
 
@@ -158,6 +192,21 @@ def test_dead_rank_is_a_clear_error_and_leaves_no_process(tiny_models):
     with pytest.raises(TensorParallelError):
         llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
     llm.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_hung_rank_times_out(tiny_models, monkeypatch):
+    monkeypatch.setenv("TAPLLM_TP_TIMEOUT_S", "3")
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+    procs = list(llm.engine.runner.tp.procs)
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError, match="timeout"):
+            llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
+        assert time.monotonic() - start < 20
+    finally:
+        llm.close()
     assert not any(p.is_alive() for p in procs)
 
 

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from tapllm.backends import Backend
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.models.base import CausalLM, KVCache
-from tapllm.parallel.group import DEFAULT_TIMEOUT_S, TensorParallelError, TPGroup
+from tapllm.parallel.group import TensorParallelError, TPGroup, collective_timeout_s
 from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
 from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
@@ -45,14 +45,14 @@ logger = logging.getLogger("tapllm")
 START_TIMEOUT_S = 120.0  # a worker that has not said hello by then is taken for dead
 
 
-def _stop(procs: list[Any], conns: list[Any]) -> None:
-    """Ask the workers to exit, then make sure they have (terminate, then kill)."""
+def _stop(procs: list[Any], conns: list[Any], grace_s: float = 5.0) -> None:
+    """Ask the workers to exit, wait up to ``grace_s`` for them, then make sure they have (terminate, kill)."""
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(Shutdown()))
         except (OSError, ValueError):
             pass
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
@@ -70,7 +70,9 @@ class TensorParallel:
     """The ranks of one engine: rank 0's shard and group, the worker processes, their pipes."""
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float | None = None) -> None:
+        timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+        self.timeout_s = timeout_s
         size = engine_config.tensor_parallel_size
         self.size = size
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the sizes divide first
@@ -153,8 +155,11 @@ class TensorParallel:
                 reasons.append(f"rank {rank} raised {error}")
             elif not proc.is_alive():
                 reasons.append(f"rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+        _stop(self.procs, self.conns, grace_s=0.5)  # a broken group: no worker has anything left to finish
         self.close()
-        found = "; ".join(reasons) if reasons else f"no worker reported an error ({type(exc).__name__}: {exc})"
+        found = "; ".join(reasons) if reasons else (
+            f"a call failed or waited past the {self.timeout_s:g} s timeout while every worker was alive "
+            f"(a hung rank?): {type(exc).__name__}: {exc}")
         return f"{found}; the engine cannot continue and its workers were stopped"
 
     def close(self) -> None:

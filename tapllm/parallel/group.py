@@ -9,6 +9,7 @@ group is then broken for good: the ranks may no longer agree on where they are.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -16,6 +17,21 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 30.0  # a collective that waits longer than this means a rank is dead or hung
+TIMEOUT_ENV = "TAPLLM_TP_TIMEOUT_S"  # overrides DEFAULT_TIMEOUT_S (seconds)
+
+
+def collective_timeout_s() -> float:
+    """The collectives' timeout: ``$TAPLLM_TP_TIMEOUT_S`` when set, else :data:`DEFAULT_TIMEOUT_S`."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    return value
 
 
 class TensorParallelError(RuntimeError):
