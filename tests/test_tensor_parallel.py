@@ -102,6 +102,25 @@ def test_lens_heads_prefix_hits_and_seeded_samples(llama):
                 assert_close(y.hidden_states.lens[point].logprobs, x.hidden_states.lens[point].logprobs, 1e-5)
 
 
+def test_sae_features_and_feature_steering(llama):
+    from tapllm import SAE
+    from tapllm.sae.model import SAEConfig
+
+    one, two = llama
+    g = torch.Generator().manual_seed(21)
+    sae = SAE(SAEConfig("jumprelu", 64, 128, "resid_post", 1), torch.randn(64, 128, generator=g) * 0.3,
+              torch.randn(128, generator=g) * 0.1, torch.randn(128, 64, generator=g) * 0.1,
+              torch.randn(64, generator=g) * 0.1, threshold=torch.rand(128, generator=g) * 0.5)
+    steers = [Steer(op="add", sae=sae, features={5: 8.0, 9: -4.0}), Steer(op="clamp", sae=sae, features={3: 20.0})]
+    spec = HiddenStatesSpec(layers=[1], points=["resid_post"], sae=sae, features="all")
+    params = greedy(5, steering=steers, hidden_states=spec)
+    prompts = random_prompts([8, 13], seed=22)
+    a, b = one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False)
+    _same(a, b, ["resid_post"])
+    for x, y in zip(a, b):
+        assert_close(y.hidden_states.features.dense, x.hidden_states.features.dense, 1e-5)
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3-rope-tied"])
 def test_other_llama_family_models(arch, tiny_models):
     one, two = _pair(tiny_models[arch])

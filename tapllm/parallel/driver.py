@@ -38,6 +38,7 @@ from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logit
 from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
 from tapllm.parallel.sharding import layout_for, load_shard, weight_bytes
 from tapllm.parallel.worker import WorkerArgs, run_worker
+from tapllm.steering.plan import PLAIN_OPS
 from tapllm.tap import Tap, no_tap
 
 logger = logging.getLogger("tapllm")
@@ -213,11 +214,14 @@ class DriverModel:
         keys = set(getattr(tap, "targets", {}) or {})
         steering = getattr(tap, "steering", None)
         steer_ops = dict(steering.ops) if steering is not None else {}
+        from_rank0 = frozenset(k for k, ops in steer_ops.items() if not all(isinstance(op, PLAIN_OPS) for op in ops))
+        steer_ops = {k: ops for k, ops in steer_ops.items() if k not in from_rank0}
         pattern_layers = frozenset(i for i in range(self.num_layers) if inner.wants_pattern(i))
         gathered = frozenset(k for k in keys if k[0] in SHARDED_DIMS)
         layers = frozenset(layer for _, layer in keys)
-        self.tp.send(Forward(input_ids, positions, meta, num_layers, steer_ops, gathered, layers, pattern_layers))
-        shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers)
+        self.tp.send(Forward(input_ids, positions, meta, num_layers, steer_ops, gathered, layers, pattern_layers,
+                             from_rank0))
+        shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers, from_rank0)
         with self._joined("the forward"):
             hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)
         shard_tap.raise_held()

@@ -86,6 +86,21 @@ class TPGroup:
         self._wait(self.pg.allgather([parts], [x]), "all_gather")
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank, written into ``x`` in place; returns ``x``."""
+        self._check()
+        if self.size == 1:
+            return x
+        buf = x if x.is_contiguous() else x.contiguous()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.calls += 1
+        self.bytes_moved += buf.numel() * buf.element_size() if self.rank == src else 0
+        self._wait(self.pg.broadcast([buf], opts), "broadcast")
+        if buf is not x:
+            x.copy_(buf)
+        return x
+
     def barrier(self) -> None:
         """Wait until every rank gets here (a one-element all-reduce, under the group's timeout)."""
         self.all_reduce(torch.zeros(1))

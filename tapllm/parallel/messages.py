@@ -56,6 +56,7 @@ class Forward:
     gathered: frozenset[tuple[str, int]] = frozenset()
     layers: frozenset[int] = frozenset()
     pattern_layers: frozenset[int] = frozenset()
+    from_rank0: frozenset[tuple[str, int]] = frozenset()  # points rank 0 steers alone, then broadcasts
 
 
 @dataclass(slots=True)

@@ -8,7 +8,8 @@ runs on that, and each rank keeps its own part of the result; points nobody aske
 gathered. Attention patterns are computed on rank 0 from the gathered queries and key cache.
 
 Rank 0 runs the engine's tap inside :class:`ShardTap`; the other ranks run :class:`StepSteering`
-(the same steering operations, no capture). An error raised by the inner tap (a request's capture
+(the same steering operations, no capture). Operations that cannot travel to the other ranks (an SAE
+edit holds its SAE) run on rank 0, which then broadcasts the point's steered tensor. An error raised by the inner tap (a request's capture
 failing) is held until the forward ends, so no rank leaves the others waiting in a collective.
 """
 
@@ -58,24 +59,30 @@ class ShardTap:
     """Wraps a step's tap for a sharded model (see the module docstring).
 
     ``gathered``: the (point, layer) pairs of sharded points some request steers or captures this
-    step, the same set on every rank; ``layers`` the blocks any request touches (the same on every
+    step, the same set on every rank; ``from_rank0``: the points steered by operations that only rank 0
+    holds (an SAE edit, which holds its SAE): rank 0 applies them and broadcasts the result; ``layers`` the blocks any request touches (the same on every
     rank as well, so every rank's model takes the same path).
     """
 
     def __init__(self, inner: Tap, layout: ShardLayout, group: TPGroup, gathered: Iterable[tuple[str, int]],
-                 layers: Iterable[int], pattern_layers: Iterable[int]) -> None:
+                 layers: Iterable[int], pattern_layers: Iterable[int],
+                 from_rank0: Iterable[tuple[str, int]] = ()) -> None:
         self.inner, self.layout, self.group = inner, layout, group
         self.gathered = frozenset(gathered)
+        self.from_rank0 = frozenset(from_rank0)
         self.layers = frozenset(layers) | frozenset(pattern_layers)
         self.pattern_layers = frozenset(pattern_layers)
         self.error: BaseException | None = None  # the first error of the inner tap, raised after the forward
 
     def __call__(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
-        if point in SHARDED_DIMS and (point, layer) in self.gathered:
-            whole = self._run(point, layer, self.gather(point, x))
-            x.copy_(self.local(point, whole))
+        sharded = point in SHARDED_DIMS and (point, layer) in self.gathered
+        y = self._run(point, layer, self.gather(point, x) if sharded else x)
+        if (point, layer) in self.from_rank0:  # steered by operations only rank 0 holds: its result for all
+            y = self.group.broadcast(y, src=0)
+        if sharded:
+            x.copy_(self.local(point, y))
             return x
-        return self._run(point, layer, x)
+        return y
 
     def _run(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         if self.error is not None:  # the step fails anyway; the forward goes on only to keep the ranks together

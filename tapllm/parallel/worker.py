@@ -91,7 +91,7 @@ def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: S
         with torch.inference_mode():
             if isinstance(msg, Forward):
                 tap = ShardTap(StepSteering(msg.steer_ops, msg.pattern_layers), layout, group, msg.gathered,
-                               msg.layers, msg.pattern_layers)
+                               msg.layers, msg.pattern_layers, msg.from_rank0)
                 model(msg.input_ids, msg.positions, kv, msg.meta, tap, num_layers=msg.num_layers)
             elif isinstance(msg, Logits):
                 model.compute_logits(msg.hidden)
