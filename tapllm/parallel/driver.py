@@ -199,6 +199,7 @@ class DriverModel:
         self.tp = tp
         self.shard = tp.model
         self.num_layers = len(self.shard.layers)
+        self.forwards = 0  # steps run (for benchmarks: collectives per step)
 
     @property
     def last_runs(self) -> tuple[tuple[int, int, str], ...]:
@@ -210,6 +211,7 @@ class DriverModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: Any,
                  tap: Tap | None = None, num_layers: int | None = None) -> torch.Tensor | None:
         """The step's forward on every rank; returns rank 0's final-norm hidden states (or None)."""
+        self.forwards += 1
         inner = no_tap if tap is None else tap
         keys = set(getattr(tap, "targets", {}) or {})
         steering = getattr(tap, "steering", None)

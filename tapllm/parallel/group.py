@@ -10,6 +10,7 @@ group is then broken for good: the ranks may no longer agree on where they are.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -51,14 +52,18 @@ class TPGroup:
         self.explain: Callable[[BaseException], str] | None = None
         self.bytes_moved = 0  # what this rank's collectives sent, for describe() and benchmarks
         self.calls = 0
+        self.wait_s = 0.0  # time this rank spent waiting in collectives
 
     def _wait(self, work: dist.Work, what: str) -> None:
+        start = time.perf_counter()
         try:
             work.wait()
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError and its own kinds
             detail = self.explain(exc) if self.explain is not None else f"{type(exc).__name__}: {exc}"
             self.broken = f"{what} failed on rank {self.rank}: {detail}"
             raise TensorParallelError(f"tensor parallel group broken: {self.broken}") from exc
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     def _check(self) -> None:
         if self.broken is not None:
