@@ -184,6 +184,21 @@ def _checkpoint_bytes(folder) -> int:
     return total
 
 
+@pytest.mark.slow
+def test_default_model_at_three_ranks(default_model_folder):
+    """SmolLM2-135M (9 heads, 3 KV heads, tied embeddings) splits over 3 ranks (not 2)."""
+    one = LLM(default_model_folder, enforce_eager=True, dtype="float32", kv_cache_blocks=32)
+    three = LLM(default_model_folder, tensor_parallel_size=3, dtype="float32", kv_cache_blocks=32)
+    try:
+        points = ["resid_post", "z", "k", "mlp_post", "final"]
+        params = greedy(4, hidden_states=HiddenStatesSpec(layers=[0, 15, -1], points=points, positions="all"))
+        prompts = ["The capital of France is"]
+        _same(one.generate(prompts, params, use_tqdm=False), three.generate(prompts, params, use_tqdm=False), points)
+        assert len(three.engine.runner.tp.procs) == 2
+    finally:
+        three.close()
+
+
 def test_layout_splits_and_names_fields_that_do_not_divide(tiny_models):
     parts = [ShardLayout(r, 4, num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=64, vocab_size=100)
              for r in range(4)]
