@@ -42,7 +42,8 @@ def _same(outs_one, outs_two, points=None) -> None:
         assert a.error is None and b.error is None, (a.error, b.error)
         for ca, cb in zip(a.outputs, b.outputs, strict=True):
             assert ca.token_ids == cb.token_ids
-        if points is None:
+        if points is None or a.hidden_states is None:
+            assert (a.hidden_states is None) == (b.hidden_states is None)
             continue
         for point in points:
             assert_close(b.hidden_states[point], a.hidden_states[point], 1e-5)
@@ -60,8 +61,18 @@ def test_every_point_and_token_equal_one_process(llama):
             assert set(lx) == set(ly) and abs(lx[t].logprob - ly[t].logprob) < 1e-5
 
 
-def test_steering_at_residual_and_sharded_points(llama):
+def test_steering_at_residual_and_sharded_points(llama, monkeypatch):
+    from tapllm.parallel.shard_tap import ShardTap
+
     one, two = llama
+    gathered_rows = []
+    gather = ShardTap.gather
+
+    def spy(self, point, x, rows=None):
+        gathered_rows.append((x.shape[0], None if rows is None else rows.numel()))
+        return gather(self, point, x, rows)
+
+    monkeypatch.setattr(ShardTap, "gather", spy)
     g = torch.Generator().manual_seed(5)
     hidden, head_dim = 64, 16
 
@@ -80,7 +91,10 @@ def test_steering_at_residual_and_sharded_points(llama):
     spec = HiddenStatesSpec(layers="all", points=["resid_post", "z", "k", "mlp_post"], positions="all")
     params = [greedy(6, steering=steers, hidden_states=spec), greedy(6)]  # a steered and a plain request
     prompts = random_prompts([9, 14], seed=4)
-    _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False))
+    points = ["resid_post", "z", "k", "mlp_post"]
+    # only the first request's rows of z, k, mlp_post are gathered
+    _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False), points)
+    assert any(n is not None and n < t for t, n in gathered_rows)
     a = one.generate(prompts[:1], params[0], use_tqdm=False)
     b = two.generate(prompts[:1], params[0], use_tqdm=False)
     _same(a, b, ["resid_post", "z", "k", "mlp_post"])

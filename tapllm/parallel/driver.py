@@ -219,7 +219,7 @@ class DriverModel:
         from_rank0 = frozenset(k for k, ops in steer_ops.items() if not all(isinstance(op, PLAIN_OPS) for op in ops))
         steer_ops = {k: ops for k, ops in steer_ops.items() if k not in from_rank0}
         pattern_layers = frozenset(i for i in range(self.num_layers) if inner.wants_pattern(i))
-        gathered = frozenset(k for k in keys if k[0] in SHARDED_DIMS)
+        gathered = {k: _rows_asked(tap, k, input_ids.shape[0]) for k in keys if k[0] in SHARDED_DIMS}
         layers = frozenset(layer for _, layer in keys)
         self.tp.send(Forward(input_ids, positions, meta, num_layers, steer_ops, gathered, layers, pattern_layers,
                              from_rank0))
@@ -254,6 +254,23 @@ class DriverModel:
                 self.tp.group.broken = f"rank 0 raised {type(exc).__name__} during {what}: {exc}"
                 self.tp.close()
             raise
+
+
+def _rows_asked(tap: Any, key: tuple[str, int], num_rows: int) -> torch.Tensor | None:
+    """The batch rows the step's tap steers or captures at ``key`` (sorted), or None for every row (or rows
+    it cannot tell: an SAE edit's)."""
+    ops, target = tap.targets[key]
+    found = [op.rows for op in ops] if all(isinstance(op, PLAIN_OPS) for op in ops) else None
+    if found is None:
+        return None
+    if target is not None:
+        found.append(target[0].rows)
+    mask = torch.zeros(num_rows, dtype=torch.bool)
+    for rows in found:
+        mask[rows] = True
+    if bool(mask.all()):
+        return None
+    return mask.nonzero().flatten()
 
 
 def start_tensor_parallel(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device

@@ -53,7 +53,7 @@ class Forward:
     meta: Any  # AttentionMetadata
     num_layers: int | None
     steer_ops: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
-    gathered: frozenset[tuple[str, int]] = frozenset()
+    gathered: dict[tuple[str, int], torch.Tensor | None] = field(default_factory=dict)  # point -> rows (None: all)
     layers: frozenset[int] = frozenset()
     pattern_layers: frozenset[int] = frozenset()
     from_rank0: frozenset[tuple[str, int]] = frozenset()  # points rank 0 steers alone, then broadcasts

@@ -59,30 +59,39 @@ class ShardTap:
     """Wraps a step's tap for a sharded model (see the module docstring).
 
     ``gathered``: the (point, layer) pairs of sharded points some request steers or captures this
-    step, the same set on every rank; ``from_rank0``: the points steered by operations that only rank 0
-    holds (an SAE edit, which holds its SAE): rank 0 applies them and broadcasts the result; ``layers`` the blocks any request touches (the same on every
-    rank as well, so every rank's model takes the same path).
+    step, each with the batch rows those requests own there (``None``: every row), the same on every
+    rank: only those rows are gathered, the tap sees the whole point on them (other rows zero) and
+    only they are written back; ``from_rank0``: the points steered by operations that only rank 0
+    holds (an SAE edit, which holds its SAE): rank 0 applies them and broadcasts the result;
+    ``layers``: the blocks any request touches (the same on every rank as well, so every rank's model
+    takes the same path).
     """
 
-    def __init__(self, inner: Tap, layout: ShardLayout, group: TPGroup, gathered: Iterable[tuple[str, int]],
-                 layers: Iterable[int], pattern_layers: Iterable[int],
-                 from_rank0: Iterable[tuple[str, int]] = ()) -> None:
+    def __init__(self, inner: Tap, layout: ShardLayout, group: TPGroup,
+                 gathered: Mapping[tuple[str, int], torch.Tensor | None], layers: Iterable[int],
+                 pattern_layers: Iterable[int], from_rank0: Iterable[tuple[str, int]] = ()) -> None:
         self.inner, self.layout, self.group = inner, layout, group
-        self.gathered = frozenset(gathered)
+        self.gathered = dict(gathered)
         self.from_rank0 = frozenset(from_rank0)
         self.layers = frozenset(layers) | frozenset(pattern_layers)
         self.pattern_layers = frozenset(pattern_layers)
         self.error: BaseException | None = None  # the first error of the inner tap, raised after the forward
 
     def __call__(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
-        sharded = point in SHARDED_DIMS and (point, layer) in self.gathered
-        y = self._run(point, layer, self.gather(point, x) if sharded else x)
-        if (point, layer) in self.from_rank0:  # steered by operations only rank 0 holds: its result for all
+        key = (point, layer)
+        sharded = point in SHARDED_DIMS and key in self.gathered
+        rows = self.gathered.get(key) if sharded else None
+        y = self._run(point, layer, self.gather(point, x, rows) if sharded else x)
+        if key in self.from_rank0:  # steered by operations only rank 0 holds: its result for all
             y = self.group.broadcast(y, src=0)
-        if sharded:
-            x.copy_(self.local(point, y))
-            return x
-        return y
+        if not sharded:
+            return y
+        mine = self.local(point, y)
+        if rows is None:
+            x.copy_(mine)
+        else:
+            x.index_copy_(0, rows, mine.index_select(0, rows))
+        return x
 
     def _run(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         if self.error is not None:  # the step fails anyway; the forward goes on only to keep the ranks together
@@ -99,14 +108,18 @@ class ShardTap:
             raise self.error
 
     # ---- gathering a sharded point ---------------------------------------------------------
-    def gather(self, point: str, x: torch.Tensor) -> torch.Tensor:
-        """The whole point from every rank's part (KV heads held by several ranks kept once)."""
+    def gather(self, point: str, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole point from every rank's part (KV heads held by several ranks kept once); with
+        ``rows``, only those rows are gathered and the others are zero."""
         dim = SHARDED_DIMS[point]
-        whole = self.group.all_gather(x, dim)
+        whole = self.group.all_gather(x if rows is None else x.index_select(0, rows), dim)
         if point in _KV_POINTS and self.layout.kv_replicas > 1:
             n = x.shape[dim]
             whole = torch.cat([whole.narrow(dim, r * n, n) for r in self.layout.kv_owner_ranks()], dim=dim)
-        return whole
+        if rows is None:
+            return whole
+        full = whole.new_zeros((x.shape[0], *whole.shape[1:]))
+        return full.index_copy_(0, rows, whole)
 
     def local(self, point: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole point."""
