@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import signal
 import time
 
@@ -134,6 +135,36 @@ def test_sae_features_and_feature_steering(llama):
     _same(a, b, ["resid_post"])
     for x, y in zip(a, b):
         assert_close(y.hidden_states.features.dense, x.hidden_states.features.dense, 1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_mixed_batch_equals_each_request_alone(llama, seed):
+    """Requests of random lengths capturing, steering (at residual and sharded points), sampling or
+    neither, run together at TP 2 (chunked, batched), each equal to its run alone in one process."""
+    one, two = llama
+    rng = random.Random(seed)
+    dims = {"z": 16, "q": 16, "v": 16, "mlp_post": 128, "resid_post": 64, "attn_out": 64}
+    prompts, params = [], []
+    for i in range(6):
+        fields: dict = {}
+        kind = rng.choice(["plain", "capture", "steer", "both", "sample"])
+        if kind in ("capture", "both", "sample"):
+            point = rng.choice(["z", "v", "mlp_post", "resid_mid", "attn_pattern"])
+            fields["hidden_states"] = HiddenStatesSpec(layers=[rng.randrange(3)], points=[point],
+                                                       positions=rng.choice(["all", "generated", "prompt"]))
+        if kind in ("steer", "both"):
+            point = rng.choice(list(dims))
+            vec = torch.randn(dims[point], generator=torch.Generator().manual_seed(seed * 10 + i))
+            fields["steering"] = [Steer(layers=[rng.randrange(3)], point=point, vector=vec, scale=2.0,
+                                        op=rng.choice(["add", "ablate"]))]
+        temperature = 0.9 if kind == "sample" else 0.0
+        params.append(SamplingParams(max_tokens=rng.choice([2, 5, 9]), temperature=temperature, seed=i,
+                                     ignore_eos=True, **fields))
+        prompts.append(random_prompts([rng.choice([3, 9, 20, 37])], seed=100 * seed + i)[0])
+    alone = [one.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    together = two.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(alone, together):
+        _same([a], [b], list(a.hidden_states.points) if a.hidden_states is not None else None)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3-rope-tied"])
