@@ -79,7 +79,9 @@ class TensorParallel:
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the sizes divide first
         self.mcfg = model_config
         dummy = engine_config.seed if engine_config.load_format == "dummy" else None
-        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        # The rendezvous of the group: rank 0 serves it on a free local port; it lives as long as the group.
+        self.store = store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
+                                           wait_for_workers=False)
         ctx = mp.get_context("spawn")
         threads = max(1, (os.cpu_count() or 1) // size)
         self.procs: list[Any] = []
@@ -102,7 +104,6 @@ class TensorParallel:
         except BaseException:
             self.close()
             raise
-        self.store = store
 
     # ---- talking to the workers ------------------------------------------------------------
     def _wait_for(self, kind: str, timeout_s: float | None) -> list[Any]:

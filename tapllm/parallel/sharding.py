@@ -51,9 +51,8 @@ def layout_for(cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
 def local_config(cfg: ModelConfig, layout: ShardLayout) -> ModelConfig:
     """``cfg`` with this rank's heads, KV heads, MLP neurons and vocabulary rows."""
     hf = cfg.hf_config
-    values = hf.to_dict() if isinstance(hf, HFConfig) else hf.to_dict()
-    aliases = dict(getattr(hf, "_aliases", {}) or {}) if isinstance(hf, HFConfig) else \
-        dict(getattr(type(hf), "attribute_map", {}))
+    values = hf.to_dict()
+    aliases = dict(hf._aliases) if isinstance(hf, HFConfig) else dict(getattr(type(hf), "attribute_map", {}))
     for name, value in (("num_attention_heads", layout.heads), ("num_key_value_heads", layout.kv_heads),
                         ("intermediate_size", layout.neurons), ("head_dim", layout.head_dim),
                         ("vocab_size", layout.vocab)):
