@@ -8,6 +8,7 @@ makes the engine raise a clear error quickly, and no worker is left behind.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -275,6 +276,22 @@ def test_dead_rank_is_a_clear_error_and_leaves_no_process(tiny_models):
     assert not any(p.is_alive() for p in procs)
 
 
+def test_rank0_failing_mid_forward_breaks_the_group_without_a_hang(tiny_models):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+    procs = list(llm.engine.runner.tp.procs)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    llm.engine.runner.model.shard.layers[1].mlp.forward = boom  # rank 0 fails before the MLP's all-reduce
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 0 raised RuntimeError during the forward: injected"):
+        llm.generate(random_prompts([6, 9], seed=2), greedy(3), use_tqdm=False)
+    assert time.monotonic() - start < 15
+    assert not any(p.is_alive() for p in procs)
+    llm.close()
+
+
 def test_hung_rank_times_out(tiny_models, monkeypatch):
     monkeypatch.setenv("TAPLLM_TP_TIMEOUT_S", "3")
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
@@ -296,6 +313,14 @@ def test_close_stops_the_workers(tiny_models):
     assert all(p.is_alive() for p in procs)
     llm.close()
     llm.close()
+    assert not any(p.is_alive() for p in procs)
+    # an LLM that is dropped without close() stops its workers too
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+    procs = list(llm.engine.runner.tp.procs)
+    del llm
+    gc.collect()
+    for p in procs:
+        p.join(10)
     assert not any(p.is_alive() for p in procs)
 
 

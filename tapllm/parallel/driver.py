@@ -157,8 +157,7 @@ class TensorParallel:
                 reasons.append(f"rank {rank} raised {error}")
             elif not proc.is_alive():
                 reasons.append(f"rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
-        _stop(self.procs, self.conns, grace_s=0.5)  # a broken group: no worker has anything left to finish
-        self.close()
+        self.abort()
         found = "; ".join(reasons) if reasons else (
             f"a call failed or waited past the {self.timeout_s:g} s timeout while every worker was alive "
             f"(a hung rank?): {type(exc).__name__}: {exc}")
@@ -167,6 +166,12 @@ class TensorParallel:
     def close(self) -> None:
         """Stop the workers (idempotent; also run when this object is collected and at exit)."""
         self._finalizer()
+
+    def abort(self) -> None:
+        """Stop the workers of a broken group: no worker has anything left to finish, so little grace."""
+        if self._finalizer.alive:
+            _stop(self.procs, self.conns, grace_s=0.5)
+        self.close()
 
     @property
     def alive(self) -> bool:
@@ -253,7 +258,7 @@ class DriverModel:
         except BaseException as exc:
             if self.tp.group.broken is None:
                 self.tp.group.broken = f"rank 0 raised {type(exc).__name__} during {what}: {exc}"
-                self.tp.close()
+                self.tp.abort()
             raise
 
 
