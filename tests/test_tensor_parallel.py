@@ -276,6 +276,14 @@ def test_dead_rank_is_a_clear_error_and_leaves_no_process(tiny_models):
     assert not any(p.is_alive() for p in procs)
 
 
+def test_a_worker_error_is_reported_with_its_rank(tiny_models):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+    llm.engine.runner.tp.send(object())  # the worker raises on a message it does not know, tells rank 0, exits
+    with pytest.raises(TensorParallelError, match="rank 1 raised TypeError: unknown message object"):
+        llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
+    llm.close()
+
+
 def test_rank0_failing_mid_forward_breaks_the_group_without_a_hang(tiny_models):
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
     procs = list(llm.engine.runner.tp.procs)
