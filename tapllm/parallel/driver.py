@@ -15,7 +15,6 @@ are stopped, never left behind.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,7 +40,6 @@ from tapllm.parallel.worker import WorkerArgs, run_worker
 from tapllm.steering.plan import PLAIN_OPS
 from tapllm.tap import Tap, no_tap
 
-logger = logging.getLogger("tapllm")
 
 START_TIMEOUT_S = 120.0  # a worker that has not said hello by then is taken for dead
 
