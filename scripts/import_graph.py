@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("tapllm.kernels", "tapllm.backends", "tapllm.quant", "tapllm.layers"),
     ("tapllm.config",),
     ("tapllm.models", "tapllm.loader", "tapllm.sae"),
-    ("tapllm.outputs", "tapllm.hidden_states", "tapllm.steering", "tapllm.structured"),
+    ("tapllm.outputs", "tapllm.hidden_states", "tapllm.steering", "tapllm.structured", "tapllm.parallel"),
     ("tapllm.sampling_params",),
     ("tapllm.engine",),
     ("tapllm.llm", "tapllm.server", "tapllm.collect", "tapllm.datasets", "tapllm.client"),

@@ -201,7 +201,10 @@ class EngineConfig:
         max_model_len: a context shorter than the model's (``None``: the model's).
         trust_remote_code: accepted as ``False`` only (vLLM's option): tapllm runs its own
             implementation of each supported architecture, never a checkpoint's code.
-        tensor_parallel_size: accepted as ``1`` only (vLLM's option).
+        tensor_parallel_size: ranks the model is split over (vLLM's option): with more than 1,
+            Megatron-style tensor parallelism in that many processes on this machine (gloo, CPU,
+            the Llama family so far; see docs/parallel.md). The sizes must divide the model's
+            heads, KV heads (or be a multiple of them), MLP neurons and vocabulary.
         gpu_memory_utilization: on CUDA, the share of the device's memory the engine may use
             (weights, activations and a KV cache sized to fill the rest); ignored on CPU,
             where ``kv_cache_memory_gb`` sizes the cache.
@@ -330,8 +333,11 @@ class EngineConfig:
         if self.trust_remote_code:
             raise ValueError("trust_remote_code=True is not supported: tapllm runs its own implementation of each "
                              "supported architecture and never executes code shipped with a checkpoint")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 (one device per engine), got {self.tensor_parallel_size!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.quantization is not None:
+            raise ValueError("tensor_parallel_size > 1 cannot be combined with quantization yet")
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")

@@ -55,6 +55,11 @@ class LLM:
         # dropped, anything of it caught in a reference cycle must become collectable again.
         weakref.finalize(self, gc.unfreeze)
 
+    def close(self) -> None:
+        """Stop the engine's other processes (the ranks of ``tensor_parallel_size > 1``); idempotent.
+        They also stop when this LLM is collected and when the interpreter exits."""
+        self.engine.close()
+
     def describe(self) -> str:
         """How this engine runs: model, device, the forward backend chosen at load (which op families
         run compiled code, and why the others do not), the linear layers and the KV cache."""

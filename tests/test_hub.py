@@ -85,7 +85,7 @@ def test_vllm_loading_options(tiny_models, tmp_path, caplog):
         LLM(tiny_models["llama"], trust_remote_code=True)
     LLM(tiny_models["llama"], trust_remote_code=False, dtype="float32")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(tiny_models["llama"], tensor_parallel_size=2)
+        LLM(tiny_models["llama"], tensor_parallel_size=0)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(tiny_models["llama"], gpu_memory_utilization=1.5)
     with caplog.at_level("INFO", logger="tapllm"):

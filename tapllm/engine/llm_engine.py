@@ -31,7 +31,6 @@ from tapllm.engine.scheduler import Scheduler
 from tapllm.engine.chat import load_chat_template
 from tapllm.engine.tokenizer import load_tokenizer
 from tapllm.hidden_states.capture import RequestCapture
-from tapllm.models.shapes import point_shapes
 from tapllm.outputs import RequestOutput
 from tapllm.sae.features import DeviceSAEs
 from tapllm.structured.compiler import Grammar
@@ -70,7 +69,7 @@ class LLMEngine:
         self._fit_context_to_cache()
         self.scheduler = Scheduler(engine_config, self.blocks)
         self.input_processor = InputProcessor(model_config, engine_config, self.tokenizer,
-                                              point_shapes(self.runner.model), self.context_limited_by_cache)
+                                              self.runner.point_shapes(), self.context_limited_by_cache)
         self.output_processor = OutputProcessor(self.tokenizer, model_config)
         self.grammars = self.input_processor.grammars  # checks grammars at admission, makes matchers at add
         self.saes = DeviceSAEs(device)  # SAEs of features and SAE steers, on the device
@@ -88,6 +87,10 @@ class LLMEngine:
         # generations, they are no longer walked by every full collection of the step loop.
         gc.collect()
         gc.freeze()
+
+    def close(self) -> None:
+        """Stop the model runner's other processes (tensor-parallel ranks), if any; idempotent."""
+        self.runner.close()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:

@@ -28,7 +28,8 @@ from tapllm.loader.gguf_blocks import gguf_source, keep_gguf_blocks
 from tapllm.loader.dummy import fill_dummy_weights
 from tapllm.loader.weights import iter_weights
 from tapllm.models import build_model
-from tapllm.models.shapes import point_shapes
+from tapllm.models.shapes import config_point_shapes, point_shapes
+from tapllm.parallel import TensorParallel, start_tensor_parallel
 from tapllm.quant.embedding import quantize_embedding
 from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
@@ -93,42 +94,20 @@ class ModelRunner:
         if device.type == "cpu":
             tune_cpu_allocator()
         t0 = time.perf_counter()
-        with torch.device(device):
-            self.model = build_model(model_config)
         self.quant = engine_config.quant()
-        weights = None if engine_config.load_format == "dummy" else \
-            iter_weights(model_config.path, group=1 if self.quant is not None else None)
-        if self.quant is not None and self.quant.method == "gguf":  # the file's blocks as stored
-            weights = keep_gguf_blocks(self.model, gguf_source(engine_config.model), model_config.path, Linear,
-                                       embedding=engine_config.quantize_embedding, quant=self.quant)
-        elif self.quant is not None:  # before loading: each checkpoint tensor is quantized as it is read
-            self.model.quant = self.quant
-            quantize_linears(self.model, self.quant, Linear)
-            if engine_config.quantize_embedding:
-                quantize_embedding(self.model, self.quant)
-        if self.quant is not None and device.type == "cpu":
-            trim_heap()  # the replaced float tables (an initialized embedding) leave before the load's peak
-        if weights is None:
-            fill_dummy_weights(self.model, engine_config.seed)
+        self.tp: TensorParallel | None = None  # the other ranks, with tensor_parallel_size > 1
+        if engine_config.tensor_parallel_size > 1:  # this process is rank 0 (see tapllm.parallel)
+            self.tp, self.model, self.backend = start_tensor_parallel(model_config, engine_config, device)
         else:
-            self.model.load_weights(weights)
-        ec = engine_config
-        sizes = default_graph_sizes(ec.max_num_seqs, ec.max_num_batched_tokens, ec.cuda_graph_sizes,
-                                    ec.cuda_graph_token_sizes)
-        self.backend: Backend = select_backend(device, model_config.dtype, enforce_eager=ec.enforce_eager,
-                                               backend=ec.backend,
-                                               graphs=sizes if sizes.decode or sizes.mixed else None)
-        self.model.prepare_for_inference(self.backend.prepack and self.quant is None)
-        if device.type == "cpu":
-            trim_heap()  # the load's freed temporaries leave the resident set
-        self.model.eval()
-        self.model.use_backend(self.backend)
+            self._load(model_config, engine_config, device)
         logger.info(
             "loaded %s (%s, %s) in %.1fs; linear layers: %s",
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
             _linear_path(self.backend, model_config.dtype) if self.quant is None else self.quant.describe(),
         )
         logger.info("%s", self.backend.describe())
+        if self.tp is not None:
+            logger.info("%s", self.tp.describe())
         # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
         self.capture_sink = CopySink(staged=device.type != "cpu")
         self.token_counts = TokenCounts(model_config.vocab_size, device=device)  # penalty state of samples that need it
@@ -144,12 +123,15 @@ class ModelRunner:
         # Each slot's latest sampled token, on the device: a step laid out before the previous one's tokens
         # reached the host reads its rows' input there (see LLMEngine's host a step ahead).
         self.last_token = torch.zeros(self.block_tables.table.shape[0], dtype=torch.int64, device=device)
-        shape = (model_config.num_kv_heads, self.num_blocks + 1, engine_config.block_size, model_config.head_dim)
+        kv_heads = self.tp.layout.kv_heads if self.tp is not None else model_config.num_kv_heads  # this rank's
+        shape = (kv_heads, self.num_blocks + 1, engine_config.block_size, model_config.head_dim)
         self.kv_caches = [
             (_zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit),
              _zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit))
             for _ in range(model_config.num_layers)
         ]
+        if self.tp is not None:
+            self.tp.init_cache(self.num_blocks, engine_config.block_size)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.2f GB, %s)",
             self.num_blocks, engine_config.block_size,
@@ -178,6 +160,38 @@ class ModelRunner:
                             (torch.cuda.memory_allocated(device) - before) / 1e9)
         self.policy = StepPolicy(graphs if self.graph_step is not None else None, off)
 
+    def _load(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device) -> None:
+        """Build the whole model on ``device``, read its weights, pick its backend."""
+        with torch.device(device):
+            self.model = build_model(model_config)
+        weights = None if engine_config.load_format == "dummy" else \
+            iter_weights(model_config.path, group=1 if self.quant is not None else None)
+        if self.quant is not None and self.quant.method == "gguf":  # the file's blocks as stored
+            weights = keep_gguf_blocks(self.model, gguf_source(engine_config.model), model_config.path, Linear,
+                                       embedding=engine_config.quantize_embedding, quant=self.quant)
+        elif self.quant is not None:  # before loading: each checkpoint tensor is quantized as it is read
+            self.model.quant = self.quant
+            quantize_linears(self.model, self.quant, Linear)
+            if engine_config.quantize_embedding:
+                quantize_embedding(self.model, self.quant)
+        if self.quant is not None and device.type == "cpu":
+            trim_heap()  # the replaced float tables (an initialized embedding) leave before the load's peak
+        if weights is None:
+            fill_dummy_weights(self.model, engine_config.seed)
+        else:
+            self.model.load_weights(weights)
+        ec = engine_config
+        sizes = default_graph_sizes(ec.max_num_seqs, ec.max_num_batched_tokens, ec.cuda_graph_sizes,
+                                    ec.cuda_graph_token_sizes)
+        self.backend: Backend = select_backend(device, model_config.dtype, enforce_eager=ec.enforce_eager,
+                                               backend=ec.backend,
+                                               graphs=sizes if sizes.decode or sizes.mixed else None)
+        self.model.prepare_for_inference(self.backend.prepack and self.quant is None)
+        if device.type == "cpu":
+            trim_heap()  # the load's freed temporaries leave the resident set
+        self.model.eval()
+        self.model.use_backend(self.backend)
+
     def describe(self) -> str:
         """The lines of :meth:`tapllm.LLM.describe`."""
         mc, ec = self.mcfg, self.ecfg
@@ -188,8 +202,20 @@ class ModelRunner:
             self.backend.describe().replace(f"CUDA graphs: {self.backend.describe_graphs()}", f"CUDA graphs: {graphs}"),
             f"linear layers: {linear}",
             f"KV cache: {self.num_blocks} blocks of {ec.block_size} tokens "
-            f"({self.num_blocks * ec.block_size * mc.kv_bytes_per_token / 1e9:.2f} GB) on {self.device}",
+            f"({self.num_blocks * ec.block_size * mc.kv_bytes_per_token / 1e9:.2f} GB"
+            f"{f'; {sum(c.nbytes for p in self.kv_caches for c in p) / 1e9:.3f} GB per rank' if self.tp else ''})"
+            f" on {self.device}",
+            *([self.tp.describe()] if self.tp is not None else []),
         ])
+
+    def point_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One position's row shape per head and neuron point of the whole model (every rank's part together)."""
+        return config_point_shapes(self.mcfg) if self.tp is not None else point_shapes(self.model)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _num_blocks(self) -> int:
         bs = self.ecfg.block_size
@@ -364,6 +390,8 @@ class ModelRunner:
         """Copy whole KV blocks ``(source, destination)`` in every layer (copy-on-write after a fork)."""
         if not copies:
             return
+        if self.tp is not None:
+            self.tp.copy_blocks(copies)
         src = torch.tensor([a for a, _ in copies], device=self.device)
         dst = torch.tensor([b for _, b in copies], device=self.device)
         for k, v in self.kv_caches:

@@ -29,6 +29,7 @@ from tapllm.engine.launched_step import LaunchedStep, StepResult
 from tapllm.engine.request import Request
 from tapllm.engine.sampler import RowFailure
 from tapllm.engine.scheduler import ScheduledItem, Scheduler
+from tapllm.parallel.group import TensorParallelError
 
 logger = logging.getLogger("tapllm")
 
@@ -111,6 +112,8 @@ class StepLoop:
         e = self.engine
         try:
             launched = e.runner.launch(items)
+        except TensorParallelError:  # the engine's, not a request's: nothing to isolate
+            raise
         except Exception:  # noqa: BLE001 - isolated below, each half run to its end
             if self.inflight is not None:  # the halves must see every earlier token
                 self._early = self._take(self.inflight)
@@ -134,6 +137,8 @@ class StepLoop:
         e = self.engine
         try:
             return e.runner.execute(items)
+        except TensorParallelError:
+            raise
         except Exception as exc:  # noqa: BLE001 - isolated below
             if len(items) == 1:
                 logger.exception("request %s failed in the forward pass", items[0].request.request_id)

@@ -65,6 +65,9 @@ class _Op:
 
 
 SteerOp = Any  # _AddRows, _Op, or an SAE edit (tapllm.sae.steer.SaeEditOp): each has apply(t)
+# The operations made of plain tensors and numbers only: they can be sent to another process (pickled) and
+# applied there with the same result (an SAE edit holds the SAE, possibly prepacked for oneDNN, and cannot).
+PLAIN_OPS: tuple[type, ...] = (_AddRows, _Op)
 
 
 class SteeringPlan:

@@ -1,0 +1,14 @@
+"""Tensor parallelism: one model over several processes (ranks), each holding a shard.
+
+``layout`` (how dimensions split), ``group`` (gloo collectives with timeouts), ``layers``
+(row-parallel and vocabulary-parallel layers), ``sharding`` (a rank's model and checkpoint slices),
+``shard_tap`` (taps that keep each point's meaning), ``messages`` (what rank 0 announces),
+``worker`` (ranks 1..N-1), ``driver`` (rank 0). See docs/parallel.md.
+"""
+
+from tapllm.parallel.driver import DriverModel, TensorParallel, start_tensor_parallel
+from tapllm.parallel.group import TensorParallelError
+from tapllm.parallel.layout import ShardLayout, divisibility_problems
+
+__all__ = ["DriverModel", "ShardLayout", "TensorParallel", "TensorParallelError", "divisibility_problems",
+           "start_tensor_parallel"]

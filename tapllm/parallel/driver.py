@@ -1,0 +1,293 @@
+"""Rank 0 of a tensor-parallel engine: starts the other ranks and drives them.
+
+Rank 0 lives in the engine's process and holds its own shard; ranks 1..N-1 are processes started
+with ``multiprocessing``'s spawn (:mod:`tapllm.parallel.worker`). The engine's scheduler, block
+manager and sampler run on rank 0 alone; each call of the model that needs the other ranks (a
+step's forward, the LM head, the logit lens, block copies) is first announced to them with its
+inputs (:mod:`tapllm.parallel.messages`), then every rank runs it, meeting in the collectives;
+results stay on rank 0. :class:`DriverModel` is what the model runner sees as its model.
+
+Failure is one error: a worker that raises tells rank 0 why and exits; one that dies or hangs makes
+rank 0's next collective fail or time out; either way the engine raises
+:class:`~tapllm.parallel.group.TensorParallelError` naming the rank, and the remaining workers
+are stopped, never left behind.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+import pickle
+import time
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tapllm.backends import Backend
+from tapllm.config import EngineConfig, ModelConfig
+from tapllm.models.base import CausalLM, KVCache
+from tapllm.parallel.group import TensorParallelError, TPGroup, collective_timeout_s
+from tapllm.parallel.layout import ShardLayout
+from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
+from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
+from tapllm.parallel.sharding import layout_for, load_shard, weight_bytes
+from tapllm.parallel.worker import WorkerArgs, run_worker
+from tapllm.steering.plan import PLAIN_OPS
+from tapllm.tap import Tap, no_tap
+
+
+START_TIMEOUT_S = 120.0  # a worker that has not said hello by then is taken for dead
+
+
+def _stop(procs: list[Any], conns: list[Any], grace_s: float = 5.0) -> None:
+    """Ask the workers to exit, wait up to ``grace_s`` for them, then make sure they have (terminate, kill)."""
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(Shutdown()))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for conn in conns:
+        conn.close()
+
+
+class TensorParallel:
+    """The ranks of one engine: rank 0's shard and group, the worker processes, their pipes."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
+                 timeout_s: float | None = None) -> None:
+        timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
+        self.timeout_s = timeout_s
+        size = engine_config.tensor_parallel_size
+        self.size = size
+        self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the sizes divide first
+        self.mcfg = model_config
+        dummy = engine_config.seed if engine_config.load_format == "dummy" else None
+        # The rendezvous of the group: rank 0 serves it on a free local port; it lives as long as the group.
+        self.store = store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
+                                           wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        threads = max(1, (os.cpu_count() or 1) // size)
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        try:
+            for rank in range(1, size):
+                parent, child = ctx.Pipe()
+                args = WorkerArgs(rank, size, store.port, model_config, dummy, timeout_s, threads, os.getpid())
+                proc = ctx.Process(target=run_worker, args=(args, child), name=f"tapllm-tp-rank{rank}", daemon=True)
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+            self._wait_for("hello", START_TIMEOUT_S)
+            self.group = TPGroup(store, 0, size, timeout_s)
+            self.group.explain = self._explain
+            self.model: CausalLM = load_shard(model_config, self.layout, self.group, dummy)
+            self.weight_bytes = [weight_bytes(self.model), *self._wait_for("ready", None)]
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- talking to the workers ------------------------------------------------------------
+    def _wait_for(self, kind: str, timeout_s: float | None) -> list[Any]:
+        """Each worker's next message, which must be ``kind``; raises if one fails or dies first."""
+        out = []
+        start = time.monotonic()
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            while True:
+                if conn.poll(0.2):
+                    try:
+                        what, value = conn.recv()
+                    except EOFError:
+                        what, value = "error", f"exited with code {proc.exitcode}"
+                    if what == "error":
+                        raise TensorParallelError(f"tensor parallel rank {rank} failed while starting:\n{value}")
+                    out.append(value)
+                    break
+                if not proc.is_alive():
+                    raise TensorParallelError(f"tensor parallel rank {rank} (pid {proc.pid}) exited with code "
+                                              f"{proc.exitcode} while starting")
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise TensorParallelError(f"tensor parallel rank {rank} did not start within {timeout_s:.0f} s")
+        return out
+
+    def send(self, msg: object) -> None:
+        """Announce a call to every worker (before rank 0 makes it)."""
+        if self.group.broken is not None:
+            raise TensorParallelError(f"tensor parallel group broken earlier: {self.group.broken}")
+        data = dumps(msg)
+        for conn in self.conns:
+            try:
+                conn.send_bytes(data)
+            except (OSError, ValueError) as exc:
+                self.group.broken = self._explain(exc)
+                raise TensorParallelError(f"tensor parallel group broken: {self.group.broken}") from exc
+
+    def _explain(self, exc: BaseException) -> str:
+        """Why a collective or a send failed: which workers died or raised (then all are stopped)."""
+        time.sleep(0.2)  # a worker that raised is writing its traceback and exiting
+        reasons = []
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            error = None
+            try:
+                while conn.poll(0):
+                    what, value = conn.recv()
+                    if what == "error":
+                        error = value.strip().splitlines()[-1]
+            except (EOFError, OSError, pickle.UnpicklingError):
+                pass
+            if error is not None:
+                reasons.append(f"rank {rank} raised {error}")
+            elif not proc.is_alive():
+                reasons.append(f"rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
+        self.abort()
+        found = "; ".join(reasons) if reasons else (
+            f"a call failed or waited past the {self.timeout_s:g} s timeout while every worker was alive "
+            f"(a hung rank?): {type(exc).__name__}: {exc}")
+        return f"{found}; the engine cannot continue and its workers were stopped"
+
+    def close(self) -> None:
+        """Stop the workers (idempotent; also run when this object is collected and at exit)."""
+        self._finalizer()
+
+    def abort(self) -> None:
+        """Stop the workers of a broken group: no worker has anything left to finish, so little grace."""
+        if self._finalizer.alive:
+            _stop(self.procs, self.conns, grace_s=0.5)
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    # ---- calls every rank joins ------------------------------------------------------------
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        self.send(InitCache(num_blocks, block_size))
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.send(CopyBlocks(copies))
+
+    def describe(self) -> str:
+        """What each rank holds and what a step costs in collectives."""
+        lay = self.layout
+        per_rank = ", ".join(f"{b / 1e6:.1f} MB" for b in self.weight_bytes)
+        kv = "split" if lay.kv_replicas == 1 else f"each held by {lay.kv_replicas} ranks"
+        return (f"tensor parallel: {self.size} ranks (gloo, one process each); per rank {lay.heads} of "
+                f"{lay.num_heads} query heads, {lay.kv_heads} of {lay.num_kv_heads} KV heads ({kv}), "
+                f"{lay.neurons} of {lay.intermediate_size} MLP neurons, {lay.vocab} of {lay.vocab_size} vocabulary "
+                f"rows; weights per rank: {per_rank}; a step runs 2 all-reduces per block, one for the "
+                f"embedding, one all-gather for the logits, and one all-gather per tapped head or neuron point")
+
+
+class DriverModel:
+    """Rank 0's model as the model runner sees it: each call is announced to the workers first."""
+
+    needs_prompt_lengths = False
+
+    def __init__(self, tp: TensorParallel) -> None:
+        self.tp = tp
+        self.shard = tp.model
+        self.num_layers = len(self.shard.layers)
+        self.forwards = 0  # steps run (for benchmarks: collectives per step)
+
+    @property
+    def last_runs(self) -> tuple[tuple[int, int, str], ...]:
+        return self.shard.last_runs
+
+    def prompt_salt(self, num_prompt: int) -> bytes:
+        return self.shard.prompt_salt(num_prompt)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: Any,
+                 tap: Tap | None = None, num_layers: int | None = None) -> torch.Tensor | None:
+        """The step's forward on every rank; returns rank 0's final-norm hidden states (or None)."""
+        self.forwards += 1
+        inner = no_tap if tap is None else tap
+        keys = set(getattr(tap, "targets", {}) or {})
+        steering = getattr(tap, "steering", None)
+        steer_ops = dict(steering.ops) if steering is not None else {}
+        from_rank0 = frozenset(k for k, ops in steer_ops.items() if not all(isinstance(op, PLAIN_OPS) for op in ops))
+        steer_ops = {k: ops for k, ops in steer_ops.items() if k not in from_rank0}
+        pattern_layers = frozenset(i for i in range(self.num_layers) if inner.wants_pattern(i))
+        gathered = {k: _rows_asked(tap, k, input_ids.shape[0]) for k in keys if k[0] in SHARDED_DIMS}
+        layers = frozenset(layer for _, layer in keys)
+        self.tp.send(Forward(input_ids, positions, meta, num_layers, steer_ops, gathered, layers, pattern_layers,
+                             from_rank0))
+        shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers, from_rank0)
+        with self._joined("the forward"):
+            hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)
+        shard_tap.raise_held()
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` from the vocabulary-parallel head."""
+        self.tp.send(Logits(hidden))
+        with self._joined("the LM head"):
+            return self.shard.compute_logits(hidden)
+
+    def lens_logits(self, point: str, x: torch.Tensor) -> torch.Tensor:
+        """The logit lens through the vocabulary-parallel head."""
+        self.tp.send(Lens(point, x))
+        with self._joined("the logit lens"):
+            return self.shard.lens_logits(point, x)
+
+    @contextmanager
+    def _joined(self, what: str) -> Iterator[None]:
+        """Rank 0's part of a call the workers joined: if it raises midway, the workers may be left in a
+        collective, so the group is marked broken (later calls raise TensorParallelError)."""
+        try:
+            yield
+        except TensorParallelError:
+            raise
+        except BaseException as exc:
+            if self.tp.group.broken is None:
+                self.tp.group.broken = f"rank 0 raised {type(exc).__name__} during {what}: {exc}"
+                self.tp.abort()
+            raise
+
+
+def _rows_asked(tap: Any, key: tuple[str, int], num_rows: int) -> torch.Tensor | None:
+    """The batch rows the step's tap steers or captures at ``key`` (sorted), or None for every row (or rows
+    it cannot tell: an SAE edit's)."""
+    ops, target = tap.targets[key]
+    found = [op.rows for op in ops] if all(isinstance(op, PLAIN_OPS) for op in ops) else None
+    if found is None:
+        return None
+    if target is not None:
+        found.append(target[0].rows)
+    mask = torch.zeros(num_rows, dtype=torch.bool)
+    for rows in found:
+        mask[rows] = True
+    if bool(mask.all()):
+        return None
+    return mask.nonzero().flatten()
+
+
+def start_tensor_parallel(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device
+                          ) -> tuple[TensorParallel, DriverModel, Backend]:
+    """Start the ranks of ``engine_config.tensor_parallel_size`` with this process as rank 0: the group,
+    rank 0's model as the runner sees it, and the backend (the plain PyTorch step: the fused CPU
+    kernels are not sharded yet)."""
+    if device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size > 1 runs on the CPU (gloo) only so far, not on {device.type}")
+    if engine_config.quantization is not None:
+        raise ValueError("tensor_parallel_size > 1 cannot be combined with quantization yet")
+    tp = TensorParallel(model_config, engine_config)
+    backend = Backend("eager", device, notes=(
+        f"tensor_parallel_size={tp.size}: the plain PyTorch step on every rank (the fused CPU kernels are not "
+        "sharded yet)",))
+    return tp, DriverModel(tp), backend

@@ -1,0 +1,111 @@
+"""The collectives of one tensor-parallel group, over a gloo process group of its own.
+
+The group is made directly (``ProcessGroupGloo`` on a ``TCPStore``), not as torch.distributed's
+default group, so an engine leaves the process's global distributed state alone and several
+engines (or a user's own ``init_process_group``) do not collide. Every collective waits at most
+the group's timeout; one that fails or times out raises :class:`TensorParallelError`, and the
+group is then broken for good: the ranks may no longer agree on where they are.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 30.0  # a collective that waits longer than this means a rank is dead or hung
+TIMEOUT_ENV = "TAPLLM_TP_TIMEOUT_S"  # overrides DEFAULT_TIMEOUT_S (seconds)
+
+
+def collective_timeout_s() -> float:
+    """The collectives' timeout: ``$TAPLLM_TP_TIMEOUT_S`` when set, else :data:`DEFAULT_TIMEOUT_S`."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the tensor-parallel group died, hung or failed: the engine cannot go on."""
+
+
+class TPGroup:
+    """All-reduce and all-gather among ``size`` ranks on one machine (CPU tensors, gloo)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.rank, self.size = rank, size
+        self.timeout_s = timeout_s
+        self.pg = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+        self.broken: str | None = None  # why the group can no longer be used
+        # Called with the exception when a collective fails, before TensorParallelError is raised:
+        # rank 0 uses it to say which worker died and why.
+        self.explain: Callable[[BaseException], str] | None = None
+        self.bytes_moved = 0  # what this rank's collectives sent, for describe() and benchmarks
+        self.calls = 0
+        self.wait_s = 0.0  # time this rank spent waiting in collectives
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        start = time.perf_counter()
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError and its own kinds
+            detail = self.explain(exc) if self.explain is not None else f"{type(exc).__name__}: {exc}"
+            self.broken = f"{what} failed on rank {self.rank}: {detail}"
+            raise TensorParallelError(f"tensor parallel group broken: {self.broken}") from exc
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise TensorParallelError(f"tensor parallel group broken earlier: {self.broken}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place (``x`` must be contiguous); returns ``x``."""
+        self._check()
+        if self.size == 1:
+            return x
+        self.calls += 1
+        self.bytes_moved += x.numel() * x.element_size()
+        self._wait(self.pg.allreduce([x]), "all_reduce")
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order."""
+        self._check()
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.calls += 1
+        self.bytes_moved += x.numel() * x.element_size() * (self.size - 1)
+        self._wait(self.pg.allgather([parts], [x]), "all_gather")
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank, written into ``x`` in place; returns ``x``."""
+        self._check()
+        if self.size == 1:
+            return x
+        buf = x if x.is_contiguous() else x.contiguous()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.calls += 1
+        self.bytes_moved += buf.numel() * buf.element_size() if self.rank == src else 0
+        self._wait(self.pg.broadcast([buf], opts), "broadcast")
+        if buf is not x:
+            x.copy_(buf)
+        return x
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (a one-element all-reduce, under the group's timeout)."""
+        self.all_reduce(torch.zeros(1))

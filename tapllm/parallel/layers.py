@@ -1,0 +1,56 @@
+"""The layers whose output needs the other ranks: row-parallel linears, the vocabulary-parallel
+embedding and LM head. Column-parallel projections (q/k/v, gate/up) need no layer of their own:
+a rank's :class:`~tapllm.layers.linear.Linear` simply holds its rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tapllm.layers.linear import Linear
+from tapllm.parallel.group import TPGroup
+
+
+class RowParallelLinear(Linear):
+    """A linear over this rank's slice of the inputs (o_proj, down_proj): partial sums all-reduced,
+    then the bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group: TPGroup) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.group.all_reduce(F.linear(x, self.weight).contiguous())
+        return y if self.bias is None else y + self.bias
+
+
+class GatheredHead(Linear):
+    """The LM head over this rank's vocabulary rows; the logits of every rank gathered in vocabulary order."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group: TPGroup) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(F.linear(x, self.weight, self.bias), dim=-1)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows ``[start, start + rows)`` of the embedding table; each token's row comes from
+    the rank that holds it (the others add zeros in the all-reduce)."""
+
+    def __init__(self, rows: int, dim: int, start: int, dtype: torch.dtype, group: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype), requires_grad=False)
+        self.start, self.rows = start, rows
+        self.embedding_dim = dim
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(x.contiguous())

@@ -1,0 +1,116 @@
+"""A non-zero rank: one process that holds its shard of the model and KV cache, and joins each
+call rank 0 makes (see :mod:`tapllm.parallel.messages`).
+
+The process dies with its parent (``PR_SET_PDEATHSIG`` on Linux, and a check of the parent while
+idle), so a killed engine leaves no orphan; it exits when a collective fails, after telling rank 0
+why over its pipe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from tapllm.config import ModelConfig
+from tapllm.parallel.group import TPGroup
+from tapllm.parallel.layout import ShardLayout
+from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown
+from tapllm.parallel.shard_tap import ShardTap, StepSteering
+from tapllm.parallel.sharding import layout_for, load_shard, weight_bytes
+
+
+@dataclass(slots=True)
+class WorkerArgs:
+    """What a worker process is started with."""
+
+    rank: int
+    size: int
+    port: int
+    model_config: ModelConfig
+    dummy_seed: int | None  # load_format="dummy": random weights from this seed
+    timeout_s: float
+    threads: int
+    parent_pid: int
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+
+def run_worker(args: WorkerArgs, conn: Connection) -> None:
+    """The worker process's entry point (``multiprocessing`` spawn target)."""
+    _die_with_parent(args.parent_pid)
+    torch.set_num_threads(args.threads)
+    try:
+        conn.send(("hello", os.getpid()))
+        store = dist.TCPStore("127.0.0.1", args.port, None, False, timeout=timedelta(seconds=args.timeout_s))
+        group = TPGroup(store, args.rank, args.size, args.timeout_s)
+        layout = layout_for(args.model_config, args.rank, args.size)
+        model = load_shard(args.model_config, layout, group, args.dummy_seed)
+        conn.send(("ready", weight_bytes(model)))
+        _serve(conn, args, model, layout, group)
+    except BaseException:  # noqa: BLE001 - whatever it was, rank 0 hears it before this rank exits
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)
+
+
+def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: ShardLayout, group: TPGroup) -> None:
+    """Join rank 0's calls until it says to stop, closes the pipe, or dies."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != args.parent_pid:
+                return
+            continue
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except EOFError:  # rank 0 closed the pipe: the engine is gone
+            return
+        if isinstance(msg, Shutdown):
+            return
+        with torch.inference_mode():
+            if isinstance(msg, Forward):
+                tap = ShardTap(StepSteering(msg.steer_ops, msg.pattern_layers), layout, group, msg.gathered,
+                               msg.layers, msg.pattern_layers, msg.from_rank0)
+                model(msg.input_ids, msg.positions, kv, msg.meta, tap, num_layers=msg.num_layers)
+            elif isinstance(msg, Logits):
+                model.compute_logits(msg.hidden)
+            elif isinstance(msg, Lens):
+                model.lens_logits(msg.point, msg.x)
+            elif isinstance(msg, CopyBlocks):
+                _copy_blocks(kv, msg.copies)
+            elif isinstance(msg, InitCache):
+                shape = (layout.kv_heads, msg.num_blocks + 1, msg.block_size, layout.head_dim)
+                dtype = args.model_config.dtype
+                kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                      for _ in range(args.model_config.num_layers)]
+            else:
+                raise TypeError(f"unknown message {type(msg).__name__}")
+
+
+def _copy_blocks(kv: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]]) -> None:
+    src = torch.tensor([a for a, _ in copies])
+    dst = torch.tensor([b for _, b in copies])
+    for k, v in kv:
+        k.index_copy_(1, dst, k.index_select(1, src))
+        v.index_copy_(1, dst, v.index_select(1, src))
