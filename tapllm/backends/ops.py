@@ -75,12 +75,17 @@ class StackOps(Protocol):
 
 
 class CpuAttention:
-    """:class:`AttentionOps` over the C++ ops namespace (which takes no ``max_len``)."""
+    """:class:`AttentionOps` over the C++ ops namespace (which takes no ``max_len``).
 
-    __slots__ = ("ops",)
+    ``invariant`` (batch_invariant): decode rows take ``row_attention``, the prefill kernel's
+    arithmetic for one row, so a token's attention does not depend on how its step was made.
+    """
 
-    def __init__(self, ops: object) -> None:
+    __slots__ = ("invariant", "ops")
+
+    def __init__(self, ops: object, invariant: bool = False) -> None:
         self.ops = ops
+        self.invariant = invariant
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -89,7 +94,8 @@ class CpuAttention:
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int,
                          softcap: float) -> torch.Tensor:
-        return self.ops.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, window, softcap)
+        attend = self.ops.row_attention if self.invariant else self.ops.decode_attention
+        return attend(q, k_cache, v_cache, block_tables, lens, scale, window, softcap)
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor, tables: torch.Tensor,

@@ -34,6 +34,7 @@ class Backend:
     graphs: GraphSizes | None = None  # the buckets of whole steps replayed from CUDA graphs (None: none)
     graphs_emulated: bool = False  # the CUDA backend on a CPU: a graph's body runs each step, nothing is captured
     prepack: bool = False  # linear weights reordered once at load for oneDNN (CPU)
+    batch_invariant: bool = False  # every row's result independent of the rest of its step (see invariance)
     notes: tuple[str, ...] = field(default=())  # why a faster path is off
 
     @property
@@ -52,9 +53,19 @@ class Backend:
                  f"  small linears: {on(self.gemv, f'packed GEMV up to {self.gemv_rows} rows')}",
                  f"  untapped decode blocks: {on(self.stack, 'one C++ call per run of blocks')}",
                  f"  linear weights: {'prepacked for oneDNN' if self.prepack else 'as loaded'}",
-                 f"  CUDA graphs: {self.describe_graphs()}"]
+                 f"  CUDA graphs: {self.describe_graphs()}",
+                 f"  batch invariant: {self.describe_invariance()}"]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def describe_invariance(self) -> str:
+        """How ``batch_invariant`` is kept, or "off"."""
+        if not self.batch_invariant:
+            return "off"
+        if self.attention is not None:
+            linears = f"the packed GEMV at every size{'' if self.gemv is not None else ' (else one row per call)'}"
+            return f"on: {linears}; decode rows in the prefill kernel's order (row_attention)"
+        return "on: linears and attention one row per call (PyTorch)"
 
     def describe_graphs(self) -> str:
         """The graph buckets, or "off"."""
@@ -73,26 +84,34 @@ def _sizes(sizes: tuple[int, ...]) -> str:
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, *, enforce_eager: bool = False, backend: str = "auto",
-                   graphs: GraphSizes | None = None) -> Backend:
+                   graphs: GraphSizes | None = None, batch_invariant: bool = False) -> Backend:
     """The backend for a model of ``dtype`` on ``device`` (see the package docstring).
 
     ``backend`` forces one: ``"cuda"`` on a CPU device runs the CUDA backend's modules there, its
     Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported) and its
     graphs emulated, which is how the tests and ``benchmarks/step_budget.py`` check that path without
-    a GPU. ``graphs``: the buckets of CUDA graphs (None: no graphs).
+    a GPU. ``graphs``: the buckets of CUDA graphs (None: no graphs). ``batch_invariant``: only kernels
+    whose every row's result is independent of the rest of the step (``ValueError`` on CUDA, which
+    has none).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if batch_invariant and (device.type != "cpu" or backend == "cuda"):
+        where = f"backend={backend!r} on {device.type}"
+        raise ValueError(f"batch_invariant=True is available on the CPU only (backend 'cpu' or 'eager'), not with "
+                         f"{where}: cuBLAS GEMMs and the Triton attention's splits depend on the batch")
     prepack = prepack_available(device, dtype)
     if enforce_eager or backend == "eager":
         why = "enforce_eager=True" if enforce_eager else "backend='eager'"
-        return Backend("eager", device, prepack=prepack, notes=(f"{why}: the plain PyTorch step",))
+        return Backend("eager", device, prepack=prepack, batch_invariant=batch_invariant,
+                       notes=(f"{why}: the plain PyTorch step",))
     if os.environ.get("TAPLLM_KERNELS", "1") == "0":
-        return Backend("eager", device, prepack=prepack, notes=("TAPLLM_KERNELS=0: the plain PyTorch step",))
+        return Backend("eager", device, prepack=prepack, batch_invariant=batch_invariant,
+                       notes=("TAPLLM_KERNELS=0: the plain PyTorch step",))
     if backend == "cuda" or (backend == "auto" and device.type == "cuda"):
         return _cuda(device, dtype, graphs)
     if device.type == "cpu":
-        return _cpu(device, dtype)
+        return _cpu(device, dtype, batch_invariant)
     return Backend("eager", device, notes=(f"no compiled ops for {device.type}",))
 
 
@@ -106,19 +125,31 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype in cpu_support().packable
 
 
-def _cpu(device: torch.device, dtype: torch.dtype) -> Backend:
+def _cpu(device: torch.device, dtype: torch.dtype, invariant: bool) -> Backend:
     from tapllm.kernels import fused_kernels, kernels_status
     from tapllm.kernels.gemv import MAX_ROWS, packed_gemv_ops, packed_gemv_status
 
+    prepack = prepack_available(device, dtype)
     ops = fused_kernels()
     if ops is None:
-        return Backend("eager", device, notes=(f"fused CPU kernels off: {kernels_status()}",))
+        return Backend("eager", device, prepack=prepack, batch_invariant=invariant,
+                       notes=(f"fused CPU kernels off: {kernels_status()}",))
     gemv = packed_gemv_ops(ops, dtype)
     notes = () if gemv is not None else (f"packed GEMV off: {packed_gemv_status(ops, dtype)}",)
-    return Backend("cpu", device, elementwise=ops, attention=CpuAttention(ops), quant=ops, gemv=gemv,
+    if invariant:
+        from tapllm.kernels.invariance import attention_problem, gemv_problem
+
+        problem = attention_problem(ops, dtype)
+        if problem is not None:
+            return Backend("eager", device, prepack=prepack, batch_invariant=True,
+                           notes=(f"batch_invariant: the fused kernels are off ({problem}): the plain PyTorch step",))
+        if gemv is not None and gemv_problem(ops, dtype) is not None:
+            notes += (f"batch_invariant: packed GEMV off ({gemv_problem(ops, dtype)}): one row per linear call",)
+            gemv = None
+    return Backend("cpu", device, elementwise=ops, attention=CpuAttention(ops, invariant), quant=ops, gemv=gemv,
                    gemv_rows=MAX_ROWS if gemv is not None else 0,
-                   stack=ops if hasattr(ops, "decoder_layers") else None, prepack=prepack_available(device, dtype),
-                   notes=notes)
+                   stack=ops if hasattr(ops, "decoder_layers") else None, prepack=prepack,
+                   batch_invariant=invariant, notes=notes)
 
 
 def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None) -> Backend:

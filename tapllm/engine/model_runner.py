@@ -117,7 +117,8 @@ class ModelRunner:
                                     ec.cuda_graph_token_sizes)
         self.backend: Backend = select_backend(device, model_config.dtype, enforce_eager=ec.enforce_eager,
                                                backend=ec.backend,
-                                               graphs=sizes if sizes.decode or sizes.mixed else None)
+                                               graphs=sizes if sizes.decode or sizes.mixed else None,
+                                               batch_invariant=ec.batch_invariant)
         self.model.prepare_for_inference(self.backend.prepack and self.quant is None)
         if device.type == "cpu":
             trim_heap()  # the load's freed temporaries leave the resident set
@@ -279,7 +280,8 @@ class ModelRunner:
             depth = None if None in depths else max(depths)
             batch = upload(lay, self.staging, self.block_tables, attn=self.backend.attention,
                            prompt_lengths=self.model.needs_prompt_lengths, vocab_size=self.mcfg.vocab_size,
-                           device=self.device, last_token=self.last_token)
+                           device=self.device, last_token=self.last_token,
+                           invariant=self.backend.batch_invariant)
             pending_mask = self._submit_masks(batch)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
             logits = None

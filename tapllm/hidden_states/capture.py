@@ -30,7 +30,7 @@ class RequestCapture:
     """One request's capture state: its chunks of rows, or on-device reducers (see the module docstring)."""
 
     def __init__(self, sel: Selection, spec: HiddenStatesSpec, device: torch.device,
-                 lens_fn: LensFn | None = None) -> None:
+                 lens_fn: LensFn | None = None, row_exact: bool = False) -> None:
         self.sel = sel
         self.spec_dict = spec.to_dict()
         self.device = device
@@ -39,6 +39,7 @@ class RequestCapture:
         self.next_pos = 0  # every position below this has been captured (or is not selected)
         self.last_pos = -1  # positions="last": the position held in the one-row buffer
         self.proj = spec.project.to(device) if spec.project is not None else None
+        self.row_exact = row_exact  # batch_invariant: a row's projection must not depend on its chunk
         self.heads = torch.tensor(sel.heads, device=device) if sel.heads is not None else None
         self.reducers: dict[str, Reducer] | None = None
         if sel.reduce and not sel.last_only:
@@ -92,7 +93,7 @@ class RequestCapture:
         if self.heads is not None and point in QUERY_HEAD_POINTS:
             rows = rows.index_select(2, self.heads)
         if self.proj is not None:
-            rows = rows.float() @ self.proj.T
+            rows = project(rows, self.proj, self.row_exact)
         if self.reducers is not None:
             if point == "attn_pattern" and rows.shape[-1] < self.sel.shapes[point][-1]:
                 rows = torch.nn.functional.pad(rows, (0, self.sel.shapes[point][-1] - rows.shape[-1]))
@@ -187,3 +188,15 @@ class RequestCapture:
         features = self.features.result(positions) if self.features is not None else None
         return HiddenStates(tensors, positions, list(sel.layers), sel.reduce, self.spec_dict, lens=lens,
                             features=features)
+
+
+def project(rows: torch.Tensor, directions: torch.Tensor, row_exact: bool) -> torch.Tensor:
+    """``rows [..., hidden]`` (float32) times ``directions [k, hidden]`` transposed: ``[..., k]``.
+
+    ``row_exact``: one direction at a time, as a product and a sum over ``hidden`` per row, so that a
+    row's result does not depend on how many rows came with it (a GEMM's does); costs ``k`` passes.
+    """
+    x = rows.float()
+    if not row_exact:
+        return x @ directions.T
+    return torch.stack([(x * d).sum(-1) for d in directions.float()], dim=-1)
