@@ -197,7 +197,7 @@ def paged_attention(
         # must never reach the cache where another request could read it that way.
         v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, _finite(v).transpose(0, 1))
     if meta.attn is None and opts.invariant:
-        return attend_rows(q, k_cache, v_cache, meta, opts)
+        return attend_rows(q, k_cache, v_cache, _sequences(meta), opts.scale, opts.window, opts.softcap)
     if meta.unified is not None:
         u = meta.unified
         return meta.attn.unified_attention(q, k_cache, v_cache, u.table, u.seq_rows, u.cu_q, u.ctx, opts.scale,
@@ -235,6 +235,13 @@ def paged_attention(
             vc = _gather(v_cache, table)[:, :, :total].transpose(0, 1)
         out[rows] = _attend(qc, kc, vc, chunk.context_len, opts).squeeze(0).transpose(0, 1)
     return out
+
+
+def _sequences(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor]]:
+    """The step's rows as :func:`attend_rows` takes them: decode rows, then chunks (each with its block table)."""
+    lens = meta.decode_lens.tolist() if meta.num_decodes else []
+    out = [(r, lens[r] - 1, 1, meta.decode_block_tables[r]) for r in range(meta.num_decodes)]
+    return out + [(c.start, c.context_len, c.length, c.block_table) for c in meta.prefills]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, opts: AttentionOptions) -> torch.Tensor:
@@ -294,7 +301,7 @@ def attention_probs(q: torch.Tensor, keys: torch.Tensor, first: int, opts: Atten
     """Softmax attention weights (float32) of queries ``q`` ``[n, H, D]`` at positions ``first..`` over
     ``keys`` ``[Hkv, S, D]`` (positions ``0..S-1``), masked as the layer masks them: ``[n, H, S]``."""
     if opts.invariant:
-        return row_probs(q, keys, first, opts)
+        return row_probs(q, keys, first, opts.scale, opts.window, opts.softcap)
     n, h, _ = q.shape
     keys = keys.repeat_interleave(h // keys.shape[0], dim=0)  # one key head per query head
     scores = torch.einsum("nhd,hkd->nhk", q.float(), keys.float()) * opts.scale
