@@ -10,6 +10,8 @@ What it prints (and writes with ``--json FILE``)
     kernels_per_block   kernels one block of a replayed decode graph launches (bf16, a 16-block Llama):
                         aten ops that would run a kernel (not views, not allocations, a cast only when
                         it converts) plus Triton launches, while that block runs; ``per_step`` the rest.
+                        ``kernels_tapped``: the same for the tapped graph (every request captures the
+                        last position's ``final`` state; which taps does not change the graph).
     host_ops[case][b]   aten ops outside the graph body in one decode step of ``b`` requests (the same
                         counting rule), for a plain step and tapped ones: the last position's ``final``
                         state; 3 blocks x every position; every block x every position; half the batch
@@ -171,7 +173,7 @@ def cases(hidden: int, layers: int) -> dict[str, Callable[[int], Any]]:
 
     g = torch.Generator().manual_seed(0)
     direction = torch.randn(hidden, generator=g)
-    three = [0, layers // 2, layers - 1]
+    three = sorted({0, layers // 2, layers - 1})  # three blocks where the model has them
     d_sae = 16 * hidden
     sae = SAE(SAEConfig("topk", hidden, d_sae, point="resid_post", layer=layers // 2, k=64),
               torch.randn(hidden, d_sae, generator=g) / hidden**0.5, torch.zeros(d_sae),
@@ -300,9 +302,10 @@ def _advance(engine: Any, sched: Any, result: Any) -> None:
         engine.output_processor.append_token(req, token)
 
 
-def kernels_per_block(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Kernels each block of one plain decode graph body launches (batch 16), and the step's others."""
-    engine = decode_steps(llm, cases(256, args.layers)["plain"], 16, 7, args.prompt_len)
+def kernels_per_block(llm: Any, args: argparse.Namespace, case: str = "plain") -> dict[str, Any]:
+    """Kernels each block of one decode graph body launches (batch 16; ``case``'s requests: the plain
+    graph, or the tapped one), and the step's others."""
+    engine = decode_steps(llm, cases(256, args.layers)[case], 16, 7, args.prompt_len)
     runner = engine.runner
     counter = OpCount()
     counter.phase = "outside"
@@ -481,10 +484,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-layers", type=int, default=2, help="blocks of the trace's Llama (default 2)")
     p.add_argument("--trace-seed", type=int, default=0)
     args = p.parse_args(argv)
-    from tapllm.kernels import triton_attention, triton_elementwise, triton_sae, triton_tap
+    from tapllm.kernels import triton_attention, triton_elementwise, triton_fused_sites, triton_sae, triton_tap
 
     TRITON = TritonCount([m for m in (triton_attention._kernels(), triton_elementwise._kernels(),
-                                      triton_tap._kernels(), triton_sae._kernels()) if m is not None])
+                                      triton_fused_sites._kernels(), triton_tap._kernels(), triton_sae._kernels())
+                          if m is not None])
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     batches = [int(b) for b in args.batches.split(",")]
     report: dict[str, Any] = {"machine": _machine(), "torch": torch.__version__, "dtype": args.dtype,
@@ -492,9 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(Path(tmp), args.layers)
         llm = cuda_llm(folder, args.dtype, max(batches))
-        report["kernels"] = kernels_per_block(llm, args)
-        print(f"kernels per block: {report['kernels']['kernels_per_block']} "
-              f"({report['kernels']['block_kernels']}); per step {report['kernels']['per_step_kernels']}", flush=True)
+        for key, case in (("kernels", "plain"), ("kernels_tapped", "last")):
+            report[key] = k = kernels_per_block(llm, args, case)
+            print(f"kernels per block{' (tapped)' if case != 'plain' else ''}: {k['kernels_per_block']} "
+                  f"({k['block_kernels']}); per step {k['per_step_kernels']}", flush=True)
         names = args.cases.split(",") if args.cases else list(cases(256, args.layers))
         all_cases = cases(256, args.layers)
         report["host_ops"], report["host_ms"], report["host_detail"] = {}, {}, {}

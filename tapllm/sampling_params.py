@@ -12,6 +12,7 @@ import numpy as np
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.spec import Steer
 from tapllm.structured.params import StructuredOutputsParams
+from tapllm.utils.checks import is_int, is_list_of, is_real, kind, real
 from tapllm.utils.text import check_unicode
 
 # Below this a temperature means greedy decoding, as in vLLM: dividing logits by it would
@@ -42,6 +43,62 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "repetition_detection": (None,),
     "routed_experts_prompt_start": (0,),
     "trace_decode_token_ids": (None,),
+}
+
+
+def _str(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+def _strs(v: Any) -> bool:
+    return isinstance(v, str) or is_list_of(v, _str)
+
+
+def _ints(v: Any) -> bool:
+    return is_list_of(v, is_int)
+
+
+def _steers(v: Any) -> bool:
+    return isinstance(v, Steer | dict) or is_list_of(v, lambda x: isinstance(x, Steer | dict))
+
+
+def _optional(check: Any) -> Any:
+    return lambda v: v is None or check(v)
+
+
+_INT, _REAL, _BOOL = (is_int, "an integer"), (is_real, "a number"), (lambda v: isinstance(v, bool), "true or false")
+
+# Each field's type, checked before anything reads the value, so a wrong one is named (``stop=5``: "stop must
+# be a string or a list of strings, got int"); ranges and the items' values are checked in ``validate``.
+# vLLM's refused fields (UNSUPPORTED_FIELDS) take any type: only their neutral values pass.
+FIELD_TYPES: dict[str, tuple[Any, str]] = {
+    "max_tokens": (_optional(is_int), "an integer or None"),
+    "temperature": _REAL, "top_p": _REAL, "top_k": _INT, "min_p": _REAL,
+    "seed": (_optional(is_int), "an integer or None"),
+    "stop": (_optional(_strs), "a string or a list of strings"),
+    "stop_token_ids": (_optional(_ints), "a list of integers"),
+    "ignore_eos": _BOOL,
+    "logprobs": (_optional(is_int), "an integer or None"),
+    "prompt_logprobs": (_optional(is_int), "an integer or None"),
+    "skip_special_tokens": _BOOL,
+    "hidden_states": (_optional(lambda v: isinstance(v, HiddenStatesSpec | dict)), "a HiddenStatesSpec or a dict"),
+    "steering": (_optional(_steers), "a Steer, a dict, or a list of them"),
+    "n": _INT,
+    "best_of": (_optional(is_int), "an integer or None"),
+    "presence_penalty": _REAL, "frequency_penalty": _REAL, "repetition_penalty": _REAL,
+    "logit_bias": (_optional(lambda v: isinstance(v, dict)), "a dict of token id -> bias"),
+    "min_tokens": _INT,
+    "bad_words": (_optional(_strs), "a string or a list of strings"),
+    "allowed_token_ids": (_optional(_ints), "a list of integers"),
+    "truncate_prompt_tokens": (_optional(is_int), "an integer or None"),
+    "structured_outputs": (_optional(lambda v: isinstance(v, StructuredOutputsParams | dict)),
+                           "a StructuredOutputsParams or a dict"),
+    "include_stop_str_in_output": _BOOL, "spaces_between_special_tokens": _BOOL, "detokenize": _BOOL,
+    "skip_reading_prefix_cache": (_optional(lambda v: isinstance(v, bool)), "true, false or None"),
+    "output_kind": (lambda v: isinstance(v, str | enum.Enum), "a RequestOutputKind or its name"),
+    "stream_interval": (_optional(is_int), "an integer or None"),
+    "skip_clone": _BOOL,
+    "extra_args": (_optional(lambda v: isinstance(v, dict)), "a dict or None"),
 }
 
 
@@ -123,10 +180,11 @@ class SamplingParams:
     _stop: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self._stop = tuple(self.stop or ())
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._stop = tuple(self.stop) if self.stop is not None else ()
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids] if self.stop_token_ids is not None else []
         if self.hidden_states is not None:
             self.hidden_states = HiddenStatesSpec.from_any(self.hidden_states)
         if self.steering is not None:
@@ -137,8 +195,8 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
-        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, str):
-            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         if isinstance(self.logit_bias, dict):
             self.logit_bias = _logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
@@ -160,32 +218,33 @@ class SamplingParams:
 
         Values are checked as the sampler will use them: as float32 numbers on the device.
         """
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        self._check_types()
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, or None for the rest of the context, "
                              f"got {self.max_tokens!r}")
-        temperature = _real("temperature", self.temperature)
+        temperature = real("temperature", self.temperature)
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-        top_p = _real("top_p", self.top_p)
+        top_p = real("top_p", self.top_p)
         if not 0 < top_p <= 1 or np.float32(top_p) == 0:
             raise ValueError(f"top_p must be in (0, 1] and at least {np.finfo(np.float32).smallest_subnormal:.3g} "
                              f"(the smallest float32 above 0), got {top_p}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= 0, or -1 or 0 to disable it, got {self.top_k!r}")
-        min_p = _real("min_p", self.min_p)
+        min_p = real("min_p", self.min_p)
         if not 0 <= min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < -1):
+            if value is not None and (not is_int(value) or value < -1):
                 raise ValueError(f"{name} must be an integer >= 0, or -1 for the whole vocabulary, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self._stop):
             raise ValueError("stop must hold non-empty strings")
         for s in self._stop:
             check_unicode(s, "stop")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must hold non-negative integers")
         if self._stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (the text is what they are found in)")
@@ -200,6 +259,13 @@ class SamplingParams:
         self._validate_controls()
         self._validate_vllm_fields()
 
+    def _check_types(self) -> None:
+        """``ValueError`` naming the first field whose value is of a type it does not take (``FIELD_TYPES``)."""
+        for name, (accepts, what) in FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not accepts(value):
+                raise ValueError(f"{name} must be {what}, got {kind(value)}")
+
     def _validate_vllm_fields(self) -> None:
         """vLLM's remaining fields: the ones tapllm takes, then those it refuses by name."""
         if self.skip_reading_prefix_cache is not None and not isinstance(self.skip_reading_prefix_cache, bool):
@@ -208,7 +274,7 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}, "
                              f"got {self.output_kind!r}")
-        if self.stream_interval is not None and (not _is_int(self.stream_interval) or self.stream_interval < 1):
+        if self.stream_interval is not None and (not is_int(self.stream_interval) or self.stream_interval < 1):
             raise ValueError(f"stream_interval must be an integer >= 1 or None, got {self.stream_interval!r}")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
@@ -220,25 +286,25 @@ class SamplingParams:
 
     def _validate_controls(self) -> None:
         """The vLLM logits controls and ``n``/``best_of`` (vocabulary checks come at admission)."""
-        if not _is_int(self.n) or self.n < 1:
+        if not is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = _real(name, getattr(self, name))
+            value = real(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        repetition = _real("repetition_penalty", self.repetition_penalty)
-        if not repetition > 0 or np.float32(repetition) == 0 or not np.isfinite(np.float32(repetition)):
-            raise ValueError(f"repetition_penalty must be > 0 (1 is off) and a finite float32, got {repetition}")
+        repetition = real("repetition_penalty", self.repetition_penalty)
+        if not repetition > 0 or np.float32(repetition) == 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is off) and not round to 0 in float32, got {repetition}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
             for tid, bias in self.logit_bias.items():
-                if not _is_int(tid) or tid < 0:
+                if not is_int(tid) or tid < 0:
                     raise ValueError(f"logit_bias: key {tid!r} is not a token id (an integer >= 0)")
-                _real(f"logit_bias[{tid}]", bias)
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+                real(f"logit_bias[{tid}]", bias)
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
@@ -248,12 +314,12 @@ class SamplingParams:
                     raise ValueError(f"bad_words[{i}] must be a non-empty string, got {word!r}")
                 check_unicode(word, f"bad_words[{i}]")
         if self.allowed_token_ids is not None:
-            if isinstance(self.allowed_token_ids, str) or not self.allowed_token_ids:
+            if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids (or None for all)")
-            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+            if any(not is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must hold token ids (integers >= 0)")
         k = self.truncate_prompt_tokens
-        if k is not None and (not _is_int(k) or (k < 1 and k != -1)):
+        if k is not None and (not is_int(k) or (k < 1 and k != -1)):
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's context, got {k!r}")
 
     @property
@@ -288,22 +354,7 @@ def _logit_bias(bias: dict[Any, Any]) -> dict[Any, Any]:
     for key, value in bias.items():
         if isinstance(key, str) and key.strip().lstrip("-").isdigit():
             key = int(key)
-        if isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool) \
-                and math.isfinite(float(value)):
+        if is_real(value) and math.isfinite(float(value)):
             value = min(max(float(value), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
         out[key] = value
-    return out
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
-def _real(name: str, value: Any) -> float:
-    """``value`` as a finite float; ``ValueError`` naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    out = float(value)
-    if not math.isfinite(out):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
     return out

@@ -13,6 +13,7 @@ import torch
 
 from conftest import random_prompts
 from tapllm import LLM, SAE, HiddenStatesSpec, SamplingParams, Steer
+from tapllm.engine import model_runner
 from tapllm.hidden_states import HIDDEN_POINTS
 from tapllm.kernels import triton_tap
 from tapllm.sae.sae_config import SAEConfig
@@ -195,6 +196,29 @@ def test_a_slot_left_by_a_tapped_request_taps_nothing_for_the_next(tiny_models):
     got = graphed.generate(prompt, plain, use_tqdm=False)
     want = _eager(folder).generate(prompt, plain, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_a_step_that_fails_before_its_upload_leaves_the_others_unchanged(tiny_models, monkeypatch):
+    """Laying a graph step out counts its requests' block-table rows and slot tables as sent; when the
+    step fails before its upload carried them, the halves it is rerun in must send them again."""
+    folder = tiny_models["llama"]
+    graphed = _graphed(folder)
+    cfg = graphed.engine.model_config
+    params = _params(cfg.hidden_size, cfg.num_layers, cfg.num_heads, int(cfg.hf_config.intermediate_size))
+    prompts = random_prompts([5, 12, 3, 20, 9, 14, 7, 10], seed=11)
+    poisoned = random_prompts([6], seed=99)[0]
+    real = model_runner.upload_graph
+
+    def upload_graph(lay, *args, **kwargs):
+        if any(it.request.prompt_token_ids == poisoned for it in lay.items):
+            raise RuntimeError("staging failure")
+        return real(lay, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "upload_graph", upload_graph)
+    got = graphed.generate([poisoned] + prompts, params[:1] + params, use_tqdm=False)
+    assert "staging failure" in got.pop(0).error
+    assert graphed.engine.runner.policy.graph_steps > 0
+    _same(_eager(folder).generate(prompts, params, use_tqdm=False), got)
 
 
 def test_a_preempted_request_captures_each_position_once(tiny_models):

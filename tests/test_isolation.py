@@ -10,6 +10,7 @@ import torch
 
 from conftest import random_prompts
 from tapllm import LLM, SamplingParams, Steer, register_reducer
+from tapllm.engine import model_runner
 
 GOOD = random_prompts([5, 9, 14, 3, 21, 8, 11, 17], seed=11)
 SPEC = {"layers": [0, 2], "points": ["resid_post"], "positions": "all"}
@@ -107,6 +108,24 @@ def test_a_forward_pass_error_is_isolated_to_its_request(llm, solo, monkeypatch)
     outs = llm.generate(GOOD[:3] + [poisoned] + GOOD[3:], _good_params(), use_tqdm=False)
     failed = outs.pop(3)
     assert failed.outputs[0].finish_reason == "error" and "kernel failure" in failed.error
+    _assert_unchanged(outs, solo)
+
+
+def test_a_step_that_fails_before_its_upload_is_isolated_to_its_request(llm, solo, monkeypatch):
+    """Laying a step out counts its requests' block-table rows as sent; when the step fails before its
+    upload carried them, the halves it is rerun in must send them again (else they read stale tables)."""
+    poisoned = random_prompts([10], seed=99)[0]
+    real = model_runner.upload
+
+    def upload(lay, *args, **kwargs):
+        if any(it.request.prompt_token_ids == poisoned for it in lay.items):
+            raise RuntimeError("staging failure")
+        return real(lay, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner, "upload", upload)
+    outs = llm.generate(GOOD[:3] + [poisoned] + GOOD[3:], _good_params(), use_tqdm=False)
+    failed = outs.pop(3)
+    assert failed.outputs[0].finish_reason == "error" and "staging failure" in failed.error
     _assert_unchanged(outs, solo)
 
 

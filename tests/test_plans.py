@@ -27,8 +27,8 @@ def capture(num_prompt: int, max_positions: int, **spec: object) -> RequestCaptu
     return RequestCapture(sel, hs, CPU)
 
 
-def steering(num_prompt: int, *steers: Steer) -> RequestSteering:
-    resolved = resolve_steering(list(steers), LAYERS, HIDDEN, torch.float32, 8)
+def steering(num_prompt: int, *steers: Steer, dtype: torch.dtype = torch.float32) -> RequestSteering:
+    resolved = resolve_steering(list(steers), LAYERS, HIDDEN, dtype, 8)
     return RequestSteering(resolved, b"digest", num_prompt)
 
 
@@ -102,6 +102,37 @@ def test_plain_additions_at_one_point_merge_into_one_index_add():
     t = torch.zeros(5, HIDDEN)
     ops[0].apply(t)
     assert t[:, 0].tolist() == [2, 2, 0, -1, 0]  # row 2 and 4 belong to nobody steered
+
+
+def test_a_requests_additions_round_in_its_order_whatever_shares_the_point():
+    """Several adds of one request at a point round to bfloat16 one after the other, as the request alone
+    and its unmerged ops do, whether the step merges its adds with a neighbour's or a neighbour's ablate
+    at that point keeps every op apart (index_add_ would sum a row listed twice in float32, rounding once)."""
+    g = torch.Generator().manual_seed(0)
+    vectors = [torch.randn(HIDDEN, generator=g) for _ in range(3)]
+    mine = [Steer(layers=[0], point="resid_post", op="add", vector=v, scale=3.0) for v in vectors]
+    late = Steer(layers=[0], point="resid_post", op="add", vector=vectors[0], scale=0.5, positions="generated")
+    adds = steering(2, *mine, late, dtype=torch.bfloat16)
+    x = (torch.randn(4, HIDDEN, generator=g) * 40).to(torch.bfloat16)
+    want = x[:2].clone()
+    for s in adds.steers[:3]:
+        want = want + s.payload[0]  # one rounding per add, in order (the generated-only add is not due)
+    alone_sum = (x[:2].float() + sum(s.payload[0].float() for s in adds.steers[:3])).to(torch.bfloat16)
+    assert not torch.equal(want, alone_sum)  # the example tells the two orders apart
+    neighbours = {
+        "alone": [],
+        "adding": [(RowSpan(3, 5, 1), steering(4, Steer(layers=[0], point="resid_post", vector=vectors[1]),
+                                              dtype=torch.bfloat16))],
+        "ablating": [(RowSpan(3, 5, 1), steering(4, Steer(layers=[0], point="resid_post", op="ablate",
+                                                          vector=vectors[2]), dtype=torch.bfloat16))],
+    }
+    for name, others in neighbours.items():
+        plan = SteeringPlan([(RowSpan(0, 0, 2), adds), *others], CPU)
+        t = x.clone()
+        for op in plan.ops[("resid_post", 0)]:
+            op.apply(t)
+        assert torch.equal(t[:2], want), name
+        assert torch.equal(t[2], x[2]), name
 
 
 def test_steers_act_only_on_their_positions_and_in_order():

@@ -52,6 +52,7 @@ def test_a_busy_port_is_refused_before_anything_loads():
     (["--api-key-file", "/no/such/key"], "--api-key-file: cannot read /no/such/key"),
     (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
     (["--max-connections", "0"], "--max-connections must be >= 1, got 0"),
+    (["--max-connections-per-client", "0"], "--max-connections-per-client must be >= 1, got 0"),
 ])
 def test_a_bad_flag_or_file_is_refused_before_anything_loads(args, message):
     proc, _, torch = _serve(*args)

@@ -84,7 +84,8 @@ def hard(tiny_models, plugin_path, tmp_path_factory):
     s = Server(tiny_models["llama"], "--enable-hidden-states", "--enable-steering", "--api-key-file", str(key_file),
                "--hidden-states-max-bytes", "400000", "--max-num-seqs", "32", "--max-request-bytes", "12000000",
                "--max-prompts-per-request", "8", "--header-read-timeout", "2", "--body-read-timeout", "4",
-               pythonpath=[plugin_path])
+               # the half-open test holds 200 connections from this address (test_server_edges: the per-client limit)
+               "--max-connections-per-client", "1000", pythonpath=[plugin_path])
     yield s
     s.stop()
 

@@ -16,7 +16,8 @@ typed handles to the op families (:mod:`tapllm.backends.ops`); :meth:`Backend.de
 what the start-up log and ``LLM.describe()`` print.
 """
 
-from tapllm.backends.ops import AttentionOps, ElementwiseOps, GemvOps, QuantOps, RotaryKVWriteOps, StackOps
+from tapllm.backends.ops import (AttentionOps, ElementwiseOps, FusedSiteOps, GemvOps, QuantOps, RotaryKVWriteOps,
+                                 StackOps)
 from tapllm.backends.select import Backend, select_backend
 
 __all__ = ["AttentionOps", "Backend", "ElementwiseOps", "GemvOps", "QuantOps", "RotaryKVWriteOps", "StackOps",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU, RMS_FLOAT_SCALE, RMS_GEMMA, RMS_LLAMA
+from tapllm.tap.fused import HeadSites, KernelSites, NormSites
 
 
 class TritonAttention:
@@ -133,15 +134,17 @@ def _compare_unified(device: torch.device, ops: TritonAttention) -> str | None:
 
 
 class TritonElementwise:
-    """:class:`~tapllm.backends.ops.RotaryKVWriteOps` on the Triton kernels of
-    ``tapllm.kernels.triton_elementwise``: the elementwise ops, and rotary fused with the KV write."""
+    """:class:`~tapllm.backends.ops.FusedSiteOps` on the Triton kernels of ``tapllm.kernels.triton_elementwise``
+    and ``triton_fused_sites``: the elementwise ops, rotary fused with the KV write, and the norms, rotary
+    and gated activation with a graph step's tap sites inside."""
 
-    __slots__ = ("_k",)
+    __slots__ = ("_k", "_s")
 
     def __init__(self) -> None:
-        from tapllm.kernels import triton_elementwise
+        from tapllm.kernels import triton_elementwise, triton_fused_sites
 
         self._k = triton_elementwise
+        self._s = triton_fused_sites
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int) -> torch.Tensor:
         return self._k.rms_norm(x, weight, eps, mode)
@@ -160,6 +163,17 @@ class TritonElementwise:
 
     def gated_act(self, gate_up: torch.Tensor, act: int) -> torch.Tensor:
         return self._k.gated_act(gate_up, act)
+
+    def rms_norm_sites(self, x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: float, mode: int,
+                       sites: NormSites) -> torch.Tensor | None:
+        return self._s.rms_norm_sites(x, r, weight, eps, mode, sites)
+
+    def rotary_sites(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, sites: HeadSites) -> None:
+        self._s.rotary_sites(q, k, v, cos, sin, write, sites)
+
+    def gated_act_sites(self, gate_up: torch.Tensor, act: int, rows: KernelSites, site: int) -> torch.Tensor | None:
+        return self._s.gated_act_sites(gate_up, act, rows, site)
 
 
 def elementwise_trial(device: torch.device, dtype: torch.dtype) -> str | None:

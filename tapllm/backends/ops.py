@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from tapllm.tap.fused import HeadSites, KernelSites, NormSites
+
 
 class ElementwiseOps(Protocol):
     """Norms, rotary and gated activations over rows ``[T, dim]`` (tapllm.kernels.reference defines them)."""
@@ -34,6 +36,20 @@ class RotaryKVWriteOps(ElementwiseOps, Protocol):
     def rotary_kv_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor) -> None: ...
+
+
+class FusedSiteOps(RotaryKVWriteOps, Protocol):
+    """Elementwise ops that also apply a graph step's tap sites to the rows they compute (CUDA's Triton
+    ops; see :mod:`tapllm.tap.fused`): the Llama family's norms, rotary and gated activation in tapped graphs;
+    a ``None`` result: the rows do not fit one kernel, nothing was done."""
+
+    def rms_norm_sites(self, x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: float, mode: int,
+                       sites: NormSites) -> torch.Tensor | None: ...
+
+    def rotary_sites(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, sites: HeadSites) -> None: ...
+
+    def gated_act_sites(self, gate_up: torch.Tensor, act: int, rows: KernelSites, site: int) -> torch.Tensor | None: ...
 
 
 class AttentionOps(Protocol):

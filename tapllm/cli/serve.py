@@ -45,6 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="most prompts in one completions or hidden_states request (default 256)")
     srv.add_argument("--max-connections", type=int, default=1000,
                      help="open connections (and requests) served at once; beyond: 503 (default 1000)")
+    srv.add_argument("--max-connections-per-client", type=int, default=100,
+                     help="open connections one client address may hold (half-open ones included), so one client "
+                     "cannot take every connection; beyond: 503 at once (default 100; behind a reverse proxy every "
+                     "client has the proxy's address: raise it to --max-connections)")
     srv.add_argument("--keep-alive-timeout", type=float, default=5.0,
                      help="seconds an idle keep-alive connection stays open (default 5)")
     srv.add_argument("--header-read-timeout", type=float, default=10.0,
@@ -100,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model is not None and args.model_path is not None:
         raise ValueError("give the model either as MODEL or as --model, not both")
-    for flag in ("max_request_bytes", "max_prompts_per_request", "max_connections", "api_server_count",
-                 "data_parallel_size"):
+    for flag in ("max_request_bytes", "max_prompts_per_request", "max_connections", "max_connections_per_client",
+                 "api_server_count", "data_parallel_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     for flag in ("keep_alive_timeout", "header_read_timeout", "body_read_timeout", "shutdown_timeout"):
@@ -201,7 +205,8 @@ def _serve_app(args: argparse.Namespace, engine: Any, name: str, api_key: str | 
     )
     return launcher.run(app, lifecycle, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                         shutdown_timeout=args.shutdown_timeout, keep_alive_timeout=args.keep_alive_timeout,
-                        header_read_timeout=args.header_read_timeout, max_connections=args.max_connections, sock=sock)
+                        header_read_timeout=args.header_read_timeout, max_connections=args.max_connections,
+                        max_connections_per_client=args.max_connections_per_client, sock=sock)
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

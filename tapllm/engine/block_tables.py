@@ -28,7 +28,7 @@ class BlockTables:
         self.table = torch.zeros((rows + 1, width), dtype=torch.int64, device=device)
         self.table[rows] = padding_block
         self._free = list(range(rows - 1, -1, -1))
-        self._rows: dict[Request, tuple[int, int]] = {}  # request -> (row, preemptions when sent whole)
+        self._rows: dict[Request, tuple[int, int | None]] = {}  # request -> (row, preemptions when sent whole)
         self._sent: dict[Request, list[int]] = {}  # request -> the entries its row holds
         self.generation = 0  # bumped when ``table`` moves (a CUDA graph reading it must be captured anew)
 
@@ -61,6 +61,12 @@ class BlockTables:
             sent[col] = table[col]
             diff += (row, col, table[col])
         return row
+
+    def resend(self, req: Request) -> None:
+        """Send ``req``'s whole row at its next step (its last diff may never have reached the device)."""
+        entry = self._rows.get(req)
+        if entry is not None:
+            self._rows[req] = (entry[0], None)
 
     def _take(self) -> int:
         if not self._free:  # more requests in flight than rows: grow (the table moves)

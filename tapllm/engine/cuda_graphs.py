@@ -11,10 +11,11 @@ final norm, the logits of the rows that sample and their greedy tokens. Two kind
   inputs (``cu_q``, ``ctx``, ``seq_rows``).
 
 Each exists plain and *tapped*: the tapped graph passes every site through
-:class:`~tapllm.engine.table_tap.TableTap`, which steers and captures what each row's slot asked for
-in the slot tables, so one tapped graph serves every mix of taps: the number of graphs is bounded
-by the buckets, and nothing is captured after start-up. A step of ``n`` rows or tokens replays the
-graph of the next size up; its padding rows read the padding slot and write to the padding block.
+:class:`~tapllm.engine.table_tap.TableTap` (or the kernels it hands its sites to), which steers and
+captures what each row's slot asked for in the slot tables, so one tapped graph serves every mix of
+taps: the number of graphs is bounded by the buckets, and nothing is captured after start-up. A
+step of ``n`` rows or tokens replays the graph of the next size up; its padding rows read the
+padding slot and write to the padding block.
 
 Rows that draw at random are sampled by a second, small graph per number of sampled rows
 (:meth:`GraphRunner.draw`), replayed after the step's graph only when some row draws: it reads the
@@ -72,6 +73,7 @@ class GraphRunner:
         self.attn = attn
         self.device = device
         self.capture = capture
+        self.fuse_sites = True  # tapped graphs hand kernels their sites (TableTap(fuse=)); read when captured
         self.keys = sorted(keys, key=lambda k: (k.kind, k.size, k.tapped))
         self.decode_sizes = sorted({k.size for k in keys if k.kind == "decode"})
         self.mixed_sizes = sorted({k.size for k in keys if k.kind == "mixed"})
@@ -211,7 +213,7 @@ class GraphRunner:
                                      unified=UnifiedBatch(v.cu_q, v.ctx, v.seq_rows, table))
         tap = None
         if key.tapped:
-            tap = TableTap(self.taps, v.row_slot, v.positions, v.last_rows)
+            tap = TableTap(self.taps, v.row_slot, v.positions, v.last_rows, fuse=self.fuse_sites)
             tap.begin()
         ids = torch.where(v.ids < 0, self.last_token.index_select(0, v.row_slot), v.ids)
         hidden = self.model(ids, v.positions, self.kv_caches, meta, tap)

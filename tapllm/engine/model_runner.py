@@ -243,7 +243,20 @@ class ModelRunner:
         The step is laid out on the host, the decider (:class:`~tapllm.backends.policy.StepPolicy`)
         picks a graph or the eager step, its inputs go up in one upload, the forward and the sampling
         are queued, and the tokens start on their way back; prompt logprobs are taken now.
+
+        Laying the step out counts its requests' block-table entries and slot tables as sent; a launch
+        that raises may have failed before its upload carried them, so its requests send theirs anew.
         """
+        try:
+            return self._launch(items)
+        except BaseException:
+            for it in items:
+                self.block_tables.resend(it.request)
+                if self.graph_step is not None:
+                    self.graph_step.release(it.request)
+            raise
+
+    def _launch(self, items: list[ScheduledItem]) -> LaunchedStep:
         items = sorted(items, key=lambda it: it.num_tokens != 1)  # decodes first
         self.capture_sink.pending.clear()  # a previous failed step may have left staged copies
         lay = lay_out(items, self.block_tables)

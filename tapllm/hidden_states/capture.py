@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import fields
 
 import torch
 
-from tapllm.hidden_states.lens import LensBuffers, LensFn
+from tapllm.hidden_states.lens import Lens, LensBuffers, LensFn, LensResult
 from tapllm.hidden_states.reducers import Reducer, get_reducer
 from tapllm.hidden_states.resolved import Selection
 from tapllm.hidden_states.result import HiddenStates
@@ -186,8 +187,24 @@ class RequestCapture:
         if self.lens is not None:
             lens = self.lens.of_reduced(reduced) if sel.reduce else self.lens.result(n)
         features = self.features.result(positions) if self.features is not None else None
-        return HiddenStates(tensors, positions, list(sel.layers), sel.reduce, self.spec_dict, lens=lens,
-                            features=features)
+        if lens is not None:
+            lens = Lens({p: LensResult(*(_ordinary(getattr(r, f.name)) for f in fields(r))) for p, r in lens.items()},
+                        lens.targets)
+        if features is not None:
+            for name in ("positions", "error_norm", "ids", "values", "dense"):
+                setattr(features, name, _ordinary(getattr(features, name)))
+        return HiddenStates({p: _ordinary(t) for p, t in tensors.items()}, _ordinary(positions), list(sel.layers),
+                            sel.reduce, self.spec_dict, lens=lens, features=features)
+
+
+def _ordinary(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as an ordinary tensor, one autograd can save (a probe trains on it), for the results leaving the
+    engine. The engine enters ``torch.inference_mode`` only to launch a step and makes every buffer a result
+    comes from outside it, so this copies nothing unless the caller ran the engine inside inference mode."""
+    if t is None or not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        return t.clone()
 
 
 def project(rows: torch.Tensor, directions: torch.Tensor, row_exact: bool) -> torch.Tensor:

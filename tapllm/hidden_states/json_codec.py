@@ -22,6 +22,7 @@ import torch
 from tapllm.hidden_states.lens import Lens, LensResult
 from tapllm.hidden_states.result import HiddenStates
 from tapllm.sae.features import Features
+from tapllm.utils.checks import check_values
 from tapllm.utils.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
 
 ENCODINGS = ("base64", "list")
@@ -80,10 +81,12 @@ def tensor_from_wire(obj: Any, field: str = "tensor") -> torch.Tensor:
             flat = flat.view(-1, elem).flip(1).reshape(-1)
         return flat.view(dtype).reshape(shape).clone()
     try:
-        wide = torch.float64 if dtype in (torch.int64, torch.int32) else torch.float32
-        return torch.tensor(data, dtype=wide).reshape(shape).to(dtype)
+        wide = torch.tensor(data, dtype=torch.float64).reshape(shape)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{field}.data must be base64 or a nested list of numbers of shape {shape}") from None
+    if dtype.is_floating_point:
+        check_values(wide, f"{field}.data", dtype, finite=False)  # before the conversion makes it infinite
+    return wide.to(dtype)
 
 
 def hidden_states_to_wire(hs: HiddenStates, encoding: str = "base64") -> dict[str, Any]:

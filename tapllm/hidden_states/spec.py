@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tapllm.hidden_states.reducers import get_reducer
+from tapllm.utils.checks import as_wide_tensor, check_values
 from tapllm.utils.dtypes import DTYPES  # re-exported: resolved.py reads it from here
 from tapllm.utils.options import from_mapping
 # The point names live in the one table (tapllm.tap.points); re-exported for this package's users.
@@ -246,17 +247,13 @@ def _check_positions(positions: Any) -> str | tuple[int, int]:
 
 def _check_project(project: Any) -> torch.Tensor:
     try:
-        t = project if isinstance(project, torch.Tensor) else torch.as_tensor(project)
+        t = as_wide_tensor(project)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError("hidden_states.project must be a [k, hidden] matrix of numbers") from None
     if t.dim() != 2 or t.shape[0] < 1:
         raise ValueError(f"hidden_states.project must be a [k, hidden] matrix, got shape {tuple(t.shape)}")
-    if not t.is_floating_point():
-        t = t.float()
-    t = t.detach().to("cpu", torch.float32).contiguous()
-    if not torch.isfinite(t).all():
-        raise ValueError("hidden_states.project holds NaN or infinite values")
-    return t
+    check_values(t, "hidden_states.project")  # projected in float32
+    return t.detach().to("cpu", torch.float32).contiguous()
 
 
 def _check_device(value: Any) -> str:

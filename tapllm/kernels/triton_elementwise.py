@@ -83,7 +83,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_rows(op: str, name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
+def check_rows(op: str, name: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
     """``t`` is ``[T, N]`` rows of a supported dtype with contiguous columns (shaped and typed as ``like``)."""
     if t.dim() != 2:
         raise ValueError(f"{op}: {name} must be 2-D rows [T, N]; got shape {tuple(t.shape)}")
@@ -100,8 +100,10 @@ def _check_rows(op: str, name: str, t: torch.Tensor, like: torch.Tensor | None =
             raise ValueError(f"{op}: {name} is on {t.device}, x on {like.device}")
 
 
-def _check_norm(op: str, x: torch.Tensor, w: torch.Tensor, mode: int) -> None:
-    _check_rows(op, "x", x)
+def check_norm(op: str, x: torch.Tensor, w: torch.Tensor, mode: int) -> None:
+    """``x`` is rows of at least one column, ``w`` its weight (contiguous, x's dtype and device), ``mode`` a
+    norm order of :mod:`tapllm.kernels.constants`."""
+    check_rows(op, "x", x)
     if x.shape[1] < 1:
         raise ValueError(f"{op}: x must have at least one column")
     if w.dim() != 1 or w.shape[0] != x.shape[1] or w.dtype != x.dtype:
@@ -135,7 +137,7 @@ def _norm(op: str, x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, eps
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, mode: int) -> torch.Tensor:
     """RMSNorm of rows ``x`` [T, N] with weight ``w`` [N] in ``mode``'s order -> [T, N] in x's dtype
     (:func:`tapllm.kernels.reference.rms_norm`)."""
-    _check_norm("rms_norm", x, w, mode)
+    check_norm("rms_norm", x, w, mode)
     return _norm("rms_norm", x, None, w, eps, mode)
 
 
@@ -143,12 +145,12 @@ def add_rms_norm_(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float,
     """``x += r`` in place (rounded to x's dtype, as ``x + r`` is), and returns the RMSNorm of the
     new ``x`` (as :func:`rms_norm`), in one pass over the rows."""
     op = "add_rms_norm_"
-    _check_norm(op, x, w, mode)
-    _check_rows(op, "r", r, like=x)
+    check_norm(op, x, w, mode)
+    check_rows(op, "r", r, like=x)
     return _norm(op, x, r, w, eps, mode)
 
 
-def _check_heads(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
+def check_heads(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
     """Validate q [T, H, D], k [T, Hkv, D] and cos/sin [T, R]; returns R."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"{op}: q and k must be [T, heads, head_dim] with the same T and head_dim; "
@@ -178,32 +180,42 @@ def _check_heads(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, s
     return rot
 
 
-def _rotary(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
-    kernels, emulate = _launcher(op, q)
+def rotary_launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor | None,
+                  write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> tuple[tuple, tuple, dict]:
+    """``(grid, arguments, constexprs)`` of ``rotary_kernel`` on checked tensors (``v``: the values, with
+    ``write`` ``(k_cache, v_cache, slot_mapping)`` where they are stored); the launch of ``tokens > 0``."""
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
-    if tokens == 0:
-        return
     block_d = _pow2(dim, 16)
     block_h = min(_pow2(max(kv_heads, 1)), max(1, _ROTARY_ELEMENTS // block_d))
     q_blocks = _cdiv(heads, block_h)
     # Eager multiplies in the promoted dtype of q and cos, a half only when both are that half: products
     # and sum are rounded there; any other pair computes in float32.
     rounded = cos.dtype == q.dtype != torch.float32
+    v = q if v is None else v  # untouched then
     if write is None:
-        v, k_cache, v_cache, slots, page = q, q, q, cos, 1  # untouched without WRITE
+        k_cache, v_cache, slots, page = q, q, cos, 1  # untouched without WRITE
         cache_strides = (0, 0, 0)
     else:
-        v, k_cache, v_cache, slots = write
+        k_cache, v_cache, slots = write
         page = k_cache.shape[2]
         cache_strides = k_cache.stride()[:3]
-    kernels.rotary_kernel[(tokens, q_blocks + _cdiv(kv_heads, block_h))](
-        q, k, v, cos, sin, k_cache, v_cache, slots, heads, kv_heads, q_blocks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *cache_strides, slots.stride(0),
-        HEAD_DIM=dim, ROT=cos.shape[1], PAGE=page, BLOCK_H=block_h, BLOCK_D=block_d, ROUND=rounded,
-        WRITE=write is not None, EMULATE_RNE=emulate, num_warps=4)
+    args = (q, k, v, cos, sin, k_cache, v_cache, slots, heads, kv_heads, q_blocks,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), *cache_strides, slots.stride(0))
+    constexprs = dict(HEAD_DIM=dim, ROT=cos.shape[1], PAGE=page, BLOCK_H=block_h, BLOCK_D=block_d, ROUND=rounded,
+                      WRITE=write is not None)
+    return (tokens, q_blocks + _cdiv(kv_heads, block_h)), args, constexprs
+
+
+def _rotary(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    kernels, emulate = _launcher(op, q)
+    if q.shape[0] == 0:
+        return
+    grid, args, constexprs = rotary_launch(q, k, cos, sin, None if write is None else write[0],
+                                           None if write is None else write[1:])
+    kernels.rotary_kernel[grid](*args, **constexprs, EMULATE_RNE=emulate, num_warps=4)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -211,7 +223,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     [T, H, D] and ``k`` [T, Hkv, D] (strided views welcome: rows and heads may have any stride);
     cos/sin are ``[T, R]`` rows (:func:`tapllm.kernels.reference.rotary`)."""
     op = "rotary_"
-    _check_heads(op, q, k, cos, sin)
+    check_heads(op, q, k, cos, sin)
     _rotary(op, q, k, cos, sin, None)
 
 
@@ -222,13 +234,25 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     launch: what ``rotary_`` then :func:`tapllm.kernels.triton_attention.kv_write` do (a negative
     slot skips its token; values of ``v`` that are not finite are stored as 0)."""
     op = "rotary_kv_write"
-    _check_heads(op, q, k, cos, sin)
+    check_heads(op, q, k, cos, sin)
+    check_values(op, q, k, v)
+    check_kv_write(op, q, k, k_cache, v_cache, slot_mapping)
+    _rotary(op, q, k, cos, sin, (v, k_cache, v_cache, slot_mapping))
+
+
+def check_values(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``v`` is shaped and typed as ``k``, with contiguous heads, on q's device."""
     if v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"{op}: v must match k ({tuple(k.shape)} {k.dtype}); got {tuple(v.shape)} {v.dtype}")
     if v.stride(2) != 1 and v.shape[2] > 1:
         raise ValueError(f"{op}: v's heads must be contiguous (stride 1 along head_dim); got strides {v.stride()}")
     if v.device != q.device:
         raise ValueError(f"{op}: v is on {v.device}, q on {q.device}")
+
+
+def check_kv_write(op: str, q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """The caches and slots of a K/V write of ``k``'s tokens."""
     if k_cache.dim() == 4 and k.shape[1] != k_cache.shape[0]:
         raise ValueError(f"{op}: k and v have {k.shape[1]} heads, the cache {k_cache.shape[0]} KV heads")
     _check_cache(op, k, k_cache, v_cache)
@@ -237,14 +261,13 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     _check_index(op, "slot_mapping", slot_mapping, 1, q.device)
     if slot_mapping.shape[0] != q.shape[0]:
         raise ValueError(f"{op}: slot_mapping has {slot_mapping.shape[0]} entries for {q.shape[0]} tokens")
-    _rotary(op, q, k, cos, sin, (v, k_cache, v_cache, slot_mapping))
 
 
 def gated_act(gate_up: torch.Tensor, mode: int) -> torch.Tensor:
     """``act(gate) * up`` of rows ``gate_up`` [T, 2I] (gate first) -> [T, I]: SiLU (``mode`` 0) or
     GELU's tanh form (1) (:func:`tapllm.kernels.reference.gated_act`)."""
     op = "gated_act"
-    _check_rows(op, "gate_up", gate_up)
+    check_rows(op, "gate_up", gate_up)
     rows, width = gate_up.shape
     if width % 2:
         raise ValueError(f"{op}: gate_up must have an even number of columns [gate | up]; got {width}")

@@ -26,7 +26,7 @@ _ACT_SILU: tl.constexpr = tl.constexpr(constants.ACT_SILU)
 
 
 @triton.jit
-def _scaled(h, w, MODE: tl.constexpr, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+def scaled_norm(h, w, MODE: tl.constexpr, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """The normalised float32 row ``h`` times its weight ``w`` in the mode's order, in ``DTYPE``."""
     if MODE == _RMS_LLAMA:  # round, then scale in the dtype
         y = _round(h, DTYPE, EMULATE_RNE) * w
@@ -60,7 +60,7 @@ def rms_norm_kernel(
             tl.store(x_row + offs, x.to(dtype), mask=ok)  # exact: x is already rounded
         rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(o_row + offs, _scaled(x * rstd, w, MODE, dtype, EMULATE_RNE), mask=ok)
+        tl.store(o_row + offs, scaled_norm(x * rstd, w, MODE, dtype, EMULATE_RNE), mask=ok)
     else:
         squares = tl.zeros([BLOCK], tl.float32)
         for start in range(0, n_cols, BLOCK):
@@ -77,7 +77,7 @@ def rms_norm_kernel(
             # the same thread stored these elements of x above (same tile layout): it reads its own writes
             x = tl.load(x_row + start + offs, mask=ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + start + offs, mask=ok, other=0.0).to(tl.float32)
-            tl.store(o_row + start + offs, _scaled(x * rstd, w, MODE, dtype, EMULATE_RNE), mask=ok)
+            tl.store(o_row + start + offs, scaled_norm(x * rstd, w, MODE, dtype, EMULATE_RNE), mask=ok)
 
 
 @triton.jit
@@ -102,6 +102,27 @@ def rotary_kernel(
     """
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows, heads, ok, y = rotated_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, t, block, num_heads, num_kv_heads, q_blocks,
+                                       stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_cr, stride_st,
+                                       stride_sr, HEAD_DIM, ROT, BLOCK_H, BLOCK_D, ROUND, EMULATE_RNE)
+    tl.store(rows + offs_d[None, :], y, mask=ok)
+    if WRITE:
+        if block >= q_blocks:
+            v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=ok,
+                        other=0.0).to(tl.float32)  # exact; and the interpreter compares bfloat16 as bit patterns
+            store_kv(k_cache_ptr, v_cache_ptr, slots_ptr, t, heads, y, v, ok, stride_slot, stride_ch, stride_cblk,
+                     stride_crow, PAGE, BLOCK_D)
+
+
+@triton.jit
+def rotated_heads(q_ptr, k_ptr, cos_ptr, sin_ptr, t, block, num_heads, num_kv_heads, q_blocks,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_cr, stride_st, stride_sr,
+                  HEAD_DIM: tl.constexpr, ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                  ROUND: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """What program ``(t, block)`` of :func:`rotary_kernel` rotates: ``(rows, heads, ok, y)``, its heads'
+    addresses ``[BLOCK_H, 1]`` (in q or k), their numbers ``[BLOCK_H]``, the mask ``[BLOCK_H, BLOCK_D]``
+    of the numbers that exist and the rotated heads in q's dtype (not stored)."""
     dtype = q_ptr.dtype.element_ty
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -132,18 +153,22 @@ def rotary_kernel(
     else:
         y = straight + turned_in
     y = _cast(tl.where(turned[None, :], y, x), dtype, EMULATE_RNE)  # dims past ROT: as loaded (exact)
-    tl.store(rows + offs_d[None, :], y, mask=ok)
+    return rows, heads, ok, y
 
-    if WRITE:
-        slot = tl.load(slots_ptr + t * stride_slot).to(tl.int64)
-        if (block >= q_blocks) & (slot >= 0):
-            dest = heads.to(tl.int64)[:, None] * stride_ch + (slot // PAGE) * stride_cblk \
-                + (slot % PAGE) * stride_crow + offs_d[None, :]
-            tl.store(k_cache_ptr + dest, y, mask=ok)
-            v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=ok,
-                        other=0.0).to(tl.float32)  # exact; and the interpreter compares bfloat16 as bit patterns
-            finite = (v == v) & (tl.abs(v) != float("inf"))
-            tl.store(v_cache_ptr + dest, tl.where(finite, v, 0.0).to(dtype), mask=ok)
+
+@triton.jit
+def store_kv(k_cache_ptr, v_cache_ptr, slots_ptr, t, heads, k, v, ok, stride_slot, stride_ch, stride_cblk,
+             stride_crow, PAGE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token ``t``'s keys ``k`` (in the cache's dtype) and values ``v`` (float32; not finite: 0) of ``heads``
+    at its cache slot (``block * PAGE + row``; negative: not stored)."""
+    slot = tl.load(slots_ptr + t * stride_slot).to(tl.int64)
+    if slot >= 0:
+        offs_d = tl.arange(0, BLOCK_D)
+        dest = heads.to(tl.int64)[:, None] * stride_ch + (slot // PAGE) * stride_cblk \
+            + (slot % PAGE) * stride_crow + offs_d[None, :]
+        tl.store(k_cache_ptr + dest, k, mask=ok)
+        finite = (v == v) & (tl.abs(v) != float("inf"))
+        tl.store(v_cache_ptr + dest, tl.where(finite, v, 0.0).to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -160,13 +185,18 @@ def gated_act_kernel(
     x_row = x_ptr + row * stride_x
     g = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_row + inter + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, gated(g, u, ACT, dtype, EMULATE_RNE), mask=ok)
+
+
+@triton.jit
+def gated(g, u, ACT: tl.constexpr, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """``act(g) * u`` in ``DTYPE`` from float32 ``g`` and ``u``, the activation rounded before the product."""
     # exp's argument is capped below float32's overflow: past it the quotient is 0 or -0 either way
     if ACT == _ACT_SILU:
         a = g / (1.0 + tl.exp(tl.minimum(-g, 88.0)))
     else:  # GELU's tanh form; 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)), without tanh's cancellation near -1
         a = g / (1.0 + tl.exp(tl.minimum(-1.5957691216057308 * (g + 0.044715 * g * g * g), 88.0)))  # 2 sqrt(2/pi)
-    y = _round(a, dtype, EMULATE_RNE) * u
-    tl.store(out_ptr + row * stride_o + offs, _cast(y, dtype, EMULATE_RNE), mask=ok)
+    return _cast(_round(a, DTYPE, EMULATE_RNE) * u, DTYPE, EMULATE_RNE)
 
 
 # Whether @triton.jit made interpreted kernels (TRITON_INTERPRET=1 when this module was imported):

@@ -1,5 +1,6 @@
 """A graph step's tap at one site, in Triton: steering from the slot tables, then capture (see
-:mod:`tapllm.tap.tables` for the tables and :mod:`tapllm.kernels.triton_tap_kernels` for the kernel).
+:mod:`tapllm.tap.tables` for the tables and :mod:`tapllm.kernels.triton_tap_kernels` for the kernel);
+and the step's prologue, which places each captured row in the capture buffer, in one launch.
 
 Triton is imported only when a site runs. On CPU tensors the kernel runs in Triton's interpreter
 (``TRITON_INTERPRET=1`` before triton is first imported), which is how the tests check it against
@@ -69,6 +70,24 @@ def tap_site(x: torch.Tensor, site: Site, tables: TapTables, row_slot: torch.Ten
         site.index, len(tables.sites), x.stride(0), stride_g, tables.pool.stride(0),
         GROUPS=site.groups, WIDTH=site.group_width, BLOCK_G=_pow2(site.groups), BLOCK_W=_pow2(site.group_width),
         EMULATE_RNE=emulate_rne(kernels.INTERPRETED, x.dtype), num_warps=4 if site.width <= 4096 else 8)
+
+
+def prologue(tables: TapTables, row_slot: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor) -> None:
+    """:meth:`TapTables.prologue` (each row's place in the capture buffer, ``tables.row_base``) in one
+    launch instead of a dozen small ops; ``last_rows`` is nonzero on the last row of each chunk."""
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("prologue: triton cannot be imported (pip install triton)")
+    t = row_slot.shape[0]
+    if positions.shape[0] != t or last_rows.shape[0] != t or tables.row_base.shape[0] < t:
+        raise ValueError(f"prologue: row_slot ({t}), positions ({positions.shape[0]}) and last_rows "
+                         f"({last_rows.shape[0]}) must be the same rows, at most {tables.row_base.shape[0]}")
+    if t == 0:
+        return
+    block = _pow2(t)
+    kernels.prologue_kernel[(1,)](row_slot, positions, last_rows, tables.cap_rec, tables.cap_lo, tables.cap_hi,
+                                  tables.cap_last, tables.row_base, t, BLOCK=block,
+                                  num_warps=min(16, max(1, block // 256)))
 
 
 def site_args(tables: TapTables, row_slot: torch.Tensor, positions: torch.Tensor) -> tuple:

@@ -70,6 +70,19 @@ def apply_site(x, lane, ok, r, count, off, base, site, num_sites, row_slot_ptr, 
 
 
 @triton.jit
+def tap_tile(x, lane, ok, r, site, num_sites, row_slot_ptr, pos_ptr, row_base_ptr, cap_off_ptr, cap_out_ptr,
+             st_first_ptr, st_count_ptr, op_ptr, op_value_ptr, pool_ptr, stride_pool, DTYPE: tl.constexpr,
+             EMULATE_RNE: tl.constexpr):
+    """:func:`apply_site` on row ``r``'s tile ``x`` when the row has something to do at ``site``, else ``x``
+    as it is. The table arguments after ``site`` are in the order of ``triton_tap.site_args``."""
+    count, off, base = site_wants(r, site, num_sites, row_slot_ptr, row_base_ptr, cap_off_ptr, st_count_ptr)
+    if (count > 0) | ((base >= 0) & (off >= 0)):
+        x = apply_site(x, lane, ok, r, count, off, base, site, num_sites, row_slot_ptr, pos_ptr, cap_out_ptr,
+                       st_first_ptr, op_ptr, op_value_ptr, pool_ptr, stride_pool, DTYPE, EMULATE_RNE)
+    return x
+
+
+@triton.jit
 def tap_site_kernel(
     x_ptr, row_slot_ptr, pos_ptr, row_base_ptr, cap_off_ptr, cap_out_ptr, st_first_ptr, st_count_ptr,
     op_ptr, op_value_ptr, pool_ptr,
@@ -92,6 +105,25 @@ def tap_site_kernel(
                        EMULATE_RNE)
         if count > 0:
             tl.store(src, y.to(x_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def prologue_kernel(row_slot_ptr, pos_ptr, last_ptr, cap_rec_ptr, cap_lo_ptr, cap_hi_ptr, cap_last_ptr, row_base_ptr,
+                    t, BLOCK: tl.constexpr):
+    """Every row's place in the capture buffer (``TapTables.prologue``) in one program: the ``t`` rows'
+    numbers captured, from their slots' records, summed in batch order; ``-1`` where a row captures nothing."""
+    r = tl.arange(0, BLOCK)
+    ok = r < t
+    slot = tl.load(row_slot_ptr + r, mask=ok, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + r, mask=ok, other=0)
+    last = tl.load(last_ptr + r, mask=ok, other=0) != 0
+    rec = tl.load(cap_rec_ptr + slot, mask=ok, other=0)
+    inside = ok & (pos >= tl.load(cap_lo_ptr + slot, mask=ok, other=0)) & \
+        (pos < tl.load(cap_hi_ptr + slot, mask=ok, other=0)) & \
+        (last | (tl.load(cap_last_ptr + slot, mask=ok, other=0) == 0))
+    numbers = tl.where(inside, rec, 0)
+    ends = tl.cumsum(numbers, 0)
+    tl.store(row_base_ptr + r, tl.where(numbers > 0, ends - numbers, -1), mask=ok)
 
 
 # Whether @triton.jit made interpreted kernels (TRITON_INTERPRET=1 when triton was imported): they run on CPU tensors.

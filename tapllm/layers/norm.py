@@ -8,6 +8,7 @@ from torch import nn
 
 from tapllm.backends.ops import ElementwiseOps
 from tapllm.kernels.constants import RMS_FLOAT_SCALE, RMS_GEMMA, RMS_LLAMA
+from tapllm.tap.fused import NormSites
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +20,7 @@ class RMSNorm(nn.Module):
 
     ops: ElementwiseOps | None = None
     kernel_mode = RMS_LLAMA
+    fused_sites: bool = False  # ``ops`` applies a graph step's tap sites (FusedSiteOps), and the model lets it
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -36,6 +38,13 @@ class RMSNorm(nn.Module):
             return x, self.ops.add_rms_norm_(x, r, self.weight, self.eps, self.kernel_mode)
         s = x + r
         return s, self.forward(s)
+
+    def norm_sites(self, x: torch.Tensor, r: torch.Tensor | None, sites: NormSites) -> torch.Tensor | None:
+        """The norm of ``x`` (with ``r``: of ``x += r``, in place) with ``sites`` applied in the kernel
+        (:mod:`tapllm.tap.fused`); None, with nothing done, where the fused kernels cannot take them."""
+        if not self.fused_sites or x.dim() != 2 or x.stride(1) != 1 or (r is not None and r.stride(1) != 1):
+            return None
+        return self.ops.rms_norm_sites(x, r, self.weight, self.eps, self.kernel_mode, sites)
 
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         """The plain PyTorch norm (the reference of the kernel)."""

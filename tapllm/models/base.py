@@ -3,7 +3,10 @@
 A family is one file: its block (``forward(x, i, tap, ctx, kv, meta)``, straight-line code
 with one ``tap`` per point), its embedding and final norm, and the map from its checkpoint's
 tensor names to its (possibly fused) parameters. :class:`CausalLM` runs the blocks, taps
-``embed`` and ``final`` around them, computes logits, loads and prepacks weights.
+``embed`` and ``final`` around them, computes logits, loads and prepacks weights. A family
+whose blocks hand on a :class:`~tapllm.models.residual.Residual` instead (``fused_blocks``:
+``forward(res, i, tap, ctx, kv, meta) -> Residual``, the Llama block) leaves each block's end
+add, and the ``embed`` tap, to the norm that reads them.
 :class:`Attention` is the shared self-attention: fused q/k/v projection, optional q/k norms,
 full or partial rotary (or none), paged attention with the layer's window and soft-cap.
 """
@@ -31,7 +34,9 @@ from tapllm.quant.embedding import QuantEmbedding
 from tapllm.quant.linear import QuantLinear, SplitQuantLinear, block_shape
 from tapllm.quant.schemes import Quantization
 from tapllm.layers.rotary import apply_rotary
+from tapllm.models.residual import Residual, add_norm
 from tapllm.tap import PSEUDO_LAYER, Tap, no_tap
+from tapllm.tap.fused import HeadSites, kernel_sites
 
 logger = logging.getLogger("tapllm")
 
@@ -51,6 +56,7 @@ class Attention(nn.Module):
 
     ops: ElementwiseOps | None = None  # the backend's fused rotary (see CausalLM.use_backend)
     fused_kv_write: bool = False  # ``ops`` has rotary_kv_write (RotaryKVWriteOps): rotary and KV write in one kernel
+    fused_sites: bool = False  # ``ops`` applies a graph step's q/k/v sites in that kernel (FusedSiteOps)
 
     def __init__(self, cfg: ModelConfig, layer: int, *, qkv_bias: bool, o_bias: bool, scale: float | None = None,
                  softcap: float | None = None, rotary_dim: int | None = None) -> None:
@@ -85,22 +91,31 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv, self.head_dim)
         q, k = self.norm_heads(q, k)
         stored = False  # k and v already in the cache
+        tapped = False  # q, k and v through their sites already
         if self.rotary_dim and self.ops is not None and cos_sin[0].shape[-1] == self.rotary_dim:
             cos, sin = cos_sin[0].view(t, self.rotary_dim), cos_sin[1].view(t, self.rotary_dim)
-            # One kernel rotates and stores K/V where the attention kernels read the cache in place;
-            # not where a tap steers k or v, whose steered values must be what the cache holds.
-            stored = self.fused_kv_write and meta.attn is not None and not (tap.steers("k", i) or tap.steers("v", i))
-            if stored:
-                self.ops.rotary_kv_write(q, k, v, cos, sin, kv[0], kv[1], meta.slot_mapping)
+            sites = kernel_sites(tap) if self.fused_sites else None
+            if sites is not None:  # the sites inside the kernel, before K/V reach the cache
+                stored, tapped = meta.attn is not None, True
+                self.ops.rotary_sites(q, k, v, cos, sin, (kv[0], kv[1], meta.slot_mapping) if stored else None,
+                                      HeadSites(sites, sites.index("q", i), sites.index("k", i), sites.index("v", i)))
             else:
-                self.ops.rotary_(q, k, cos, sin)
+                # One kernel rotates and stores K/V where the attention kernels read the cache in place;
+                # not where a tap steers k or v, whose steered values must be what the cache holds.
+                stored = self.fused_kv_write and meta.attn is not None and not (tap.steers("k", i)
+                                                                                or tap.steers("v", i))
+                if stored:
+                    self.ops.rotary_kv_write(q, k, v, cos, sin, kv[0], kv[1], meta.slot_mapping)
+                else:
+                    self.ops.rotary_(q, k, cos, sin)
         elif self.rotary_dim == self.head_dim:
             q, k = apply_rotary(q, k, cos_sin)
         elif self.rotary_dim:
             r = self.rotary_dim
             q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos_sin)
             q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
-        q, k, v = tap("q", i, q), tap("k", i, k), tap("v", i, v)
+        if not tapped:
+            q, k, v = tap("q", i, q), tap("k", i, k), tap("v", i, v)
         z = tap("z", i, paged_attention(q, k, v, kv[0], kv[1], meta, self.opts, write_kv=not stored))
         if tap.wants_pattern(i):
             tap.pattern(i, q, kv[0], self.opts)
@@ -111,6 +126,7 @@ class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with fused gate/up projection (SwiGLU, GeGLU)."""
 
     ops: ElementwiseOps | None = None  # the backend's fused gated activation (see CausalLM.use_backend)
+    fused_sites: bool = False  # ``ops`` applies a graph step's mlp_post site in that kernel (FusedSiteOps)
 
     def __init__(self, cfg: ModelConfig, act: Callable[[torch.Tensor], torch.Tensor], bias: bool = False,
                  intermediate: int | None = None) -> None:
@@ -125,6 +141,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None and self.kernel_act is not None and gate_up.dim() == 2:
+            sites = kernel_sites(tap) if self.fused_sites else None
+            site = sites.index("mlp_post", i) if sites is not None else None
+            if site is not None:  # the site inside the kernel
+                h = self.ops.gated_act_sites(gate_up, self.kernel_act, sites, site)
+                if h is not None:
+                    return self.down_proj(h)
             return self.down_proj(tap("mlp_post", i, self.ops.gated_act(gate_up, self.kernel_act)))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(tap("mlp_post", i, self.act(gate) * up))
@@ -161,6 +183,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+# The op of each module type that applies a graph step's sites in its kernel (FusedSiteOps).
+_SITE_OPS = ((RMSNorm, "rms_norm_sites"), (Attention, "rotary_sites"), (GatedMLP, "gated_act_sites"))
+
 # Activations the fused gated-MLP kernel computes.
 _KERNEL_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], int] = {F.silu: ACT_SILU, _gelu_tanh: ACT_GELU_TANH}
 
@@ -188,6 +213,9 @@ class CausalLM(nn.Module):
     stack: DecoderStack | None = None  # runs untapped blocks of decode steps in C++ (see use_backend)
     stack_block: type | None = None  # the family's block type that the C++ runner implements, if any
     needs_prompt_lengths = False  # True: the runner fills AttentionMetadata.prompt_lens each step
+    # True: blocks take and hand on a Residual (models/residual.py), so a block's end add is done in the
+    # next norm's kernel, and the norms, rotary and activation apply a graph step's sites (tapllm.tap.fused).
+    fused_blocks = False
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -231,22 +259,31 @@ class CausalLM(nn.Module):
         returned.
         """
         tap = no_tap if tap is None else tap
-        x = tap("embed", PSEUDO_LAYER, self.embed(input_ids, positions))
+        x = self.embed(input_ids, positions)
+        # A chain of blocks leaves the embed tap to block 0's input norm; other blocks take whole residuals.
+        res = Residual(x, on_sum=(("embed", PSEUDO_LAYER),)) if self.fused_blocks else \
+            Residual(tap("embed", PSEUDO_LAYER, x))
         ctx = self.block_context(positions, x.dtype, meta)
         layers = self.layers[:num_layers]
         runs = self.plan_runs(len(layers), tap, meta, x.shape[0])
         for start, stop, path in runs:
-            if path == "stack":
-                x = self.stack.run(x, start, stop, ctx, kv_caches, meta)
+            if path == "stack":  # the C++ runner takes and gives whole residuals
+                res = Residual(self.stack.run(res.whole(tap), start, stop, ctx, kv_caches, meta))
                 continue
             for i in range(start, stop):
-                x = layers[i](x, i, tap, ctx, kv_caches[i], meta)
+                if self.fused_blocks:
+                    res = layers[i](res, i, tap, ctx, kv_caches[i], meta)
+                else:
+                    res = Residual(layers[i](res.whole(tap), i, tap, ctx, kv_caches[i], meta))
         self.last_runs = runs
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step of %d rows: %s", x.shape[0], ", ".join(f"blocks {a}-{b - 1} {p}" for a, b, p in runs))
         if num_layers is not None and num_layers < len(self.layers):
+            res.whole(tap)  # the last block's end points are still tapped
             return None
-        return tap("final", PSEUDO_LAYER, self.norm(x))
+        if self.fused_blocks:
+            return add_norm(self.norm, tap, res, out=(("final", PSEUDO_LAYER),))[1]
+        return tap("final", PSEUDO_LAYER, self.norm(res.whole(tap)))
 
     def plan_runs(self, num_layers: int, tap: Tap, meta: AttentionMetadata, rows: int
                   ) -> tuple[tuple[int, int, str], ...]:
@@ -295,6 +332,8 @@ class CausalLM(nn.Module):
                 if isinstance(module, Attention):
                     module.fused_kv_write = module.ops is not None and hasattr(module.ops, "rotary_kv_write")
                     module.opts = replace(module.opts, invariant=invariant)
+                site_op = next(name for kind, name in _SITE_OPS if isinstance(module, kind))
+                module.fused_sites = self.fused_blocks and module.ops is not None and hasattr(module.ops, site_op)
             elif isinstance(module, QuantLinear | QuantEmbedding):
                 module.ops = backend.quant if backend is not None else None
             elif isinstance(module, Linear):

@@ -1,7 +1,8 @@
 """Llama family decoder (Llama 2/3, SmolLM, Mistral, Qwen2/2.5 with qkv bias).
 
 Each block's forward reads like its math and passes every residual-stream point through
-the step's tap, which steers and then records the rows of the requests that asked.
+the step's tap, which steers and then records the rows of the requests that asked; a block's
+residual adds are done by the norms that read them (:mod:`tapllm.models.residual`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,17 @@ from tapllm.layers.linear import Linear
 from tapllm.layers.norm import RMSNorm
 from tapllm.layers.rotary import RotaryEmbedding
 from tapllm.models.base import Attention, CausalLM, GatedMLP, KVCache, gate_up_fused, qkv_fused
+from tapllm.models.residual import Residual, add_norm
 from tapllm.tap import Tap
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: attention then MLP, each added to the residual stream."""
+    """Pre-norm block: attention then MLP, each added to the residual stream.
+
+    The block takes the residual as the previous block (or the embedding) left it, its end add
+    and taps still pending, and hands on its own likewise (:mod:`tapllm.models.residual`): each
+    norm does the add before it, so a block is one norm-and-add per half.
+    """
 
     def __init__(self, cfg: ModelConfig, attn: Attention, mlp: nn.Module) -> None:
         super().__init__()
@@ -31,18 +38,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, cfg.dtype)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, i: int, tap: Tap, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = tap("resid_pre", i, x)
-        a = tap("attn_out", i, self.self_attn(self.input_layernorm(x), cos_sin, kv, meta, tap, i))
-        if tap.steers("resid_mid", i):  # the norm must read the steered value
-            mid = tap("resid_mid", i, x + a)
-            h = self.post_attention_layernorm(mid)
-        else:  # one pass for the residual add and the norm (in place with the fused kernels)
-            mid, h = self.post_attention_layernorm.add_and_norm(x, a)
-            mid = tap("resid_mid", i, mid)
-        m = tap("mlp_out", i, self.mlp(h, tap, i))
-        return tap("resid_post", i, mid + m)
+    def forward(self, res: Residual, i: int, tap: Tap, cos_sin: tuple[torch.Tensor, torch.Tensor], kv: KVCache,
+                meta: AttentionMetadata) -> Residual:
+        x, h = add_norm(self.input_layernorm, tap, res, (("resid_pre", i),))
+        a = self.self_attn(h, cos_sin, kv, meta, tap, i)
+        mid, h = add_norm(self.post_attention_layernorm, tap, Residual(x, a, (("attn_out", i),)), (("resid_mid", i),))
+        m = self.mlp(h, tap, i)
+        return Residual(mid, m, (("mlp_out", i),), (("resid_post", i),))
 
 
 class LlamaForCausalLM(CausalLM):
@@ -50,6 +52,7 @@ class LlamaForCausalLM(CausalLM):
 
     attention_cls: type[Attention] = Attention
     stack_block = DecoderLayer  # untapped blocks of decode steps may run in C++ (models/stack.py)
+    fused_blocks = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)

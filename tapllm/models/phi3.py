@@ -31,6 +31,7 @@ class Phi3ForCausalLM(CausalLM):
     """Phi-3: pre-norm blocks, fused qkv and gate/up, SwiGLU, optional partial rotary and LongRoPE."""
 
     stack_block = DecoderLayer  # untapped blocks of decode steps may run in C++ (models/stack.py)
+    fused_blocks = True  # the Llama block hands on a Residual (models/residual.py)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)

@@ -23,6 +23,7 @@ import torch
 
 from tapllm.sae.features import DeviceSAEs, load_sae
 from tapllm.sae.model import SAE
+from tapllm.utils.checks import real
 
 SAE_STEER_OPS = ("add", "clamp", "set", "ablate")
 SAE_STEER_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
@@ -85,11 +86,10 @@ def _features(value: Any, op: str, d_sae: int) -> dict[int, float]:
             raise ValueError(f"steering.features: feature ids must be integers, got {k!r}") from None
         if not 0 <= fid < d_sae:
             raise ValueError(f"steering.features: feature {fid} is out of range for d_sae={d_sae}")
-        if isinstance(v, bool) or not isinstance(v, int | float) or not torch.isfinite(torch.tensor(float(v))):
-            raise ValueError(f"steering.features[{fid}] must be a finite number, got {v!r}")
+        v = real(f"steering.features[{fid}]", v)  # float32, as the latents are
         if fid in out:
             raise ValueError(f"steering.features names feature {fid} twice")
-        out[fid] = float(v)
+        out[fid] = v
     if not out:
         raise ValueError("steering.features is empty")
     return out

@@ -93,13 +93,15 @@ class AsyncEngine:
             aborted += 1
         self._active.clear()
         self._wake.set()
+        self.stats.requests_aborted += aborted
         return aborted
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[Update]:
         """Add a request prepared by the input processor and yield its updates until it finishes.
 
         Leaving the iteration early (client gone, task cancelled) aborts the request, which
-        frees its KV blocks and capture buffers.
+        frees its KV blocks and capture buffers, and counts it as aborted: whether or not the engine
+        had finished it, its client never got the result.
         """
         if self._closed is not None:
             yield failed(self._closed, "service_unavailable")
@@ -118,8 +120,10 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            if self._active.get(rid) is stream:
+            if self._active.get(rid) is stream:  # else abort_all ended (and counted) it
                 del self._active[rid]
+                if not finished:
+                    self.stats.requests_aborted += 1
             if not finished:
                 self._inbox.put(rid)
                 self._wake.set()
@@ -174,10 +178,8 @@ class AsyncEngine:
             self._publish(stream)
 
     def _abort(self, rid: str) -> None:
-        if self._streams.pop(rid, None) is not None:
+        if self._streams.pop(rid, None) is not None:  # (generate and abort_all count and log the abort)
             self.engine.abort(rid)
-            self.stats.requests_aborted += 1
-            logger.info("aborted request %s", rid)
 
     def _publish(self, stream: _Stream) -> None:
         """Push what the request produced since its last update (see ``Publisher.updates``)."""

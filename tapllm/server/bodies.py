@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -16,10 +17,12 @@ from tapllm.server.errors import APIError, encode
 from tapllm.server.fields import check_fields
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
+logger = logging.getLogger("tapllm")
 
 
-async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await ``work``; cancel it (aborting its requests) if the client goes away."""
+async def until_disconnect(request: Request, work: Awaitable[Any], what: str) -> Any:
+    """Await ``work``; cancel it (aborting its requests) if the client goes away, logged once at debug level
+    naming ``what`` (the requests it aborts)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -27,9 +30,19 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
             if done:
                 return task.result()
             if await request.is_disconnected():
+                logger.debug("the client of %s disconnected: aborted", what)
                 raise APIError(499, "client disconnected")
     finally:
-        task.cancel()
+        if not task.done():
+            task.cancel()
+            # A cancelled gather ends with a CancelledError *exception* that asyncio would log, with a
+            # traceback, as never retrieved: it is retrieved here.
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def json_response(build: Callable[[], dict[str, Any]]) -> Response:

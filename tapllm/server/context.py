@@ -42,7 +42,7 @@ class RouteContext:
         """All of a request's prompts; the first to fail ends the others (and the client leaving, all)."""
         tasks = [asyncio.ensure_future(self._result(r)) for r in reqs]
         try:
-            outputs = await until_disconnect(request, asyncio.gather(*tasks))
+            outputs = await until_disconnect(request, asyncio.gather(*tasks), ", ".join(r.request_id for r in reqs))
         finally:
             for t in tasks:
                 t.cancel()

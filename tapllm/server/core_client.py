@@ -138,7 +138,6 @@ class _Replica:
     pid: int
     sock: zmq.asyncio.Socket | None = None
     stats: EngineStats = field(default_factory=lambda: EngineStats(0, 0, 0.0, 0, 0, 0))
-    requests_aborted: int = 0
     step_errors: int = 0
 
 
@@ -196,18 +195,22 @@ class CoreClient:
         self._ctx.term()
 
     def abort_all(self, message: str) -> int:
-        """End every request in flight now with a 503 error and refuse later ones; how many were ended."""
+        """End every request in flight now with a 503 error and refuse later ones; how many were ended
+        (counted as aborted unless the core died: those failed)."""
         self._closed = message
         rids = list(self._queues)
         for rid in rids:
             self._queues.pop(rid).put_nowait(failed(message, "service_unavailable"))
             self._release(rid, abort=not self._dead)
+        if not self._dead:
+            self.stats.requests_aborted += len(rids)
         return len(rids)
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[Update]:
         """Send a request prepared by admission to a core and yield its updates until it finishes.
 
-        Leaving the iteration early (client gone, task cancelled) aborts it in the core.
+        Leaving the iteration early (client gone, task cancelled) aborts it in the core, and counts it as
+        aborted: whether or not the core had finished it, its client never got the result.
         """
         if self._closed is not None:
             yield failed(self._closed, "service_unavailable")
@@ -229,8 +232,10 @@ class CoreClient:
                 if finished:
                     return
         finally:
-            if self._queues.get(rid) is queue:
+            if self._queues.get(rid) is queue:  # else abort_all ended (and counted) it
                 del self._queues[rid]
+                if not finished and not self._dead:
+                    self.stats.requests_aborted += 1
             self._release(rid, abort=not finished and not self._dead)
 
     def _release(self, rid: str, abort: bool) -> None:
@@ -261,7 +266,7 @@ class CoreClient:
         if not isinstance(msg, ipc.Outputs):
             return
         r = self.replicas[replica]
-        r.stats, r.requests_aborted, r.step_errors = msg.stats, msg.requests_aborted, msg.step_errors
+        r.stats, r.step_errors = msg.stats, msg.step_errors
         self._sum_stats()
         if msg.observed is not None and self.observer is not None:
             self._observe(msg.observed)
@@ -271,8 +276,7 @@ class CoreClient:
             queue = self._queues.get(u.request_id)
             if queue is None:  # aborted here meanwhile
                 continue
-            if u.finished:
-                del self._queues[u.request_id]
+            if u.finished:  # its queue stays until its reader has taken this (or left: an abort)
                 self._release(u.request_id, abort=False)
             queue.put_nowait(Update(u.text, u.token_ids, logprobs, u.finished, output, u.error, u.error_type,
                                     u.index))
@@ -285,7 +289,6 @@ class CoreClient:
             sum(x.prefix_cache_hit_tokens for x in s), sum(x.prefix_cache_queried_tokens for x in s),
             sum(x.generated_tokens for x in s), sum(x.graph_steps for x in s),
             dict(sum((Counter(x.graph_fallbacks) for x in s), Counter())))
-        self.stats.requests_aborted = sum(r.requests_aborted for r in rs)
         self.stats.step_errors = sum(r.step_errors for r in rs)
 
     def _observe(self, observed: ipc.Observed) -> None:

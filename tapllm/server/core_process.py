@@ -75,7 +75,6 @@ class EngineCore:
         self.sock.bind(address)
         self.streams: dict[str, _Stream] = {}
         self.clients: set[bytes] = set()
-        self.requests_aborted = 0
         self.step_errors = 0
         self._stop = False
         self._last_sent = 0.0
@@ -139,10 +138,8 @@ class EngineCore:
             self._publish([stream])
 
     def _abort(self, rid: str) -> None:
-        if self.streams.pop(rid, None) is not None:
+        if self.streams.pop(rid, None) is not None:  # (the API server counts and logs the abort)
             self.engine.abort(rid)
-            self.requests_aborted += 1
-            logger.info("aborted request %s", rid)
 
     # ---- the step and messages out ----------------------------------------------------------
     def _step(self) -> None:
@@ -189,14 +186,14 @@ class EngineCore:
                 if heavy:
                     payload.append((u.logprobs, u.output))
             obs = observers.get(identity)
-            header = ipc.Outputs(msgs, stats, self.requests_aborted, self.step_errors,
+            header = ipc.Outputs(msgs, stats, self.step_errors,
                                   obs.observed if obs is not None else None)
             self._send(identity, header, payload or None)
 
     def _send_figures(self) -> None:
         stats = self.engine.stats()
         for identity in self.clients:
-            self._send(identity, ipc.Outputs([], stats, self.requests_aborted, self.step_errors))
+            self._send(identity, ipc.Outputs([], stats, self.step_errors))
 
     def _send(self, identity: bytes, header: Any, payload: Any = None) -> None:
         self._last_sent = time.monotonic()

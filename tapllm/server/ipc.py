@@ -94,7 +94,6 @@ class Outputs(msgspec.Struct, tag=True):
 
     updates: list[UpdateMsg]
     stats: EngineStats
-    requests_aborted: int
     step_errors: int
     observed: Observed | None = None
 

@@ -1,4 +1,5 @@
-"""Running the app under uvicorn: header-read timeout, connection limit, and a bounded shutdown.
+"""Running the app under uvicorn: header-read timeout, connection limits (in all and per client address),
+and a bounded shutdown.
 
 Shutdown, on SIGTERM or SIGINT:
 
@@ -17,10 +18,11 @@ import asyncio
 import logging
 import signal
 import socket
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, ClassVar
 
 import h11
 import uvicorn
@@ -31,6 +33,10 @@ logger = logging.getLogger("tapllm")
 # Seconds uvicorn waits past the abort for the last responses before it cancels their tasks.
 _ABORT_FLUSH_S = 3.0
 _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+_BUSY_BODY = (b'{"error": {"message": "too many connections from this address (--max-connections-per-client)", '
+              b'"type": "ServiceUnavailableError", "param": null, "code": 503}}')
+_BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: "
+                  + str(len(_BUSY_BODY)).encode() + b"\r\nConnection: close\r\n\r\n" + _BUSY_BODY)
 
 
 @dataclass
@@ -44,24 +50,57 @@ class Lifecycle:
     failed: str | None = None  # why the server is exiting on a failure
 
 
-class HeaderTimeoutH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection that has not sent a request's headers in time.
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header-read timeout and a limit of connections per client address.
 
-    The clock starts when the connection is made and again after each response (a kept-alive
-    connection waits for its next request). A connection whose request headers are still
-    incomplete when it runs out is closed (with a 408 if it had sent part of them), so
-    half-open connections cannot be held; requests in progress are not affected.
+    Header timeout: the clock starts when the connection is made and again after each response (a
+    kept-alive connection waits for its next request). A connection whose request headers are still
+    incomplete when it runs out is closed (with a 408 if it had sent part of them), so half-open
+    connections cannot be held; requests in progress are not affected.
+
+    Per-client limit: a connection from an address that already holds ``max_per_client`` is answered
+    503 and closed as it is made. It is counted here, when the connection is made, because that is
+    where a half-open connection starts to hold its place: uvicorn's ``limit_concurrency`` counts every
+    open connection towards one total (one client's half-open connections fill it for everyone), and
+    an ASGI middleware sees a request only once its headers are complete, which theirs never are.
     """
 
     header_timeout: float = 10.0
+    max_per_client: int | None = None
+    # Open connections by client address, and the addresses refused since they reached the limit (warned
+    # about once); one of each per server (``guarded_protocol`` makes the class).
+    per_client: ClassVar[Counter[str]] = Counter()
+    at_limit: ClassVar[set[str]] = set()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
         self._partial = False
+        self._peer: str | None = None
+        self._refused = False
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if isinstance(peer, tuple) and peer else None  # None on a Unix socket
+        if host is not None and self.max_per_client is not None:
+            if self.per_client[host] >= self.max_per_client:
+                self._refuse(transport, host)
+                return
+            self.per_client[host] += 1
+            self._peer = host
         super().connection_made(transport)
         self._arm_header_timer()
 
+    def _refuse(self, transport: asyncio.Transport, host: str) -> None:
+        """Answer 503 and close, before the connection counts anywhere (uvicorn never sees it)."""
+        self._refused = True
+        if host not in self.at_limit:  # once each time the address reaches its limit
+            self.at_limit.add(host)
+            logger.warning("%s holds %d connections (--max-connections-per-client): refusing more",
+                           host, self.max_per_client)
+        transport.write(_BUSY_RESPONSE)
+        transport.close()
+
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if self.conn.their_state is h11.IDLE:
             self._partial = True
         super().data_received(data)
@@ -73,7 +112,14 @@ class HeaderTimeoutH11Protocol(H11Protocol):
             self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused:
+            return
         self._cancel_header_timer()
+        if self._peer is not None:
+            self.per_client[self._peer] -= 1
+            if not self.per_client[self._peer]:
+                del self.per_client[self._peer]
+            self.at_limit.discard(self._peer)
         super().connection_lost(exc)
 
     def _arm_header_timer(self) -> None:
@@ -94,9 +140,12 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def protocol_with_header_timeout(seconds: float) -> type[HeaderTimeoutH11Protocol]:
-    """A ``HeaderTimeoutH11Protocol`` subclass with this timeout, for ``uvicorn.Config(http=...)``."""
-    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": float(seconds)})
+def guarded_protocol(header_timeout: float, max_per_client: int | None) -> type[GuardedH11Protocol]:
+    """A ``GuardedH11Protocol`` subclass with these limits and its own per-client table, for
+    ``uvicorn.Config(http=...)``."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {
+        "header_timeout": float(header_timeout), "max_per_client": max_per_client, "per_client": Counter(),
+        "at_limit": set()})
 
 
 class TapllmServer(uvicorn.Server):
@@ -165,7 +214,7 @@ class TapllmServer(uvicorn.Server):
 
 def run(app: Any, lifecycle: Lifecycle, *, host: str, port: int, log_level: str, shutdown_timeout: float,
         keep_alive_timeout: float, header_read_timeout: float, max_connections: int | None,
-        sock: socket.socket | None = None) -> int:
+        max_connections_per_client: int | None = None, sock: socket.socket | None = None) -> int:
     """Serve ``app`` until a signal stops it (0) or its engine dies (1); the exit status.
 
     ``sock``: a listening socket to accept on (shared by several API server processes) instead
@@ -173,7 +222,7 @@ def run(app: Any, lifecycle: Lifecycle, *, host: str, port: int, log_level: str,
     """
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
-        http=protocol_with_header_timeout(header_read_timeout),
+        http=guarded_protocol(header_read_timeout, max_connections_per_client),
         timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]  # uvicorn takes a float fine
         limit_concurrency=max_connections,
         # Our own abort comes at shutdown_timeout; uvicorn cancels what still hangs after that.

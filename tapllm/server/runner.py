@@ -60,6 +60,8 @@ class LoopStats:
     """What ``/metrics`` reads of the engine (its latest snapshot and the runner's counters)."""
 
     engine: EngineStats  # the engine's latest snapshot (``LLMEngine.stats``), replaced whole
+    # Requests whose client never got their result: it left before their final update (whether or not the
+    # engine had finished them), or the shutdown ended them. Counted on the event loop, where that is known.
     requests_aborted: int = 0
     step_errors: int = 0
 

@@ -21,8 +21,8 @@ from tapllm.tap import RowSpan, rows_tensor
 
 @dataclass(slots=True)
 class _AddRows:
-    """Add each ``(n, vector)`` of ``deltas`` to its run of ``n`` batch rows in ``rows``: every plain
-    addition at a point, merged into one ``index_add_``."""
+    """Add each ``(n, vector)`` of ``deltas`` to its run of ``n`` batch rows in ``rows`` in one
+    ``index_add_``; no row is listed twice (see :func:`_merged_adds`)."""
 
     rows: torch.Tensor
     deltas: list[tuple[int, torch.Tensor]]
@@ -77,8 +77,10 @@ class SteeringPlan:
 
     def __init__(self, spans: Sequence[tuple[RowSpan, RequestSteering]], device: torch.device) -> None:
         found: dict[tuple[str, int], list[SteerOp]] = {}
-        plain_adds: dict[tuple[str, int], list[tuple[int, int, torch.Tensor]]] = {}
+        # per point: (the add's rank among its request's plain adds there, first row, stop row, vector)
+        plain_adds: dict[tuple[str, int], list[tuple[int, int, int, torch.Tensor]]] = {}
         for span, steering in spans:
+            ranks: dict[tuple[str, int], int] = {}
             for s in steering.steers:
                 w = s.window(steering.num_prompt, span.start, span.num_tokens)
                 if w is None:
@@ -100,16 +102,33 @@ class SteeringPlan:
                     op = _Op(s.op, rows, s.index, payload, s.factor, s.value)
                     found.setdefault(key, []).append(op)
                     if s.op == "add" and s.index is None and isinstance(rows, slice):
-                        plain_adds.setdefault(key, []).append((rows.start, rows.stop, payload))
+                        rank = ranks[key] = ranks.get(key, -1) + 1
+                        plain_adds.setdefault(key, []).append((rank, rows.start, rows.stop, payload))
         self.ops: dict[tuple[str, int], list[SteerOp]] = {}
         for key, ops in found.items():
             adds = plain_adds.get(key, [])
             if len(ops) > 1 and len(adds) == len(ops):
-                # Plain additions commute: one index_add_ for every steered row at this point.
-                rows = torch.cat([torch.arange(r0, r1, device=device) for r0, r1, _ in adds])
-                self.ops[key] = [_AddRows(rows, [(r1 - r0, v) for r0, r1, v in adds])]
+                self.ops[key] = _merged_adds(adds, device)
             else:
                 self.ops[key] = list(ops)
 
     def __bool__(self) -> bool:
         return bool(self.ops)
+
+
+def _merged_adds(adds: Sequence[tuple[int, int, int, torch.Tensor]], device: torch.device) -> list[_AddRows]:
+    """The plain additions at one point, ``(rank, first row, stop row, vector)``, as few ``index_add_``
+    calls as keep each row's arithmetic that of the request alone: call ``k`` adds every request's
+    ``k``-th addition there.
+
+    Requests own disjoint rows, so their additions commute; one request's do not in a low-precision
+    dtype. Each ``x + v`` rounds to the model's dtype in the order the request listed its steers,
+    as the unmerged operation and the graph step's tap do, whatever else the step holds. (On the CPU
+    ``index_add_`` sums a row listed twice in float32 and rounds once, on CUDA in any order.)
+    """
+    calls = []
+    for rank in range(max(a[0] for a in adds) + 1):
+        part = [(r0, r1, v) for k, r0, r1, v in adds if k == rank]
+        rows = torch.cat([torch.arange(r0, r1, device=device) for r0, r1, _ in part])
+        calls.append(_AddRows(rows, [(r1 - r0, v) for r0, r1, v in part]))
+    return calls

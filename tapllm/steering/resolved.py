@@ -10,6 +10,7 @@ import torch
 
 from tapllm.steering.spec import HEAD_STEER_POINTS, Steer
 from tapllm.tap import resolve_indices, resolve_layers
+from tapllm.utils.checks import real
 
 if TYPE_CHECKING:
     from tapllm.sae.features import DeviceSAEs
@@ -129,8 +130,10 @@ def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int,
                                                 ).to(dtype)
                 else:
                     payload[block] = (v / v.norm(dim=-1, keepdim=True)).to(torch.float32)
-        elif not abs(s.scale) <= torch.finfo(dtype).max:
-            raise ValueError(f"{where}.scale {s.scale:g} overflows the model's {dtype}")
+        else:
+            real(f"{where}.scale", s.scale, dtype)  # what the state is multiplied by, in the model's dtype
+        if s.op == "clamp":
+            real(f"{where}.value", s.value, dtype)  # the component the state is given, in the model's dtype
         out.append(ResolvedSteer(s.point, s.op, blocks, payload, s.positions,
                                  torch.tensor(index) if index is not None else None,
                                  factor=float(s.scale), value=float(s.value)))

@@ -15,7 +15,6 @@ Several steers of a request compose in order.
 from __future__ import annotations
 
 import hashlib
-import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from tapllm.tap.points import HEAD_STEER_POINTS, STEER_POINTS
+from tapllm.utils.checks import as_wide_tensor, check_values, real
 from tapllm.utils.options import from_mapping
 
 OPS = ("add", "ablate", "clamp", "scale", "set")
@@ -88,10 +88,8 @@ class Steer:
             raise ValueError(f"steering.point: unknown point {self.point!r}; choose from {list(STEER_POINTS)}")
         if self.op not in OPS:
             raise ValueError(f"steering.op must be one of {list(OPS)}, got {self.op!r}")
-        for name in ("scale", "value"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise ValueError(f"steering.{name} must be a finite number, got {v!r}")
+        for name in ("scale", "value"):  # float32 at least: the engine's steering arithmetic
+            setattr(self, name, real(f"steering.{name}", getattr(self, name)))
         self.positions = _positions(self.positions)
         self.heads = _indices(self.heads, "heads")
         self.neurons = _indices(self.neurons, "neurons")
@@ -170,6 +168,7 @@ class Steer:
             rows = torch.tensor([have.index(p) for p in self.positions])
             cols = torch.tensor([hs.layers.index(x) for x in self.layers])
             self.values = hs[self.point].index_select(0, rows).index_select(1, cols).float().contiguous()
+            check_values(self.values, "steering.values")
         else:
             if self.layers is None:
                 raise ValueError("steering.layers is required")
@@ -177,16 +176,15 @@ class Steer:
             if isinstance(self.positions, str):
                 raise ValueError("steering.positions must list the absolute positions the values are for")
             try:
-                t = self.values if isinstance(self.values, torch.Tensor) else torch.as_tensor(self.values)
+                t = as_wide_tensor(self.values)
             except (TypeError, ValueError, RuntimeError):
                 raise ValueError("steering.values must be a tensor of numbers or a HiddenStates") from None
+            check_values(t, "steering.values")
             t = t.detach().to("cpu", torch.float32)
             if t.dim() < 2 or t.shape[0] != len(self.positions):
                 raise ValueError(f"steering.values must be [len(positions)={len(self.positions)}, ...], "
                                  f"got shape {tuple(t.shape)}")
             self.values = t.contiguous()
-        if not torch.isfinite(self.values).all():
-            raise ValueError("steering.values holds NaN or infinite values")
 
     def vector_for(self, layer: int) -> torch.Tensor:
         """The vector applied at ``layer`` (as given in ``layers``)."""
@@ -301,15 +299,13 @@ def _vector(value: Any, field: str) -> torch.Tensor:
 
         value = tensor_from_wire(dict(value), field)
     try:
-        t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        t = as_wide_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{field} must be a 1-D vector of numbers") from None
     if t.dim() not in (1, 2) or t.numel() == 0:
         raise ValueError(f"{field} must be a [width] vector (or [heads, head_dim]), got shape {tuple(t.shape)}")
-    t = t.detach().to("cpu", torch.float32).contiguous()
-    if not torch.isfinite(t).all():
-        raise ValueError(f"{field} holds NaN or infinite values")
-    return t
+    check_values(t, field)
+    return t.detach().to("cpu", torch.float32).contiguous()
 
 
 def _read_gguf(path: Path) -> dict[int, torch.Tensor]:

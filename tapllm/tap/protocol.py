@@ -11,7 +11,9 @@ tap only when it does not (e.g. a residual add fused with the next norm), and
 ``tap.touches(layer)`` whether it does anything at all in block ``layer`` (blocks it leaves
 alone may run as fused code that calls no tap). The engine's tap
 (``tapllm.engine.step_tap.StepTap``) steers and records the rows of the requests that asked;
-:data:`no_tap` is used when none did.
+:data:`no_tap` is used when none did. A graph step's tap is also a
+:class:`~tapllm.tap.fused.FusingTap`: kernels that compute a point's tensor may apply its sites
+themselves, and the model then does not call the tap there.
 """
 
 from __future__ import annotations

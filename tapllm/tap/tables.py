@@ -225,6 +225,7 @@ class TapTables:
     # ---- per step ----------------------------------------------------------------------------
     def prologue(self, row_slot: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor) -> None:
         """Each row's place in ``cap_out`` (``row_base``; device ops only, graph-safe): see the module docstring.
+        A graph step computes the same in one kernel (``tapllm.kernels.triton_tap.prologue``).
 
         ``last_rows`` ``[T]`` is nonzero on the last row of each request's chunk."""
         t = row_slot.shape[0]

@@ -87,6 +87,7 @@ class Responder:
 
         tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
         finals: list[RequestOutput] = []
+        ended = False  # the stream's last event was written (else the client left first)
         try:
             if fmt.chat:
                 for j in range(body.n):
@@ -101,9 +102,11 @@ class Responder:
                 if isinstance(u, BaseException):
                     logger.error("stream %s failed: %s: %s", head["id"], type(u).__name__, u)
                     yield sse_error(f"internal error: {type(u).__name__}: {u}", "server_error")
+                    ended = True
                     return
                 if u.error:
                     yield sse_error(u.error, u.error_type or "server_error")
+                    ended = True
                     return
                 if u.finished:
                     out = u.output
@@ -132,8 +135,11 @@ class Responder:
             if body.include_usage():
                 yield sse({**head, "choices": [], "usage": formatting.usage(finals)})
             yield formatting.DONE
+            ended = True
             self.ctx.count_tokens(finals)
         finally:
+            if not ended:
+                logger.debug("the client of stream %s disconnected: aborted", head["id"])
             for t in tasks:  # client gone or done: cancelling a pump aborts its engine request
                 t.cancel()
 
