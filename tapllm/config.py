@@ -265,9 +265,10 @@ class EngineConfig:
             quantization error like every other point. False keeps it in ``dtype``.
         batch_invariant: every request's tokens, logprobs and states bitwise the same whatever else
             shares its steps, however its prompt is chunked, with or without prefix-cache hits and
-            preemption (each row's sums in one fixed order: the packed GEMV at every size, decode rows
-            in the prefill kernel's order; see docs/generation.md). CPU only (backend ``"cpu"`` or
-            ``"eager"``); not with ``quantization``. Off by default: it costs throughput.
+            preemption (each row's sums in one fixed order: on the CPU the packed GEMV at every size,
+            decode rows in the prefill kernel's order; on the CUDA backend Triton GEMMs of fixed tiles and
+            decode rows through the prefill kernel; see docs/generation.md). Not with PyTorch's own step
+            on a GPU (``"eager"``), nor with ``quantization``. Off by default: it costs throughput.
         quantize_activations: with a ``quantization``, round the inputs of the quantized linears
             to int8 per run of 32 values too (llama.cpp's scheme for its Q4/Q8 files): integer dot
             products, faster at decode batch sizes, at the cost of that rounding in every state

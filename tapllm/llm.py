@@ -40,7 +40,8 @@ class LLM:
     ``TypeError``. Or pass a whole ``config=EngineConfig(...)``.
 
     ``batch_invariant=True`` makes every request's tokens, logprobs and states bitwise the same whatever
-    else shares its steps and however its prompt is chunked (CPU only; see docs/generation.md).
+    else shares its steps and however its prompt is chunked (on the CPU, or on the CUDA backend's Triton
+    kernels; see docs/generation.md).
 
     A request that fails alone while running (its reducer plugin raised, its steering made
     the logits non-finite) comes back with ``finish_reason="error"`` and the message in

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import TINY, random_prompts, save_tiny_model
-from helpers import greedy
+from helpers import greedy, same_alone_and_together
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
 
 NEW = 6
@@ -69,32 +69,6 @@ def _requests(hidden: int, head_dim: int, inter: int) -> list[tuple[list[int], S
     return list(zip(prompts, params, strict=True))
 
 
-def _same_states(a, b, what: str) -> None:
-    if a is None or b is None:
-        assert a is None and b is None, what
-        return
-    assert a.points == b.points and a.layers == b.layers, what
-    assert torch.equal(torch.as_tensor(a.positions), torch.as_tensor(b.positions)), what
-    for point in a.points:
-        assert a[point].dtype == b[point].dtype and torch.equal(a[point], b[point]), f"{what}: {point} differs"
-    if a.lens is not None:
-        for point in a.lens:
-            la, lb = a.lens[point], b.lens[point]
-            assert torch.equal(la.token_ids, lb.token_ids) and torch.equal(la.logprobs, lb.logprobs), what
-
-
-def _same(alone, together, what: str) -> None:
-    assert alone.error is None and together.error is None, (alone.error, together.error)
-    assert alone.prompt_logprobs == together.prompt_logprobs, f"{what}: prompt logprobs"
-    _same_states(alone.hidden_states, together.hidden_states, what)
-    assert len(alone.outputs) == len(together.outputs)
-    for i, (a, b) in enumerate(zip(alone.outputs, together.outputs)):
-        assert a.token_ids == b.token_ids, f"{what}, sample {i}: tokens"
-        assert a.logprobs == b.logprobs, f"{what}, sample {i}: logprobs"
-        assert a.cumulative_logprob == b.cumulative_logprob, f"{what}, sample {i}"
-        _same_states(a.hidden_states, b.hidden_states, f"{what}, sample {i}")
-
-
 @pytest.fixture(scope="module")
 def wide_head_model(tmp_path_factory, default_model_folder):
     """A tiny Llama with 64-dim heads: the bfloat16 attention's dot-product kernels take it."""
@@ -124,7 +98,7 @@ def test_a_request_is_the_same_alone_and_in_any_batch(model, dtype, backend, tin
     assert sum(o.metrics["num_preemptions"] for o in together) > 0
     assert sum(o.metrics["num_cached_tokens"] for o in together) > 0
     for i, (a, b) in enumerate(zip(alone, together, strict=True)):
-        _same(a, b, f"request {i}")
+        same_alone_and_together(a, b, f"request {i}")
 
 
 def test_fused_and_eager_paths_take_the_invariant_kernels(tiny_models):
@@ -144,5 +118,7 @@ def test_refusals_name_the_field():
         EngineConfig(batch_invariant="yes").validate()
     with pytest.raises(ValueError, match="batch_invariant=True cannot be combined with quantization='int8'"):
         EngineConfig(batch_invariant=True, quantization="int8").validate()
-    with pytest.raises(ValueError, match="batch_invariant=True is available on the CPU only.*backend='cuda'"):
-        select_backend(torch.device("cpu"), torch.float32, backend="cuda", batch_invariant=True)
+    for backend, eager in (("eager", False), ("auto", True)):  # PyTorch's own step on a GPU
+        with pytest.raises(ValueError, match="batch_invariant=True needs the CPU or the CUDA backend's Triton kernels"):
+            select_backend(torch.device("cuda"), torch.float32, backend=backend, enforce_eager=eager,
+                           batch_invariant=True)

@@ -4,7 +4,7 @@ A backend (see :mod:`tapllm.backends`) hands each module the ops of its family, 
 in which case the module runs its plain PyTorch code (the reference). The protocols below
 say exactly which calls a module may make; the CPU backend satisfies them with the C++ ops
 of ``tapllm.kernels`` (``torch.ops.tapllm_<isa>``), the CUDA backend its elementwise ops and
-attention with Triton kernels.
+attention with Triton kernels (and, for ``batch_invariant``, its linears).
 """
 
 from __future__ import annotations
@@ -65,6 +65,13 @@ class AttentionOps(Protocol):
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor, tables: torch.Tensor,
                           scale: float, window: int, softcap: float, max_len: int) -> torch.Tensor: ...
+
+
+class LinearOps(Protocol):
+    """Linears whose every row's result is independent of the step's other rows (batch_invariant on CUDA:
+    :func:`tapllm.kernels.triton_linear.invariant_linear`); ``F.linear``'s contract."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class GemvOps(Protocol):

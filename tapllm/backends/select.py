@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tapllm.backends.ops import AttentionOps, CpuAttention, ElementwiseOps, GemvOps, QuantOps, StackOps
+from tapllm.backends.ops import AttentionOps, CpuAttention, ElementwiseOps, GemvOps, LinearOps, QuantOps, StackOps
 from tapllm.backends.policy import GraphSizes
 
 BACKENDS = ("auto", "eager", "cpu", "cuda")
@@ -30,6 +30,7 @@ class Backend:
     quant: QuantOps | None = None
     gemv: GemvOps | None = None  # linears of at most ``gemv_rows`` rows (CPU, packed weights)
     gemv_rows: int = 0
+    linear: LinearOps | None = None  # every linear, each row independent of the step (batch_invariant on CUDA)
     stack: StackOps | None = None  # untapped blocks of decode steps in one call
     graphs: GraphSizes | None = None  # the buckets of whole steps replayed from CUDA graphs (None: none)
     graphs_emulated: bool = False  # the CUDA backend on a CPU: a graph's body runs each step, nothing is captured
@@ -40,7 +41,8 @@ class Backend:
     @property
     def fused(self) -> bool:
         """True when any op family runs compiled code."""
-        return any(x is not None for x in (self.elementwise, self.attention, self.quant, self.gemv, self.stack))
+        return any(x is not None for x in (self.elementwise, self.attention, self.quant, self.gemv, self.linear,
+                                           self.stack))
 
     def describe(self) -> str:
         """A few lines for the start-up log and ``LLM.describe()``."""
@@ -62,6 +64,9 @@ class Backend:
         """How ``batch_invariant`` is kept, or "off"."""
         if not self.batch_invariant:
             return "off"
+        if self.linear is not None:
+            return ("on: linears in a Triton GEMM of fixed tiles (no split over the inputs); decode rows as "
+                    "one-token chunks of the Triton prefill kernel, every key tile masked")
         if self.attention is not None:
             linears = f"the packed GEMV at every size{'' if self.gemv is not None else ' (else one row per call)'}"
             return f"on: {linears}; decode rows in the prefill kernel's order (row_attention)"
@@ -91,15 +96,13 @@ def select_backend(device: torch.device, dtype: torch.dtype, *, enforce_eager: b
     Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported) and its
     graphs emulated, which is how the tests and ``benchmarks/step_budget.py`` check that path without
     a GPU. ``graphs``: the buckets of CUDA graphs (None: no graphs). ``batch_invariant``: only kernels
-    whose every row's result is independent of the rest of the step (``ValueError`` on CUDA, which
-    has none).
+    whose every row's result is independent of the rest of the step (``ValueError`` where there are
+    none: PyTorch's own step on a GPU, or invariant kernels that fail their trial).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    if batch_invariant and (device.type != "cpu" or backend == "cuda"):
-        where = f"backend={backend!r} on {device.type}"
-        raise ValueError(f"batch_invariant=True is available on the CPU only (backend 'cpu' or 'eager'), not with "
-                         f"{where}: cuBLAS GEMMs and the Triton attention's splits depend on the batch")
+    if batch_invariant:
+        _check_invariant_path(device, backend, enforce_eager)
     prepack = prepack_available(device, dtype)
     if enforce_eager or backend == "eager":
         why = "enforce_eager=True" if enforce_eager else "backend='eager'"
@@ -109,10 +112,22 @@ def select_backend(device: torch.device, dtype: torch.dtype, *, enforce_eager: b
         return Backend("eager", device, prepack=prepack, batch_invariant=batch_invariant,
                        notes=("TAPLLM_KERNELS=0: the plain PyTorch step",))
     if backend == "cuda" or (backend == "auto" and device.type == "cuda"):
-        return _cuda(device, dtype, graphs)
+        return _cuda(device, dtype, graphs, batch_invariant)
     if device.type == "cpu":
         return _cpu(device, dtype, batch_invariant)
     return Backend("eager", device, notes=(f"no compiled ops for {device.type}",))
+
+
+def _check_invariant_path(device: torch.device, backend: str, enforce_eager: bool) -> None:
+    """``ValueError`` where ``batch_invariant`` has no kernels: on a GPU only the CUDA backend's Triton kernels
+    keep it (PyTorch's CUDA reductions and cuBLAS GEMMs choose their split from the batch)."""
+    if device.type == "cpu":
+        return
+    eager = enforce_eager or backend in ("eager", "cpu") or os.environ.get("TAPLLM_KERNELS", "1") == "0"
+    if device.type != "cuda" or eager:
+        where = f"backend={backend!r}{', enforce_eager=True' if enforce_eager else ''} on {device.type}"
+        raise ValueError(f"batch_invariant=True needs the CPU or the CUDA backend's Triton kernels, not {where}: "
+                         f"PyTorch's GPU reductions and cuBLAS GEMMs split their sums by the batch")
 
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -152,7 +167,7 @@ def _cpu(device: torch.device, dtype: torch.dtype, invariant: bool) -> Backend:
                    batch_invariant=invariant, notes=notes)
 
 
-def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None) -> Backend:
+def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None, invariant: bool = False) -> Backend:
     from tapllm.backends.cuda import TritonAttention, TritonElementwise, elementwise_trial, trial
 
     emulated = device.type == "cpu"
@@ -161,11 +176,25 @@ def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None) -
         if emulated:
             raise ValueError(f"backend='cuda' on a CPU needs Triton's interpreter (TRITON_INTERPRET=1 before "
                              f"triton is first imported): {problem}")
+        _refuse_invariant(invariant, f"the Triton attention is off ({problem})")
         return Backend("eager", device, notes=(f"Triton attention off ({problem}): the plain PyTorch step",))
     problem = elementwise_trial(device, dtype)
     if problem is not None:
+        _refuse_invariant(invariant, f"the Triton norms are off ({problem})")
         notes = (f"Triton elementwise ops off ({problem}): PyTorch norms, rotary and activations",)
         return Backend("cuda", device, attention=TritonAttention(), graphs=graphs, graphs_emulated=emulated,
                        notes=notes)
-    return Backend("cuda", device, elementwise=TritonElementwise(), attention=TritonAttention(), graphs=graphs,
-                   graphs_emulated=emulated)
+    linear = None
+    if invariant:
+        from tapllm.backends.cuda_invariant import TritonLinear, invariant_trial
+
+        _refuse_invariant(True, invariant_trial(device, dtype))
+        linear = TritonLinear()
+    return Backend("cuda", device, elementwise=TritonElementwise(), attention=TritonAttention(invariant),
+                   linear=linear, graphs=graphs, graphs_emulated=emulated, batch_invariant=invariant)
+
+
+def _refuse_invariant(invariant: bool, problem: str | None) -> None:
+    """``ValueError`` when ``batch_invariant`` is asked for and the CUDA backend cannot keep it (``problem``)."""
+    if invariant and problem is not None:
+        raise ValueError(f"batch_invariant=True cannot be kept on the CUDA backend here: {problem}")

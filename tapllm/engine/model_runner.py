@@ -75,6 +75,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, com
 
 
 def _linear_path(backend: Backend, dtype: torch.dtype) -> str:
+    if backend.linear is not None:
+        return "the batch-invariant Triton GEMM"
     if backend.prepack:
         return "prepacked for oneDNN"
     if backend.device.type != "cpu" or backend.name == "cuda":

@@ -229,7 +229,8 @@ def graph_samples(req: Request) -> bool:
 def top_in_id_order(lp: torch.Tensor, k: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(lp, k)`` of rows ``[m, vocab]`` with ties ordered by token id: the k largest in the
     order (value descending, id ascending), so the first j of them are the top j for any j <= k.
-    Reads the number of chosen entries on the host (the invariant mode runs on the CPU)."""
+    Sizes its result from a device value (``nonzero``: a sync on a GPU); logprobs are sampled outside
+    CUDA graphs, so no graph holds it."""
     assert dim in (-1, lp.dim() - 1)
     kth = torch.topk(lp, k, dim=-1).values[:, -1:]
     above, tied = lp > kth, lp == kth

@@ -207,13 +207,24 @@ def _ordinary(t: torch.Tensor | None) -> torch.Tensor | None:
         return t.clone()
 
 
+_PROJECT_BLOCK = 64  # rows a row-exact projection computes at once (padded): one shape for every call
+
+
 def project(rows: torch.Tensor, directions: torch.Tensor, row_exact: bool) -> torch.Tensor:
     """``rows [..., hidden]`` (float32) times ``directions [k, hidden]`` transposed: ``[..., k]``.
 
-    ``row_exact``: one direction at a time, as a product and a sum over ``hidden`` per row, so that a
-    row's result does not depend on how many rows came with it (a GEMM's does); costs ``k`` passes.
+    ``row_exact``: a row's result does not depend on how many rows came with it (a GEMM's does, and so
+    does a reduction whose split a library picks from the number of rows, as PyTorch's GPU one does):
+    rows go in zero-padded blocks of 64, one direction at a time as a product and a sum over
+    ``hidden``, so every reduction has the same shape whatever the step; costs ``k`` passes per block.
     """
     x = rows.float()
     if not row_exact:
         return x @ directions.T
-    return torch.stack([(x * d).sum(-1) for d in directions.float()], dim=-1)
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    padded = torch.nn.functional.pad(flat, (0, 0, 0, -n % _PROJECT_BLOCK))
+    out = [torch.stack([(block * d).sum(-1) for d in directions.float()], dim=-1)
+           for block in padded.split(_PROJECT_BLOCK)]
+    done = torch.cat(out) if out else padded.new_zeros(0, directions.shape[0])
+    return done[:n].reshape(*x.shape[:-1], directions.shape[0])

@@ -11,7 +11,8 @@ bf16 packing needs AVX512-BW/VL/DQ or AVX-NE-CONVERT); everywhere else the layer
 steps of at most ``Backend.gemv_rows`` rows read the packed weight in place with tapllm's GEMV
 (``tapllm.kernels.gemv``). With ``batch_invariant`` every step takes that GEMV, whose row results do
 not depend on the step's other rows; where it cannot run, each row is its own one-row call
-(:func:`rowwise`).
+(:func:`rowwise`). On the CUDA backend ``batch_invariant`` hands every layer the backend's invariant
+linear instead (``Backend.linear``: a Triton GEMM of fixed tiles, :meth:`Linear.use_linear`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapllm.backends.ops import GemvOps
+from tapllm.backends.ops import GemvOps, LinearOps
 
 
 class Linear(nn.Module):
@@ -41,6 +42,7 @@ class Linear(nn.Module):
         self.gemv_rows = 0
         self.ops: GemvOps | None = None
         self.invariant = False  # batch_invariant: row results independent of the step's other rows
+        self.linear_ops: LinearOps | None = None  # the backend's invariant linear (CUDA), used for every step
 
     def pack(self) -> None:
         """Replace the weight by a oneDNN-packed copy (call after loading, when available)."""
@@ -63,7 +65,13 @@ class Linear(nn.Module):
         self.gemv = view
         self.gemv_rows = rows if view is not None else 0
 
+    def use_linear(self, ops: LinearOps | None) -> None:
+        """Compute every step with ``ops`` (the backend's batch-invariant linear); None: the other paths."""
+        self.linear_ops = ops if ops is not None and self.packed is None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.linear_ops is not None:
+            return self.linear_ops.linear(x, self.weight, self.bias)
         gemv = self.gemv is not None and x.dim() == 2 and x.dtype == self.gemv.dtype
         if gemv and (self.invariant or x.shape[0] <= self.gemv_rows):
             return self.ops.packed_linear(x, self.gemv, self.bias)

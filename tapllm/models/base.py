@@ -308,6 +308,8 @@ class CausalLM(nn.Module):
         """Logits [N, vocab] (model dtype) for the given final hidden rows."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden)
+        elif self.backend is not None and self.backend.linear is not None:
+            logits = self.backend.linear.linear(hidden, self.embed_tokens.weight, None)
         elif self.backend is not None and self.backend.batch_invariant:
             logits = rowwise(lambda x: F.linear(x, self.embed_tokens.weight), hidden)
         else:
@@ -332,13 +334,18 @@ class CausalLM(nn.Module):
                 if isinstance(module, Attention):
                     module.fused_kv_write = module.ops is not None and hasattr(module.ops, "rotary_kv_write")
                     module.opts = replace(module.opts, invariant=invariant)
+                if isinstance(module, RMSNorm):
+                    module.invariant = invariant
+                # batch_invariant: a row's norm must not change kernel with whether another request taps the step
                 site_op = next(name for kind, name in _SITE_OPS if isinstance(module, kind))
-                module.fused_sites = self.fused_blocks and module.ops is not None and hasattr(module.ops, site_op)
+                module.fused_sites = (self.fused_blocks and module.ops is not None and hasattr(module.ops, site_op)
+                                      and not invariant)
             elif isinstance(module, QuantLinear | QuantEmbedding):
                 module.ops = backend.quant if backend is not None else None
             elif isinstance(module, Linear):
                 module.use_gemv(backend.gemv if backend is not None else None,
                                 backend.gemv_rows if backend is not None else 0, invariant)
+                module.use_linear(backend.linear if backend is not None else None)
         self.backend = backend
         self.stack = DecoderStack.maybe(backend.stack if backend is not None else None, self.layers,
                                         self.stack_block, Attention, GatedMLP, invariant)
