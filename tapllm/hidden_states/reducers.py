@@ -81,23 +81,27 @@ class SumReducer(_Fold):
 
     def start(self, num_layers: int, width: int, device: torch.device) -> None:
         super().start(num_layers, width, device)
-        self.pending: list[torch.Tensor] = []  # rows of the block being filled
+        # The block being filled, copied: a step's rows may be views of buffers the next step reuses
+        # (a CUDA graph's outputs), so none is kept past ``update``.
+        self.block: torch.Tensor | None = None
         self.pending_rows = 0
 
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
         i = 0
         while i < rows.shape[0]:
+            if self.block is None:
+                self.block = rows.new_empty((_SUM_BLOCK, *rows.shape[1:]))
             take = min(_SUM_BLOCK - self.pending_rows, rows.shape[0] - i)
-            self.pending.append(rows[i : i + take])
+            self.block[self.pending_rows : self.pending_rows + take].copy_(rows[i : i + take])
             self.pending_rows += take
             i += take
             if self.pending_rows == _SUM_BLOCK:
                 self._fold()
 
     def _fold(self) -> None:
-        s = torch.cat(self.pending).sum(0)  # a fresh block of one shape: its sum does not depend on the chunks
+        s = self.block[: self.pending_rows].sum(0)  # one block of one shape: its sum does not depend on the chunks
         self.acc = s if self.acc is None else self.acc.add_(s)
-        self.pending, self.pending_rows = [], 0
+        self.pending_rows = 0
 
     def finish(self) -> torch.Tensor:
         if self.pending_rows:
