@@ -118,6 +118,8 @@ def test_refusals_name_the_field():
         EngineConfig(batch_invariant="yes").validate()
     with pytest.raises(ValueError, match="batch_invariant=True cannot be combined with quantization='int8'"):
         EngineConfig(batch_invariant=True, quantization="int8").validate()
+    with pytest.raises(ValueError, match="batch_invariant=True cannot be combined with tensor_parallel_size > 1"):
+        EngineConfig(batch_invariant=True, tensor_parallel_size=2).validate()
     for backend, eager in (("eager", False), ("auto", True)):  # PyTorch's own step on a GPU
         with pytest.raises(ValueError, match="batch_invariant=True needs the CPU or the CUDA backend's Triton kernels"):
             select_backend(torch.device("cuda"), torch.float32, backend=backend, enforce_eager=eager,
