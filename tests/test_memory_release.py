@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import mmap
+import os
+import platform
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +131,71 @@ def test_onednn_caches_are_bounded_unless_the_environment_says_otherwise(monkeyp
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "500")
     assert bound_onednn_caches() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "500",
                                      "LRU_CACHE_CAPACITY": str(ONEDNN_CACHE_ENTRIES)}
+
+
+def test_release_with_collect_frees_what_only_a_cycle_holds():
+    import gc
+    import weakref
+
+    from tapllm.utils.platform import release_free_memory
+
+    class Holder:
+        pass
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # an idle process allocates nothing that would start a full collection
+    try:
+        h = Holder()
+        h.buffer = bytearray(8 << 20)
+        h.itself = h
+        alive = weakref.ref(h)
+        del h
+        release_free_memory()
+        assert alive() is not None, "a trim alone leaves the cycle and its buffer"
+        release_free_memory(collect=True)
+        assert alive() is None
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+_API_ALLOCATOR_SCRIPT = r"""
+import ctypes, sys
+from tapllm.utils.platform import tune_api_allocator
+
+def rss_kb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+
+tuned = tune_api_allocator() if sys.argv[1] == "tuned" else False
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+first = libc.malloc(16 << 20)  # glibc's threshold then rises to its size, unless it is fixed
+ctypes.memset(first, 1, 16 << 20)
+libc.free(first)
+base = rss_kb()
+big, pins = [], []
+for _ in range(8):  # 8 MiB buffers, each followed by a live block (too large for the heap's free lists)
+    p = libc.malloc(8 << 20)
+    ctypes.memset(p, 1, 8 << 20)
+    big.append(p)
+    pins.append(libc.malloc(1 << 20))
+for p in big:
+    libc.free(p)
+print(tuned, (rss_kb() - base) // 1024)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+@pytest.mark.parametrize("mode", ["tuned", "default"])
+def test_api_allocator_hands_large_buffers_back_when_freed(mode):
+    out = subprocess.run([sys.executable, "-c", _API_ALLOCATOR_SCRIPT, mode], capture_output=True, text=True,
+                         check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    tuned, kept_mib = out.stdout.split()
+    if mode == "tuned":
+        assert tuned == "True" and int(kept_mib) < 8, out.stdout
+    else:  # glibc's dynamic threshold puts them on the heap, where the blocks after them pin them
+        assert int(kept_mib) >= 48, out.stdout

@@ -214,6 +214,17 @@ def test_router_prefers_the_prefix_holder_unless_it_is_much_busier():
     assert before[-2][0] <= before[-2][1] + 2 or before[-2][0] <= 2 * before[-2][1]
 
 
+def test_router_of_one_replica_keeps_no_prefix_table():
+    from tapllm.server.router import PrefixRouter
+
+    router = PrefixRouter(1, block_size=4)
+    assert [router.choose(list(range(i, i + 40))) for i in range(5)] == [0] * 5
+    only = router.replicas[0]
+    assert (only.in_flight, only.routed, only.affinity_routed, len(only.blocks)) == (5, 5, 0, 0)
+    router.done(0)
+    assert only.in_flight == 4
+
+
 # Imported first in every process of the server (PYTHONPATH): counts InputProcessor.prepare calls,
 # one line "pid request_id" each, in the file named by $TAPLLM_PREPARE_LOG.
 _COUNTING_SITECUSTOMIZE = '''

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -189,20 +190,27 @@ def _api_server(sock: Any, addresses: list[str], pids: list[int], args: argparse
 
 def _serve_app(args: argparse.Namespace, engine: Any, name: str, api_key: str | None, sock: Any = None) -> int:
     """Serve ``engine`` (an ``LLMEngine``, or a ``CoreClient`` of an engine-core process) until a signal."""
+    from tapllm.engine.llm_engine import LLMEngine
     from tapllm.server import create_app, launcher
+    from tapllm.utils.platform import tune_api_allocator
 
+    if not isinstance(engine, LLMEngine):  # the engine steps in another process: large buffers go back when freed
+        tune_api_allocator()
     lifecycle = launcher.Lifecycle()
     app = create_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
                      max_prompts_per_request=args.max_prompts_per_request, body_read_timeout=args.body_read_timeout,
                      lifecycle=lifecycle)
-    from tapllm.engine.llm_engine import LLMEngine
-
     cfg = engine.config if isinstance(engine, LLMEngine) else engine.engine.config
     logging.getLogger("tapllm").info(
         "serving %s on http://%s:%d (hidden states %s, steering %s, API key %s)", name, args.host, args.port,
         "on" if cfg.enable_hidden_states else "off", "on" if cfg.enable_steering else "off",
         "required" if api_key else "not required",
     )
+    # What start-up made (torch's modules, the tokenizer, the app) lives as long as the server: frozen
+    # out of the collector, so the full collection of the idle release (server/guard.py) walks only
+    # what requests left.
+    gc.collect()
+    gc.freeze()
     return launcher.run(app, lifecycle, host=args.host, port=args.port, log_level="warning" if args.quiet else "info",
                         shutdown_timeout=args.shutdown_timeout, keep_alive_timeout=args.keep_alive_timeout,
                         header_read_timeout=args.header_read_timeout, max_connections=args.max_connections,

@@ -65,8 +65,8 @@ class IdleRelease:
 
     :meth:`release`: on CPU the pages of every free KV cache block (the prefix cache forgets them:
     a prompt seen before is computed again; skipped with ``kv_cache_precommit``, which keeps the
-    cache resident by choice) and the heap's free memory (``malloc_trim``: the batch temporaries,
-    capture buffers and request state of a burst). :meth:`release_if_idle`: the same, once per idle
+    cache resident by choice) and the heap's free memory (a full garbage collection, then
+    ``malloc_trim``: the batch temporaries, capture buffers and request state of a burst). :meth:`release_if_idle`: the same, once per idle
     spell, ``release_memory_after_idle_s`` seconds after the latest step.
     """
 
@@ -91,7 +91,7 @@ class IdleRelease:
         released = 0
         if self.runner.device.type == "cpu" and not self.config.kv_cache_precommit:
             released = release_free_blocks(self.runner.kv_caches, self.blocks.forget_free_blocks())
-        release_free_memory()
+        release_free_memory(collect=True)
         return released
 
     def release_if_idle(self) -> bool:

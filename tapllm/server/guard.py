@@ -14,8 +14,8 @@ In order, before the request body is read or parsed:
 
 After a request with a large body (1 MiB or more), and once no request has been in flight for
 :data:`IDLE_TRIM_S` seconds, the free heap is handed back to the kernel (``malloc_trim``, on a
-worker thread), so rare large bodies and bursts of requests (their encoded states, their
-responses) do not leave the process bigger.
+worker thread; when idle, after a full garbage collection), so rare large bodies and bursts of
+requests (their encoded states, their responses) do not leave the process bigger.
 """
 
 from __future__ import annotations
@@ -107,11 +107,13 @@ class Guard:
             if getattr(receive, "body_size", 0) >= LARGE_BODY:
                 self._trim_soon()
             elif self._inflight == 0:
-                self._idle_trim = asyncio.get_running_loop().call_later(IDLE_TRIM_S, self._trim_soon)
+                self._idle_trim = asyncio.get_running_loop().call_later(IDLE_TRIM_S, self._trim_soon, True)
 
-    def _trim_soon(self) -> None:
+    def _trim_soon(self, collect: bool = False) -> None:
+        """``release_free_memory`` on a worker thread, unless one runs already; ``collect`` (when idle):
+        a full garbage collection first."""
         if self._trimming is None or self._trimming.done():
-            self._trimming = asyncio.ensure_future(asyncio.to_thread(release_free_memory))
+            self._trimming = asyncio.ensure_future(asyncio.to_thread(release_free_memory, collect))
 
     async def _admit(self, scope: Scope, receive: Receive, takes_method: bool) -> Receive | None:
         path = scope["path"]

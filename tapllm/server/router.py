@@ -10,7 +10,8 @@ many); otherwise to the least busy (fewest in flight, then fewest sent so far).
 
 This is the front end's picture of the replicas' caches: a replica may have evicted a block
 the router still remembers (the request then recomputes it there, which is correct, just not
-free). Each API server process routes its own requests.
+free). Each API server process routes its own requests. With a single replica there is nothing
+to choose: no hashes are computed or kept.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class PrefixRouter:
 
     def choose(self, token_ids: Sequence[int], salt: bytes = b"") -> int:
         """The replica for a prompt; counts it as in flight there until :meth:`done`."""
+        if len(self.replicas) == 1:  # nothing to choose: no hashing, and no table growing to its bound
+            r = self.replicas[0]
+            r.in_flight += 1
+            r.routed += 1
+            return 0
         hashes = prefix_hashes(token_ids, self.block_size, salt)
         least = min(range(len(self.replicas)), key=lambda i: (self.replicas[i].in_flight, self.replicas[i].routed))
         held = [self._held(r, hashes) for r in self.replicas]

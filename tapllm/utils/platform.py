@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 import mmap
 import os
@@ -55,6 +56,33 @@ def tune_cpu_allocator() -> bool:
     return ok
 
 
+_M_ARENA_MAX = -8
+API_MMAP_THRESHOLD = 256 << 10
+API_ARENAS = 2
+
+
+def tune_api_allocator() -> bool:
+    """Hand a large buffer back to the kernel as soon as it is freed, in a process that runs no
+    engine (an API server in front of an engine-core process). True when it took effect.
+
+    glibc serves a buffer over its mmap threshold with an ``mmap`` of its own, unmapped on free,
+    but raises the threshold to the size of each such buffer freed (up to 32 MiB): after the first
+    request's states, every later one's (the tensors received from the core, their base64 and
+    JSON text, a few MiB each) comes from the heap and the threads' arenas, where what a burst
+    leaves behind pins pages that ``malloc_trim`` cannot return. A fixed threshold keeps every
+    such buffer in its own mapping; two arenas (instead of 8 per core) keep the worker threads'
+    small allocations from spreading over many. Not for a process that steps an engine, whose
+    temporaries :func:`tune_cpu_allocator` keeps on the heap for speed. ``TAPLLM_MALLOC_TUNING=0``
+    leaves malloc alone.
+    """
+    if os.environ.get("TAPLLM_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux") or _tuned:
+        return False
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:  # not glibc
+        return False
+    return mallopt(_M_MMAP_THRESHOLD, API_MMAP_THRESHOLD) == 1 and mallopt(_M_ARENA_MAX, API_ARENAS) == 1
+
+
 def trim_heap() -> bool:
     """Hand the heap's free memory back to the kernel once (glibc ``malloc_trim``): after loading,
     the load's temporaries (e.g. float rows quantized one tensor at a time) would otherwise stay
@@ -82,13 +110,20 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def release_free_memory() -> bool:
+def release_free_memory(collect: bool = False) -> bool:
     """Hand the free parts of the heap back to the kernel (glibc ``malloc_trim``); False elsewhere.
 
     :func:`tune_cpu_allocator` keeps large buffers on the heap for speed, so memory a rare
     large request (a multi-megabyte HTTP body) used stays with the process; calling this
     after such a request returns it without giving up the per-step gain.
+
+    ``collect``: run a full garbage collection first. Objects in reference cycles (an exception
+    and its traceback's frames, a finished task and its callbacks) are freed only by a collection,
+    and an idle process allocates nothing that would start the oldest generation's: whatever such
+    a cycle holds (a request's encoded states, its response) would stay until the next burst.
     """
+    if collect:
+        gc.collect()
     trim = getattr(_libc(), "malloc_trim", None)
     return bool(trim(0)) if trim is not None else False
 
