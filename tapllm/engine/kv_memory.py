@@ -66,8 +66,9 @@ class IdleRelease:
     :meth:`release`: on CPU the pages of every free KV cache block (the prefix cache forgets them:
     a prompt seen before is computed again; skipped with ``kv_cache_precommit``, which keeps the
     cache resident by choice) and the heap's free memory (a full garbage collection, then
-    ``malloc_trim``: the batch temporaries, capture buffers and request state of a burst). :meth:`release_if_idle`: the same, once per idle
-    spell, ``release_memory_after_idle_s`` seconds after the latest step.
+    ``malloc_trim``: the batch temporaries, capture buffers and request state of a burst).
+    :meth:`release_if_idle`: the same, once per idle spell, ``release_memory_after_idle_s``
+    seconds after the latest step.
     """
 
     def __init__(self, runner: ModelRunner, blocks: BlockManager, config: EngineConfig) -> None:
