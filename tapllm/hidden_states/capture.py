@@ -134,12 +134,14 @@ class RequestCapture:
 
     def _settle(self) -> None:
         """Cut the deferred host blocks into chunks (:meth:`defer`)."""
-        for views, host, start, a, b in self.deferred:
+        deferred, self.deferred = self.deferred, []
+        for views, host, start, a, b in deferred:
             for point, rows in views(host, start, b - a).items():
                 self.take(point, rows, a, b)
-        self.deferred = []
 
     def _keep(self, point: str, a: int, rows: torch.Tensor) -> None:
+        if self.deferred:  # rows an earlier graph step deferred go first (an eager step may follow one)
+            self._settle()
         if self.sel.last_only:
             self.chunks[point] = [(a, rows)]
         else:
