@@ -25,7 +25,8 @@ Each request alone (``--check-alone``)
     another, to the same server (which has forgotten the burst's cached prefixes by then: the
     engine's idle release, 10 s after its last step by default: a ``--settle`` shorter than the
     server's ``--release-memory-after-idle`` lets the replays reuse them), and its tokens,
-    logprobs and states (where asked) are compared bitwise with the burst's. Mismatches are counted apart for steered and unsteered requests.
+    logprobs and states (where asked) are compared bitwise with the burst's. Mismatches are
+    counted apart for steered and unsteered requests.
     Targets (issue 50): in the default mode, steered token mismatches no more frequent than
     unsteered ones; with ``--serve-args=--batch-invariant``, none at all.
 
@@ -154,7 +155,7 @@ def tree_rss(server: int) -> float:
     return total
 
 
-def where(pid: int) -> str:
+def regions_text(pid: int) -> str:
     """:func:`regions` as text."""
     return ", ".join(f"{k} {v:.0f}" for k, v in regions(pid).items())
 
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         tree_before = tree_rss(proc.pid)
         for name, r in before.items():
             print(f"  before        {name:11s} RSS {r['VmRSS']:7.0f} MiB (anon {r['RssAnon']:6.0f}, "
-                  f"file {r['RssFile']:5.0f}, shmem {r['RssShmem']:5.0f}; {where(pids[name])})", flush=True)
+                  f"file {r['RssFile']:5.0f}, shmem {r['RssShmem']:5.0f}; {regions_text(pids[name])})", flush=True)
         print(f"  before        process tree RSS {tree_before:7.0f} MiB", flush=True)
         for round_ in range(args.rounds):
             kinds = [args.kinds[i % len(args.kinds)] for i in range(args.clients)]
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  burst {round_ + 1} {name:11s} RSS before {b:7.0f} MiB, peak {peak[name]:7.0f} MiB, "
                       f"{args.settle:.0f} s after {a:7.0f} MiB ({100 * (a / b - 1):+.1f}%; anon "
                       f"{after[name]['RssAnon']:.0f}, file {after[name]['RssFile']:.0f}, "
-                      f"shmem {after[name]['RssShmem']:.0f}; {where(pids[name])}): within 10% "
+                      f"shmem {after[name]['RssShmem']:.0f}; {regions_text(pids[name])}): within 10% "
                       f"{'yes' if within else 'NO'}", flush=True)
             ratio = tree_after / tree_before
             ok = ok and ratio <= TARGET

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import platform
@@ -9,6 +10,7 @@ import random
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 from tapllm import LLM
 from tapllm.config import EngineConfig
 from tapllm.engine.kv_memory import _runs, release_free_blocks
-from tapllm.utils.platform import release_pages
+from tapllm.utils.platform import release_free_memory, release_pages
 from tests.conftest import random_prompts
 from tests.helpers import greedy
 
@@ -134,11 +136,6 @@ def test_onednn_caches_are_bounded_unless_the_environment_says_otherwise(monkeyp
 
 
 def test_release_with_collect_frees_what_only_a_cycle_holds():
-    import gc
-    import weakref
-
-    from tapllm.utils.platform import release_free_memory
-
     class Holder:
         pass
 
@@ -192,8 +189,9 @@ print(tuned, (rss_kb() - base) // 1024)
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 @pytest.mark.parametrize("mode", ["tuned", "default"])
 def test_api_allocator_hands_large_buffers_back_when_freed(mode):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     out = subprocess.run([sys.executable, "-c", _API_ALLOCATOR_SCRIPT, mode], capture_output=True, text=True,
-                         check=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                         check=True, timeout=300, env=env)
     tuned, kept_mib = out.stdout.split()
     if mode == "tuned":
         assert tuned == "True" and int(kept_mib) < 8, out.stdout
