@@ -58,7 +58,7 @@ class _Joined:
     preemptions: int
     layout: RecordLayout | None = None
     blocked: str | None = None
-    views: tuple[RequestCapture, RowViews] | None = None  # the capture's rows cut from a step's host block
+    delivery: tuple[RequestCapture, int, RowViews | None] | None = None  # GraphStep._delivery, made once
 
 
 @dataclass(slots=True)
@@ -118,7 +118,8 @@ class GraphStep:
                 blocked = joined.blocked
             if req.capture is not None:
                 captures = True
-        tapped = self.taps.any_taps(lay.item_slots)
+        slots = np.array(lay.item_slots)
+        tapped = self.taps.any_taps(slots)
         if self.block_tables.generation != self._generation:
             blocked = "the block table moved"
         self._places = None
@@ -126,7 +127,7 @@ class GraphStep:
             # The site kernel writes each captured row where the prologue places it, unchecked: a step
             # whose captures all together overrun the buffer must not replay.
             if lay.decode_only:
-                row_slot, last = np.asarray(lay.item_slots), np.ones(len(lay.pos), dtype=np.bool_)
+                row_slot, last = slots, None
             else:
                 sizes = [it.num_tokens for it in lay.items]
                 last = np.zeros(len(lay.pos), dtype=np.bool_)
@@ -203,14 +204,15 @@ class GraphStep:
         captures that failed alone."""
         entries: list[_Delivery] = []
         kept: list[tuple[RequestCapture, RowViews, int, int, int]] = []
-        places = None
+        base = places = None
         end = 0  # the host copy covers the rows of requests that keep them as captured
         row = 0
+        known = self._joined
         for it in lay.items:
             req, n, r = it.request, it.num_tokens, row
             row += n
             cap = req.capture
-            if cap is None or req in stopped or req.finished:
+            if cap is None or req.finished or (stopped and req in stopped):
                 continue
             window = cap.window(it.start, n)
             if window is None:
@@ -221,7 +223,7 @@ class GraphStep:
             a, b = window
             if n == 1:
                 first = places[r]
-                placed = int(first >= 0)
+                placed = 1 if first >= 0 else 0
             else:
                 inside = np.flatnonzero(base[r : r + n] >= 0)
                 placed = len(inside)
@@ -229,18 +231,17 @@ class GraphStep:
             if placed != b - a:
                 raise RuntimeError(f"request {req.request_id}: the graph captured {placed} rows where its "
                                    f"window holds {b - a}")
-            joined = self._joined[req]
-            host_rows = cap.takes_host_rows and cap.sel.points
-            if host_rows:
-                last = first + (b - a) * joined.layout.size
+            joined = known[req]
+            how = joined.delivery
+            if how is None or how[0] is not cap:
+                how = joined.delivery = self._delivery(joined.layout, cap)
+            _, size, views = how
+            if size:
+                last = first + (b - a) * size
                 if last > end:
                     end = last
-            if host_rows and cap.sel.features is None:
-                # rows kept as captured: cut from the step's host copy when the result is read
-                views = joined.views
-                if views is None or views[0] is not cap:
-                    views = joined.views = (cap, self._views(joined.layout, cap))
-                kept.append((cap, views[1], first, a, b))
+            if views is not None:  # rows kept as captured: cut from the step's host copy when the result is read
+                kept.append((cap, views, first, a, b))
             else:
                 entries.append(_Delivery(cap, joined.layout, a, b, first, cap.sel.features is not None))
         if not entries and not kept:
@@ -274,6 +275,13 @@ class GraphStep:
             if e.capture not in failed:
                 e.capture.advance(e.a, e.b)
         return failed
+
+    def _delivery(self, layout: RecordLayout, cap: RequestCapture) -> tuple[RequestCapture, int, RowViews | None]:
+        """How a step hands ``cap`` its rows: ``(cap, numbers per position of the host copy it reads (0: none),
+        its views when it keeps its rows as captured)`` (see :meth:`deliver`)."""
+        host_rows = cap.takes_host_rows and bool(cap.sel.points)
+        views = self._views(layout, cap) if host_rows and cap.sel.features is None else None
+        return cap, layout.size if host_rows else 0, views
 
     def _views(self, layout: RecordLayout, cap: RequestCapture) -> RowViews:
         """``cap``'s :data:`RowViews` over a step's host block, by ``layout`` (cut when its result is read)."""

@@ -218,7 +218,7 @@ class TapTables:
             self._ops.give(held[0], held[1])
             self._pool.give(held[2], held[3])
 
-    def any_taps(self, slots: Sequence[int]) -> bool:
+    def any_taps(self, slots: Sequence[int] | np.ndarray) -> bool:
         """True when any of ``slots`` captures or steers anything."""
         return bool(self.rec[slots].any() or self.steered[slots].any())
 
@@ -239,15 +239,19 @@ class TapTables:
         ends = torch.cumsum(numbers, 0)
         self.row_base[:t].copy_(torch.where(numbers > 0, ends - numbers, -1))
 
-    def places(self, row_slot: np.ndarray, positions: np.ndarray, last_rows: np.ndarray) -> tuple[np.ndarray, int]:
-        """What :meth:`prologue` computes, on the host: ``row_base`` per row and the numbers captured in all."""
+    def places(self, row_slot: np.ndarray, positions: np.ndarray, last_rows: np.ndarray | None
+               ) -> tuple[np.ndarray, int]:
+        """What :meth:`prologue` computes, on the host: ``row_base`` per row and the numbers captured in all.
+        ``last_rows`` None: every row is its chunk's last (a decode step)."""
         rec = self.rec[row_slot]
-        last_rows = last_rows.astype(np.bool_, copy=False)
-        inside = (positions >= self.lo[row_slot]) & (positions < self.hi[row_slot]) & \
-            (last_rows | ~self.last[row_slot])
-        numbers = np.where(inside, rec, 0)
+        inside = (positions >= self.lo[row_slot]) & (positions < self.hi[row_slot])
+        if last_rows is not None:
+            inside &= last_rows.astype(np.bool_, copy=False) | ~self.last[row_slot]
+        numbers = rec * inside
         ends = np.cumsum(numbers)
-        return np.where(numbers > 0, ends - numbers, -1), int(ends[-1]) if len(ends) else 0
+        base = ends - numbers
+        base[numbers == 0] = -1
+        return base, int(ends[-1]) if len(ends) else 0
 
 
 def _in_slot(dest: torch.Tensor, tables: TapTables, slot: int) -> bool:
