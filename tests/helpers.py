@@ -70,3 +70,31 @@ def kill_once_written(cmd: list[str], manifest: Path, lines: int, timeout: float
     assert proc.poll() is None, "the run finished before it could be interrupted"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def same_states(a: Any, b: Any, what: str) -> None:
+    """Two requests' hidden states are the same bits (points, layers, positions, lens)."""
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.points == b.points and a.layers == b.layers, what
+    assert torch.equal(torch.as_tensor(a.positions), torch.as_tensor(b.positions)), what
+    for point in a.points:
+        assert a[point].dtype == b[point].dtype and torch.equal(a[point], b[point]), f"{what}: {point} differs"
+    if a.lens is not None:
+        for point in a.lens:
+            la, lb = a.lens[point], b.lens[point]
+            assert torch.equal(la.token_ids, lb.token_ids) and torch.equal(la.logprobs, lb.logprobs), what
+
+
+def same_alone_and_together(alone: Any, together: Any, what: str) -> None:
+    """A request's output alone and in a batch are the same bits: tokens, logprobs, states."""
+    assert alone.error is None and together.error is None, (alone.error, together.error)
+    assert alone.prompt_logprobs == together.prompt_logprobs, f"{what}: prompt logprobs"
+    same_states(alone.hidden_states, together.hidden_states, what)
+    assert len(alone.outputs) == len(together.outputs)
+    for i, (a, b) in enumerate(zip(alone.outputs, together.outputs)):
+        assert a.token_ids == b.token_ids, f"{what}, sample {i}: tokens"
+        assert a.logprobs == b.logprobs, f"{what}, sample {i}: logprobs"
+        assert a.cumulative_logprob == b.cumulative_logprob, f"{what}, sample {i}"
+        same_states(a.hidden_states, b.hidden_states, f"{what}, sample {i}")

@@ -61,7 +61,7 @@ def setup(tmp_path_factory, default_model_folder):
 
 
 def _cfg(s: dict, out: Path, data: Path | None = None, **extra) -> CollectConfig:
-    engine = EngineConfig(model=str(s["model"]), dtype="float32", max_num_seqs=8)
+    engine = EngineConfig(model=str(s["model"]), dtype="float32", max_num_seqs=8, batch_invariant=True)  # collect's default
     return CollectConfig(out=out, dataset=DatasetSpec(str(data or s["data"])), engine=engine, **{**SETTINGS, **extra})
 
 

@@ -26,7 +26,7 @@ needs_gemv = pytest.mark.skipif(gemv_ops is None, reason="no AVX512-BF16 packed 
 
 @needs_gemv
 @pytest.mark.parametrize("n,k", [(1, 64), (63, 32), (64, 576), (130, 33), (200, 1536), (49, 7), (520, 96)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 30, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 30, 64, 65, 301])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_onednn_on_the_same_packed_weight(n, k, rows, bias):
     g = torch.Generator().manual_seed(n * 1000 + k + rows)
@@ -48,7 +48,7 @@ gemv_f32 = gemv.packed_gemv_ops(ops, torch.float32)
 
 @pytest.mark.skipif(gemv_f32 is None, reason="no AVX512 packed float32 GEMV on this CPU")
 @pytest.mark.parametrize("n,k", [(2, 64), (63, 16), (130, 33), (200, 1536), (49, 7), (520, 96)])
-@pytest.mark.parametrize("rows", [1, 4, 5, 16, 30, 64])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 30, 64, 65, 301])
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_gemv_equals_onednn_on_the_same_packed_weight(n, k, rows, bias):
     g = torch.Generator().manual_seed(n * 1000 + k + rows)
@@ -76,8 +76,23 @@ def test_gemv_refuses_mismatched_inputs():
         gemv_ops.packed_linear(torch.randn(1, 96).to(torch.bfloat16), view, torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="oneDNN-packed"):
         gemv_ops.packed_view(torch.randn(64, 96).to(torch.bfloat16))
-    with pytest.raises(RuntimeError, match=f"{gemv.MAX_ROWS + 1} rows, at most GEMV_MAX_ROWS = {gemv.MAX_ROWS}"):
-        gemv_ops.packed_linear(torch.randn(gemv.MAX_ROWS + 1, 96).to(torch.bfloat16), view, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,k", [(130, 72), (576, 576), (576, 1536)])
+def test_a_rows_result_does_not_depend_on_the_rows_around_it(dtype, n, k):
+    """batch_invariant's linears: any number of rows (past 64 in passes of 6, in tiles that fit L2),
+    each row bit for bit what it is alone."""
+    g_ops = gemv.packed_gemv_ops(ops, dtype)
+    if g_ops is None:
+        pytest.skip(f"no packed {dtype} GEMV on this CPU")
+    g = torch.Generator().manual_seed(k)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g).to(dtype), 16)
+    view, bias = g_ops.packed_view(packed), torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(700, k, generator=g).to(dtype)
+    alone = torch.cat([g_ops.packed_linear(x[i : i + 1], view, bias) for i in range(x.shape[0])])
+    for first, rows in ((0, 700), (3, 65), (100, 7), (1, 600), (650, 50)):
+        assert torch.equal(g_ops.packed_linear(x[first : first + rows], view, bias), alone[first : first + rows])
 
 
 @needs_gemv

@@ -10,14 +10,20 @@ from tapllm.tap.fused import HeadSites, KernelSites, NormSites
 
 
 class TritonAttention:
-    """:class:`~tapllm.backends.ops.AttentionOps` on the Triton kernels of ``tapllm.kernels.triton_attention``."""
+    """:class:`~tapllm.backends.ops.AttentionOps` on the Triton kernels of ``tapllm.kernels.triton_attention``.
 
-    __slots__ = ("_k",)
+    ``invariant`` (batch_invariant): decode rows take ``decode_rows`` (one-token chunks of the prefill
+    kernel) and every launch masks every key tile, so a token's attention is the same bits in a
+    decode step, in a prefill chunk of any size and in a graph's unified step.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_k", "invariant")
+
+    def __init__(self, invariant: bool = False) -> None:
         from tapllm.kernels import triton_attention
 
         self._k = triton_attention
+        self.invariant = invariant
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -26,13 +32,14 @@ class TritonAttention:
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int,
                          softcap: float) -> torch.Tensor:
-        return self._k.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, window, softcap)
+        attend = self._k.decode_rows if self.invariant else self._k.decode_attention
+        return attend(q, k_cache, v_cache, block_tables, lens, scale, window, softcap)
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor, tables: torch.Tensor,
                           scale: float, window: int, softcap: float, max_len: int) -> torch.Tensor:
         return self._k.prefill_attention(q, k_cache, v_cache, starts, lens, contexts, tables, scale, window,
-                                         softcap, max_len)
+                                         softcap, max_len, invariant=self.invariant)
 
     def unified_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, seq_rows: torch.Tensor, cu_q: torch.Tensor, ctx: torch.Tensor,
@@ -40,7 +47,7 @@ class TritonAttention:
         """A ragged step's prefill chunks and decodes in one graph-safe launch
         (:func:`tapllm.kernels.triton_attention.unified_attention`)."""
         return self._k.unified_attention(q, k_cache, v_cache, block_table, seq_rows, cu_q, ctx, scale, window,
-                                         softcap)
+                                         softcap, invariant=self.invariant)
 
 
 def trial(device: torch.device) -> str | None:

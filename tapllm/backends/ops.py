@@ -4,7 +4,7 @@ A backend (see :mod:`tapllm.backends`) hands each module the ops of its family, 
 in which case the module runs its plain PyTorch code (the reference). The protocols below
 say exactly which calls a module may make; the CPU backend satisfies them with the C++ ops
 of ``tapllm.kernels`` (``torch.ops.tapllm_<isa>``), the CUDA backend its elementwise ops and
-attention with Triton kernels.
+attention with Triton kernels (and, for ``batch_invariant``, its linears).
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ class AttentionOps(Protocol):
                           scale: float, window: int, softcap: float, max_len: int) -> torch.Tensor: ...
 
 
+class LinearOps(Protocol):
+    """Linears whose every row's result is independent of the step's other rows (batch_invariant on CUDA:
+    :func:`tapllm.kernels.triton_linear.invariant_linear`); ``F.linear``'s contract."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class GemvOps(Protocol):
     """Linears of a few rows reading oneDNN's prepacked weight in place (tapllm.kernels.gemv)."""
 
@@ -91,12 +98,17 @@ class StackOps(Protocol):
 
 
 class CpuAttention:
-    """:class:`AttentionOps` over the C++ ops namespace (which takes no ``max_len``)."""
+    """:class:`AttentionOps` over the C++ ops namespace (which takes no ``max_len``).
 
-    __slots__ = ("ops",)
+    ``invariant`` (batch_invariant): decode rows take ``row_attention``, the prefill kernel's
+    arithmetic for one row, so a token's attention does not depend on how its step was made.
+    """
 
-    def __init__(self, ops: object) -> None:
+    __slots__ = ("invariant", "ops")
+
+    def __init__(self, ops: object, invariant: bool = False) -> None:
         self.ops = ops
+        self.invariant = invariant
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -105,7 +117,8 @@ class CpuAttention:
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int,
                          softcap: float) -> torch.Tensor:
-        return self.ops.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, window, softcap)
+        attend = self.ops.row_attention if self.invariant else self.ops.decode_attention
+        return attend(q, k_cache, v_cache, block_tables, lens, scale, window, softcap)
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor, tables: torch.Tensor,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tapllm.backends.ops import AttentionOps, CpuAttention, ElementwiseOps, GemvOps, QuantOps, StackOps
+from tapllm.backends.ops import AttentionOps, CpuAttention, ElementwiseOps, GemvOps, LinearOps, QuantOps, StackOps
 from tapllm.backends.policy import GraphSizes
 
 BACKENDS = ("auto", "eager", "cpu", "cuda")
@@ -30,16 +30,19 @@ class Backend:
     quant: QuantOps | None = None
     gemv: GemvOps | None = None  # linears of at most ``gemv_rows`` rows (CPU, packed weights)
     gemv_rows: int = 0
+    linear: LinearOps | None = None  # every linear, each row independent of the step (batch_invariant on CUDA)
     stack: StackOps | None = None  # untapped blocks of decode steps in one call
     graphs: GraphSizes | None = None  # the buckets of whole steps replayed from CUDA graphs (None: none)
     graphs_emulated: bool = False  # the CUDA backend on a CPU: a graph's body runs each step, nothing is captured
     prepack: bool = False  # linear weights reordered once at load for oneDNN (CPU)
+    batch_invariant: bool = False  # every row's result independent of the rest of its step (see invariance)
     notes: tuple[str, ...] = field(default=())  # why a faster path is off
 
     @property
     def fused(self) -> bool:
         """True when any op family runs compiled code."""
-        return any(x is not None for x in (self.elementwise, self.attention, self.quant, self.gemv, self.stack))
+        return any(x is not None for x in (self.elementwise, self.attention, self.quant, self.gemv, self.linear,
+                                           self.stack))
 
     def describe(self) -> str:
         """A few lines for the start-up log and ``LLM.describe()``."""
@@ -52,9 +55,34 @@ class Backend:
                  f"  small linears: {on(self.gemv, f'packed GEMV up to {self.gemv_rows} rows')}",
                  f"  untapped decode blocks: {on(self.stack, 'one C++ call per run of blocks')}",
                  f"  linear weights: {'prepacked for oneDNN' if self.prepack else 'as loaded'}",
-                 f"  CUDA graphs: {self.describe_graphs()}"]
+                 f"  CUDA graphs: {self.describe_graphs()}",
+                 f"  batch invariant: {self.describe_invariance()}"]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def linear_path(self, dtype: torch.dtype) -> str:
+        """How the linear layers of a ``dtype`` model run (unquantized), for the load log."""
+        if self.linear is not None:
+            return "the batch-invariant Triton GEMM"
+        if self.prepack:
+            return "prepacked for oneDNN"
+        if self.device.type != "cpu" or self.name == "cuda":
+            return "F.linear"
+        from tapllm.utils.platform import cpu_support
+
+        return f"plain F.linear ({cpu_support().reason or 'no oneDNN packing for ' + str(dtype)})"
+
+    def describe_invariance(self) -> str:
+        """How ``batch_invariant`` is kept, or "off"."""
+        if not self.batch_invariant:
+            return "off"
+        if self.linear is not None:
+            return ("on: linears in a Triton GEMM of fixed tiles (no split over the inputs); decode rows as "
+                    "one-token chunks of the Triton prefill kernel, every key tile masked")
+        if self.attention is not None:
+            linears = f"the packed GEMV at every size{'' if self.gemv is not None else ' (else one row per call)'}"
+            return f"on: {linears}; decode rows in the prefill kernel's order (row_attention)"
+        return "on: linears and attention one row per call (PyTorch)"
 
     def describe_graphs(self) -> str:
         """The graph buckets, or "off"."""
@@ -73,27 +101,45 @@ def _sizes(sizes: tuple[int, ...]) -> str:
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, *, enforce_eager: bool = False, backend: str = "auto",
-                   graphs: GraphSizes | None = None) -> Backend:
+                   graphs: GraphSizes | None = None, batch_invariant: bool = False) -> Backend:
     """The backend for a model of ``dtype`` on ``device`` (see the package docstring).
 
     ``backend`` forces one: ``"cuda"`` on a CPU device runs the CUDA backend's modules there, its
     Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1`` before triton is imported) and its
     graphs emulated, which is how the tests and ``benchmarks/step_budget.py`` check that path without
-    a GPU. ``graphs``: the buckets of CUDA graphs (None: no graphs).
+    a GPU. ``graphs``: the buckets of CUDA graphs (None: no graphs). ``batch_invariant``: only kernels
+    whose every row's result is independent of the rest of the step (``ValueError`` where there are
+    none: PyTorch's own step on a GPU, or invariant kernels that fail their trial).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if batch_invariant:
+        _check_invariant_path(device, backend, enforce_eager)
     prepack = prepack_available(device, dtype)
     if enforce_eager or backend == "eager":
         why = "enforce_eager=True" if enforce_eager else "backend='eager'"
-        return Backend("eager", device, prepack=prepack, notes=(f"{why}: the plain PyTorch step",))
+        return Backend("eager", device, prepack=prepack, batch_invariant=batch_invariant,
+                       notes=(f"{why}: the plain PyTorch step",))
     if os.environ.get("TAPLLM_KERNELS", "1") == "0":
-        return Backend("eager", device, prepack=prepack, notes=("TAPLLM_KERNELS=0: the plain PyTorch step",))
+        return Backend("eager", device, prepack=prepack, batch_invariant=batch_invariant,
+                       notes=("TAPLLM_KERNELS=0: the plain PyTorch step",))
     if backend == "cuda" or (backend == "auto" and device.type == "cuda"):
-        return _cuda(device, dtype, graphs)
+        return _cuda(device, dtype, graphs, batch_invariant)
     if device.type == "cpu":
-        return _cpu(device, dtype)
+        return _cpu(device, dtype, batch_invariant)
     return Backend("eager", device, notes=(f"no compiled ops for {device.type}",))
+
+
+def _check_invariant_path(device: torch.device, backend: str, enforce_eager: bool) -> None:
+    """``ValueError`` where ``batch_invariant`` has no kernels: on a GPU only the CUDA backend's Triton kernels
+    keep it (PyTorch's CUDA reductions and cuBLAS GEMMs choose their split from the batch)."""
+    if device.type == "cpu":
+        return
+    eager = enforce_eager or backend in ("eager", "cpu") or os.environ.get("TAPLLM_KERNELS", "1") == "0"
+    if device.type != "cuda" or eager:
+        where = f"backend={backend!r}{', enforce_eager=True' if enforce_eager else ''} on {device.type}"
+        raise ValueError(f"batch_invariant=True needs the CPU or the CUDA backend's Triton kernels, not {where}: "
+                         f"PyTorch's GPU reductions and cuBLAS GEMMs split their sums by the batch")
 
 
 def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -106,22 +152,34 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype in cpu_support().packable
 
 
-def _cpu(device: torch.device, dtype: torch.dtype) -> Backend:
+def _cpu(device: torch.device, dtype: torch.dtype, invariant: bool) -> Backend:
     from tapllm.kernels import fused_kernels, kernels_status
     from tapllm.kernels.gemv import MAX_ROWS, packed_gemv_ops, packed_gemv_status
 
+    prepack = prepack_available(device, dtype)
     ops = fused_kernels()
     if ops is None:
-        return Backend("eager", device, notes=(f"fused CPU kernels off: {kernels_status()}",))
+        return Backend("eager", device, prepack=prepack, batch_invariant=invariant,
+                       notes=(f"fused CPU kernels off: {kernels_status()}",))
     gemv = packed_gemv_ops(ops, dtype)
     notes = () if gemv is not None else (f"packed GEMV off: {packed_gemv_status(ops, dtype)}",)
-    return Backend("cpu", device, elementwise=ops, attention=CpuAttention(ops), quant=ops, gemv=gemv,
+    if invariant:
+        from tapllm.kernels.invariance import attention_problem, gemv_problem
+
+        problem = attention_problem(ops, dtype)
+        if problem is not None:
+            return Backend("eager", device, prepack=prepack, batch_invariant=True,
+                           notes=(f"batch_invariant: the fused kernels are off ({problem}): the plain PyTorch step",))
+        if gemv is not None and gemv_problem(ops, dtype) is not None:
+            notes += (f"batch_invariant: packed GEMV off ({gemv_problem(ops, dtype)}): one row per linear call",)
+            gemv = None
+    return Backend("cpu", device, elementwise=ops, attention=CpuAttention(ops, invariant), quant=ops, gemv=gemv,
                    gemv_rows=MAX_ROWS if gemv is not None else 0,
-                   stack=ops if hasattr(ops, "decoder_layers") else None, prepack=prepack_available(device, dtype),
-                   notes=notes)
+                   stack=ops if hasattr(ops, "decoder_layers") else None, prepack=prepack,
+                   batch_invariant=invariant, notes=notes)
 
 
-def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None) -> Backend:
+def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None, invariant: bool = False) -> Backend:
     from tapllm.backends.cuda import TritonAttention, TritonElementwise, elementwise_trial, trial
 
     emulated = device.type == "cpu"
@@ -130,11 +188,25 @@ def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None) -
         if emulated:
             raise ValueError(f"backend='cuda' on a CPU needs Triton's interpreter (TRITON_INTERPRET=1 before "
                              f"triton is first imported): {problem}")
+        _refuse_invariant(invariant, f"the Triton attention is off ({problem})")
         return Backend("eager", device, notes=(f"Triton attention off ({problem}): the plain PyTorch step",))
     problem = elementwise_trial(device, dtype)
     if problem is not None:
+        _refuse_invariant(invariant, f"the Triton norms are off ({problem})")
         notes = (f"Triton elementwise ops off ({problem}): PyTorch norms, rotary and activations",)
         return Backend("cuda", device, attention=TritonAttention(), graphs=graphs, graphs_emulated=emulated,
                        notes=notes)
-    return Backend("cuda", device, elementwise=TritonElementwise(), attention=TritonAttention(), graphs=graphs,
-                   graphs_emulated=emulated)
+    linear = None
+    if invariant:
+        from tapllm.backends.cuda_invariant import TritonLinear, invariant_trial
+
+        _refuse_invariant(True, invariant_trial(device, dtype))
+        linear = TritonLinear()
+    return Backend("cuda", device, elementwise=TritonElementwise(), attention=TritonAttention(invariant),
+                   linear=linear, graphs=graphs, graphs_emulated=emulated, batch_invariant=invariant)
+
+
+def _refuse_invariant(invariant: bool, problem: str | None) -> None:
+    """``ValueError`` when ``batch_invariant`` is asked for and the CUDA backend cannot keep it (``problem``)."""
+    if invariant and problem is not None:
+        raise ValueError(f"batch_invariant=True cannot be kept on the CUDA backend here: {problem}")

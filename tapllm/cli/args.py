@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --quantization, also round the quantized linears' inputs to int8 per 32 values "
                         "(llama.cpp's scheme: faster decoding, the rounding shows in every state; "
                         "results name it '+a8')")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
+                   help="every request's tokens, logprobs and states bitwise the same whatever else is in its "
+                        "steps and however its prompt is chunked (CPU, or the CUDA backend; costs throughput, see "
+                        "docs/generation.md)")
     p.add_argument("--quiet", action="store_true", help="only print results")
 
 

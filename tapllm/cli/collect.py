@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="run on Ray: 'local' (start one here), 'auto' (the cluster this node belongs to) or an address")
     col.add_argument("--workers", type=int, default=1, help="Ray actors, one engine each (with --ray-address)")
     add_engine_args(col)
-    col.set_defaults(max_num_seqs=64)
+    col.set_defaults(max_num_seqs=64, batch_invariant=True)  # --no-batch-invariant: faster, not resumable bitwise
     from tapllm.collect import eagle3_cli
 
     eagle3_cli.add_arguments(col)

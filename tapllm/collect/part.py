@@ -32,7 +32,8 @@ from tapllm.utils.dtypes import dtype_from_name, dtype_name
 @dataclass(slots=True)
 class CollectConfig:
     """Everything that defines a collection run, and ``engine``: the engine to run it with
-    (its model, dtype and limits; ``max_num_seqs`` is 64 unless given).
+    (its model, dtype and limits; ``max_num_seqs`` is 64 and ``batch_invariant`` True unless given,
+    so that a resumed or re-sharded run writes the bits an uninterrupted one would).
 
     The input is either ``input`` (a JSONL/Parquet file or ``save_to_disk`` folder of prompt
     records, one request each) or ``dataset`` (any ``datasets`` dataset, streamed and cut
@@ -66,7 +67,7 @@ class CollectConfig:
     sae: str | None = None  # an SAE (path or hub id): its top-k latents stored as sparse columns
     sae_top: int = 64
     recipe: Any = None  # e.g. tapllm.collect.eagle3.Eagle3Settings: a recipe runs the run its own way
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=64))
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=64, batch_invariant=True))
 
     def validate_output(self) -> None:
         """``ValueError`` naming a bad setting of what is written and by how many workers (any run's,

@@ -11,8 +11,10 @@ identity comes from the model's config alone.
 
 Each part of the input is cut into groups of consecutive records decided by the input alone,
 and each group is computed by itself (the engine drains it before the next is admitted) and
-becomes exactly one shard. A shard's batches are therefore the same in every run, so a run
-resumed after ``kill -9`` writes the same bytes as an uninterrupted one.
+becomes exactly one shard. The engine runs ``batch_invariant`` unless told otherwise
+(``--no-batch-invariant``), so every row is the same bits whatever shared its steps: a run
+resumed after ``kill -9``, or split over other workers, writes the same bytes as an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def describe(cfg: CollectConfig, mc: Any, source: dict[str, Any], folder: Path |
         "dtype": dtype_name(mc.dtype), "store_dtype": store_dtype(cfg, mc.dtype), "hidden_size": mc.hidden_size,
         "layers": list(sel.layers), "points": list(cfg.points), "positions": cfg.spec().positions,
         "max_tokens": cfg.max_tokens, "exclude_special_tokens": cfg.exclude_special_tokens,
-        "storage": cfg.fmt, "shard_tokens": cfg.shard_tokens, "workers": cfg.workers, **source,
+        "storage": cfg.fmt, "shard_tokens": cfg.shard_tokens, "workers": cfg.workers,
+        "batch_invariant": cfg.engine.batch_invariant, **source,
         **({"sae": sae_identity(cfg)} if cfg.sae is not None else {}),
     }
 

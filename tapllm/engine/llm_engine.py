@@ -156,7 +156,8 @@ class LLMEngine:
         if req.selection is not None:
             try:  # a reducer plugin's start() runs here
                 req.capture = RequestCapture(req.selection, params.hidden_states, self.device,
-                                             self.runner.model.lens_logits)
+                                             self.runner.model.lens_logits,
+                                             row_exact=self.runner.backend.batch_invariant)
             except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                 self._fail(req, f"hidden_states: starting the capture failed: {type(exc).__name__}: {exc}",
                            "server_error")

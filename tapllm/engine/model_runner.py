@@ -34,7 +34,7 @@ from tapllm.quant.embedding import quantize_embedding
 from tapllm.quant.linear import quantize_linears
 from tapllm.structured.masks import MaskComputer
 from tapllm.tap.points import HIDDEN_POINTS
-from tapllm.utils.platform import available_memory_bytes, cpu_support, trim_heap, tune_cpu_allocator
+from tapllm.utils.platform import available_memory_bytes, trim_heap, tune_cpu_allocator
 
 logger = logging.getLogger("tapllm")
 
@@ -75,15 +75,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, com
     return flat.view(dtype).view(shape)
 
 
-def _linear_path(backend: Backend, dtype: torch.dtype) -> str:
-    if backend.prepack:
-        return "prepacked for oneDNN"
-    if backend.device.type != "cpu" or backend.name == "cuda":
-        return "F.linear"
-    support = cpu_support()
-    return f"plain F.linear ({support.reason or 'no oneDNN packing for ' + str(dtype)})"
-
-
 class ModelRunner:
     """Loads weights, allocates the paged KV cache and executes steps."""
 
@@ -103,7 +94,7 @@ class ModelRunner:
         logger.info(
             "loaded %s (%s, %s) in %.1fs; linear layers: %s",
             model_config.architecture, model_config.path.name, model_config.dtype, time.perf_counter() - t0,
-            _linear_path(self.backend, model_config.dtype) if self.quant is None else self.quant.describe(),
+            self.backend.linear_path(model_config.dtype) if self.quant is None else self.quant.describe(),
         )
         logger.info("%s", self.backend.describe())
         if self.tp is not None:
@@ -185,7 +176,8 @@ class ModelRunner:
                                     ec.cuda_graph_token_sizes)
         self.backend: Backend = select_backend(device, model_config.dtype, enforce_eager=ec.enforce_eager,
                                                backend=ec.backend,
-                                               graphs=sizes if sizes.decode or sizes.mixed else None)
+                                               graphs=sizes if sizes.decode or sizes.mixed else None,
+                                               batch_invariant=ec.batch_invariant)
         self.model.prepare_for_inference(self.backend.prepack and self.quant is None)
         if device.type == "cpu":
             trim_heap()  # the load's freed temporaries leave the resident set
@@ -195,7 +187,7 @@ class ModelRunner:
     def describe(self) -> str:
         """The lines of :meth:`tapllm.LLM.describe`."""
         mc, ec = self.mcfg, self.ecfg
-        linear = _linear_path(self.backend, mc.dtype) if self.quant is None else self.quant.describe()
+        linear = self.backend.linear_path(mc.dtype) if self.quant is None else self.quant.describe()
         graphs = self.backend.describe_graphs() if self.graph_step is not None else (self.policy.off or "off")
         return "\n".join([
             f"model: {mc.architecture} ({mc.path.name}), {mc.num_layers} blocks, hidden {mc.hidden_size}, {mc.dtype}",
@@ -318,7 +310,7 @@ class ModelRunner:
             depth = None if None in depths else max(depths)
             batch = upload(lay, self.staging, self.block_tables, attn=self.backend.attention,
                            prompt_lengths=self.model.needs_prompt_lengths, vocab_size=self.mcfg.vocab_size,
-                           device=self.device, last_token=self.last_token)
+                           device=self.device, last_token=self.last_token, invariant=self.backend.batch_invariant)
             pending_mask = self._submit_masks(batch)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
             logits = None

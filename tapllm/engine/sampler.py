@@ -50,10 +50,14 @@ class RowFailure:
 class SamplingPlan:
     """One step's sampling: planned on the host, run on the device, read back on the host."""
 
-    def __init__(self, requests: list[Request], vocab_size: int, staging: Staging, device: torch.device) -> None:
+    def __init__(self, requests: list[Request], vocab_size: int, staging: Staging, device: torch.device,
+                 canonical_ties: bool = False) -> None:
         self.requests = requests
         self.vocab = vocab_size
         self.device = device
+        # batch_invariant: top logprobs tied in value in id order, not in whatever order topk over the
+        # step's largest k leaves them (a request's k-th entry would depend on its neighbours' k)
+        self.canonical_ties = canonical_ties
         n = len(requests)
         params = [r.params for r in requests]
         self.draw = [j for j, p in enumerate(params) if not p.greedy]
@@ -159,7 +163,7 @@ class SamplingPlan:
         rank = (lp > chosen).sum(dim=-1, keepdim=True) + 1
         parts = [chosen.double(), rank.double()]
         if self.max_k:
-            vals, ids = torch.topk(lp, self.max_k, dim=-1)
+            vals, ids = (top_in_id_order if self.canonical_ties else torch.topk)(lp, self.max_k, dim=-1)
             parts += [vals.double(), ids.double()]
         return torch.cat(parts, dim=1)
 
@@ -220,6 +224,21 @@ def graph_samples(req: Request) -> bool:
     """Whether a request's row can be sampled by the graph's sampler (``engine/graph_sampler.py``): no
     logprobs, logits controls or grammar (those stay with :class:`SamplingPlan`)."""
     return req.params.logprobs is None and not req.track_cumulative and req.controls is None and req.grammar is None
+
+
+def top_in_id_order(lp: torch.Tensor, k: int, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(lp, k)`` of rows ``[m, vocab]`` with ties ordered by token id: the k largest in the
+    order (value descending, id ascending), so the first j of them are the top j for any j <= k.
+    Sizes its result from a device value (``nonzero``: a sync on a GPU); logprobs are sampled outside
+    CUDA graphs, so no graph holds it."""
+    assert dim in (-1, lp.dim() - 1)
+    kth = torch.topk(lp, k, dim=-1).values[:, -1:]
+    above, tied = lp > kth, lp == kth
+    chosen = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    ids = chosen.nonzero()[:, 1].view(lp.shape[0], k)  # k per row, in id order
+    vals = lp.gather(1, ids)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, order), ids.gather(1, order)
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

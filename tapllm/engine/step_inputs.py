@@ -119,11 +119,13 @@ def lay_out(items: list[ScheduledItem], tables: BlockTables) -> StepLayout:
 
 
 def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: AttentionOps | None,
-           prompt_lengths: bool, vocab_size: int, device: torch.device, last_token: torch.Tensor | None = None
-           ) -> StepBatch:
+           prompt_lengths: bool, vocab_size: int, device: torch.device, last_token: torch.Tensor | None = None,
+           invariant: bool = False) -> StepBatch:
     """The model's inputs for ``lay``, uploaded in one copy; ``attn`` is the backend's attention
     kernels (None: the PyTorch attention, which wants other metadata). A row whose token is not on the
-    host yet (id -1: the host is a step ahead) reads its slot's entry of ``last_token`` on the device."""
+    host yet (id -1: the host is a step ahead) reads its slot's entry of ``last_token`` on the device.
+    ``invariant`` (batch_invariant): the PyTorch attention takes each row alone (no padded groups; every
+    chunk's block table), and tied top logprobs come in token-id order."""
     bs = tables.block_size
     staging.begin()
     s_ids = staging.add(lay.ids, torch.int64)
@@ -148,7 +150,7 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
                    staging.add([c.length for c in prefills], torch.int64),
                    staging.add([c.context_len for c in prefills], torch.int64))
         alone = []
-    elif prefills:
+    elif prefills and not invariant:
         groups, alone = group_prefills(prefills)
         s_groups = [(staging.add(g.gather, torch.int64), staging.add(g.valid, torch.int64),
                      staging.add(g.rows, torch.int64)) for g in groups]
@@ -156,7 +158,7 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
     if prompt_lengths:
         s_prompt = staging.add([it.request.num_prompt_tokens for it in lay.items for _ in range(it.num_tokens)],
                                torch.int64)
-    s_sample, sampling = _sampling_sections(lay, staging, vocab_size, device, len(lay.ids))
+    s_sample, sampling = _sampling_sections(lay, staging, vocab_size, device, len(lay.ids), invariant)
 
     views = staging.upload()
     tables.apply(views[s_diff])
@@ -180,7 +182,7 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
                                          max(c.length for c in prefills))
         else:
             for i, c in enumerate(prefills):
-                if c.context_len:  # attends its cached context too: read back from its blocks
+                if c.context_len or invariant:  # attends its cached context too: read back from its blocks
                     c.block_table = prefill_tables[i, : -(-(c.context_len + c.length) // bs)]
     meta = AttentionMetadata(
         slot_mapping=views[s_slots],
@@ -235,11 +237,12 @@ def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: C
                      lay.prompt_logprob_rows), views[s_inputs]
 
 
-def _sampling_sections(lay: StepLayout, staging: Staging, vocab_size: int, device: torch.device, rows: int
-                       ) -> tuple[int | None, SamplingPlan | None]:
+def _sampling_sections(lay: StepLayout, staging: Staging, vocab_size: int, device: torch.device, rows: int,
+                       invariant: bool = False) -> tuple[int | None, SamplingPlan | None]:
     """The sampled rows' index (when they are not every one of ``rows``, in order) and the sampling plan."""
     if not lay.sample_rows:
         return None, None
     picked = [r for r, _ in lay.sample_rows]
     s_sample = staging.add(picked, torch.int64) if picked != list(range(rows)) else None
-    return s_sample, SamplingPlan([r for _, r in lay.sample_rows], vocab_size, staging, device)
+    return s_sample, SamplingPlan([r for _, r in lay.sample_rows], vocab_size, staging, device,
+                                  canonical_ties=invariant)

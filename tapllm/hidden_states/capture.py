@@ -36,7 +36,7 @@ class RequestCapture:
     """One request's capture state: its chunks of rows, or on-device reducers (see the module docstring)."""
 
     def __init__(self, sel: Selection, spec: HiddenStatesSpec, device: torch.device,
-                 lens_fn: LensFn | None = None) -> None:
+                 lens_fn: LensFn | None = None, row_exact: bool = False) -> None:
         self.sel = sel
         self.spec_dict = spec.to_dict()
         self.device = device
@@ -45,6 +45,7 @@ class RequestCapture:
         self.next_pos = 0  # every position below this has been captured (or is not selected)
         self.last_pos = -1  # positions="last": the position held in the one-row buffer
         self.proj = spec.project.to(device) if spec.project is not None else None
+        self.row_exact = row_exact  # batch_invariant: a row's projection must not depend on its chunk
         self.heads = torch.tensor(sel.heads, device=device) if sel.heads is not None else None
         self.reducers: dict[str, Reducer] | None = None
         if sel.reduce and not sel.last_only:
@@ -98,7 +99,7 @@ class RequestCapture:
         if self.heads is not None and point in QUERY_HEAD_POINTS:
             rows = rows.index_select(2, self.heads)
         if self.proj is not None:
-            rows = rows.float() @ self.proj.T
+            rows = project(rows, self.proj, self.row_exact)
         if self.reducers is not None:
             if point == "attn_pattern" and rows.shape[-1] < self.sel.shapes[point][-1]:
                 rows = torch.nn.functional.pad(rows, (0, self.sel.shapes[point][-1] - rows.shape[-1]))
@@ -133,12 +134,14 @@ class RequestCapture:
 
     def _settle(self) -> None:
         """Cut the deferred host blocks into chunks (:meth:`defer`)."""
-        for views, host, start, a, b in self.deferred:
+        deferred, self.deferred = self.deferred, []
+        for views, host, start, a, b in deferred:
             for point, rows in views(host, start, b - a).items():
                 self.take(point, rows, a, b)
-        self.deferred = []
 
     def _keep(self, point: str, a: int, rows: torch.Tensor) -> None:
+        if self.deferred:  # rows an earlier graph step deferred go first (an eager step may follow one)
+            self._settle()
         if self.sel.last_only:
             self.chunks[point] = [(a, rows)]
         else:
@@ -231,3 +234,26 @@ def _ordinary(t: torch.Tensor | None) -> torch.Tensor | None:
         return t
     with torch.inference_mode(False):
         return t.clone()
+
+
+_PROJECT_BLOCK = 64  # rows a row-exact projection computes at once (padded): one shape for every call
+
+
+def project(rows: torch.Tensor, directions: torch.Tensor, row_exact: bool) -> torch.Tensor:
+    """``rows [..., hidden]`` (float32) times ``directions [k, hidden]`` transposed: ``[..., k]``.
+
+    ``row_exact``: a row's result does not depend on how many rows came with it (a GEMM's does, and so
+    does a reduction whose split a library picks from the number of rows, as PyTorch's GPU one does):
+    rows go in zero-padded blocks of 64, one direction at a time as a product and a sum over
+    ``hidden``, so every reduction has the same shape whatever the step; costs ``k`` passes per block.
+    """
+    x = rows.float()
+    if not row_exact:
+        return x @ directions.T
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    padded = torch.nn.functional.pad(flat, (0, 0, 0, -n % _PROJECT_BLOCK))
+    out = [torch.stack([(block * d).sum(-1) for d in directions.float()], dim=-1)
+           for block in padded.split(_PROJECT_BLOCK)]
+    done = torch.cat(out) if out else padded.new_zeros(0, directions.shape[0])
+    return done[:n].reshape(*x.shape[:-1], directions.shape[0])

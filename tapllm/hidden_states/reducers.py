@@ -13,8 +13,10 @@ the device the model runs on, and keeps only its running state there::
 that stopped at its first generated token has no generated positions); the built-ins then
 return NaN.
 
-How the prompt was chunked must not change the result (up to float rounding): a reducer
-may not assume a chunk holds the whole prompt, or that chunks have any particular size.
+How the prompt was chunked must not change the result: a reducer may not assume a chunk holds
+the whole prompt, or that chunks have any particular size. The built-ins give the same bits
+however the rows were chunked (sums add fixed blocks of rows in arrival order), which
+``batch_invariant`` relies on.
 
 Plugins are found through the entry-point group ``tapllm.reducers``; the entry point's name
 is the reducer's name and its object is the factory (usually the class). In code, use
@@ -66,12 +68,45 @@ class _Fold:
         return self.acc
 
 
+_SUM_BLOCK = 64  # rows a sum adds at once
+
+
 class SumReducer(_Fold):
-    """Sum over positions (float32 accumulation)."""
+    """Sum over positions (float32 accumulation).
+
+    The rows are summed in blocks of 64 in arrival order, each block's sum added to the running
+    total, so the result is the same bits however the rows came chunked (a sum over each chunk would
+    depend on where the chunks start).
+    """
+
+    def start(self, num_layers: int, width: int, device: torch.device) -> None:
+        super().start(num_layers, width, device)
+        # The block being filled, copied: a step's rows may be views of buffers the next step reuses
+        # (a CUDA graph's outputs), so none is kept past ``update``.
+        self.block: torch.Tensor | None = None
+        self.pending_rows = 0
 
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        s = rows.sum(0)
+        i = 0
+        while i < rows.shape[0]:
+            if self.block is None:
+                self.block = rows.new_empty((_SUM_BLOCK, *rows.shape[1:]))
+            take = min(_SUM_BLOCK - self.pending_rows, rows.shape[0] - i)
+            self.block[self.pending_rows : self.pending_rows + take].copy_(rows[i : i + take])
+            self.pending_rows += take
+            i += take
+            if self.pending_rows == _SUM_BLOCK:
+                self._fold()
+
+    def _fold(self) -> None:
+        s = self.block[: self.pending_rows].sum(0)  # one block of one shape: its sum does not depend on the chunks
         self.acc = s if self.acc is None else self.acc.add_(s)
+        self.pending_rows = 0
+
+    def finish(self) -> torch.Tensor:
+        if self.pending_rows:
+            self._fold()
+        return super().finish()
 
 
 class MeanReducer(SumReducer):

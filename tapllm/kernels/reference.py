@@ -170,9 +170,10 @@ def check_all(ops: Any) -> str | None:
         lens = torch.tensor([5, 7])
         qd = rand(2, 4, 16)
         for window, cap in ((0, 0.0), (3, 0.0), (0, 5.0)):
-            got = ops.decode_attention(qd, kc, vc, tables, lens, 0.25, window, cap)
-            if not _close(got, decode_attention(qd, kc, vc, tables, lens, 0.25, window, cap), tol):
-                return f"decode_attention window={window} softcap={cap} ({dtype})"
+            want = decode_attention(qd, kc, vc, tables, lens, 0.25, window, cap)
+            for name in ("decode_attention", "row_attention"):
+                if not _close(getattr(ops, name)(qd, kc, vc, tables, lens, 0.25, window, cap), want, tol):
+                    return f"{name} window={window} softcap={cap} ({dtype})"
         qp = rand(9, 4, 16)
         starts, plens, ctxs = torch.tensor([0, 4]), torch.tensor([4, 5]), torch.tensor([1, 2])
         for window, cap in ((0, 0.0), (3, 0.0), (0, 5.0)):

@@ -21,6 +21,9 @@ Triton's interpreter runs them instead, on CPU tensors too (the tests).
   launch whose grid depends only on the step's token bucket and maximum number of sequences
   (graph-safe): the rows' split among sequences, their contexts and their rows of the
   engine's block table are read from device tensors.
+- :func:`decode_rows` is :func:`decode_attention` for ``batch_invariant``: each decode row a
+  one-token chunk of the prefill kernel, whose rows (with ``invariant``) get the same arithmetic in
+  any chunk, tile or step: every tile masked, key tiles at multiples of the tile size, no split.
 - :func:`kv_write` stores new keys and values at flat slots (a negative slot is skipped),
   zeroing values that are not finite, as the eager path does.
 
@@ -227,7 +230,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, starts: torch.Tensor,
                       lens: torch.Tensor, contexts: torch.Tensor, tables: torch.Tensor, scale: float,
                       window: int | None = 0, softcap: float | None = 0.0,
-                      max_len: int | None = None) -> torch.Tensor:
+                      max_len: int | None = None, invariant: bool = False) -> torch.Tensor:
     """Causal attention of every prefill chunk of a step, in one launch: ``q`` [T, H, D] -> [T, H, D].
 
     Chunk ``c`` owns batch rows ``starts[c] .. starts[c] + lens[c] - 1``, its queries at
@@ -235,7 +238,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     blocks ``tables[c]`` ([C, W]) of the caches, its own already written there. Rows outside
     every chunk are zero. ``window``/``softcap`` as in :func:`decode_attention`. ``max_len``
     (at least the longest chunk, a host int the caller knows) sizes the grid; None reads
-    ``lens.max()`` from the device (a sync).
+    ``lens.max()`` from the device (a sync). ``invariant`` (batch_invariant): each row's arithmetic
+    independent of the rows it shares a query tile with (every key tile masked; see the kernels).
     """
     op = "prefill_attention"
     heads, kv_heads, page, dim = _check_cache(op, q, k_cache, v_cache)
@@ -269,14 +273,33 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
         SOFTCAP=has_cap, WINDOW=has_window, PRECISION=_precision(q.dtype),
-        UPCAST=interpret and q.dtype == torch.bfloat16,
+        UPCAST=interpret and q.dtype == torch.bfloat16, INVARIANT=invariant,
         num_warps=warps, num_stages=stages)
     return out
 
 
+def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                lens: torch.Tensor, scale: float, window: int | None = 0,
+                softcap: float | None = 0.0) -> torch.Tensor:
+    """:func:`decode_attention`'s contract (a row of length 0 gives zeros) computed as batch_invariant needs
+    it: each decode row is a one-token chunk of :func:`prefill_attention` with ``invariant``, so its
+    arithmetic is exactly what its token gets inside a prefill chunk of any size (the same query tile
+    shape, key tiles and online softmax; no split over the keys). Graph-safe: nothing read on the host.
+    """
+    op = "decode_rows"
+    _check_index(op, "block_tables", block_tables, 2, q.device)
+    _check_index(op, "lens", lens, 1, q.device)
+    if q.shape[0] != block_tables.shape[0] or lens.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"{op}: q ({q.shape[0]}), block_tables ({block_tables.shape[0]}) and lens "
+                         f"({lens.shape[0]}) must have the same number of rows")
+    starts = torch.arange(q.shape[0], dtype=lens.dtype, device=q.device)
+    return prefill_attention(q, k_cache, v_cache, starts, (lens > 0).to(lens.dtype), (lens - 1).clamp(min=0),
+                             block_tables, scale, window, softcap, max_len=1, invariant=True)
+
+
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_rows: torch.Tensor, cu_q: torch.Tensor, ctx: torch.Tensor, scale: float,
-                      window: int | None = 0, softcap: float | None = 0.0) -> torch.Tensor:
+                      window: int | None = 0, softcap: float | None = 0.0, invariant: bool = False) -> torch.Tensor:
     """Causal attention of a ragged step (prefill chunks and decodes alike), one launch: ``q`` [T, H, D] -> same.
 
     Sequence ``s`` of ``S`` owns batch rows ``cu_q[s] .. cu_q[s + 1] - 1`` (``cu_q`` [S + 1],
@@ -287,7 +310,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     :func:`decode_attention`. The grid depends on ``T``, ``S`` and the shapes only, and nothing
     is read on the host, so a CUDA graph captured once replays with any split of up to ``T``
     rows among up to ``S`` sequences. Positions past ``W * block_size`` are never read; the
-    index tensors' values are not checked (that would need a sync).
+    index tensors' values are not checked (that would need a sync). ``invariant``: as in
+    :func:`prefill_attention`.
     """
     op = "unified_attention"
     heads, kv_heads, page, dim = _check_cache(op, q, k_cache, v_cache)
@@ -320,7 +344,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_S=_pow2(seqs, 2), SOFTCAP=has_cap, WINDOW=has_window, PRECISION=_precision(q.dtype),
-        UPCAST=interpret and q.dtype == torch.bfloat16,
+        UPCAST=interpret and q.dtype == torch.bfloat16, INVARIANT=invariant,
         num_warps=warps, num_stages=stages)
     return out
 

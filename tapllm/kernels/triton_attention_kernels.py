@@ -215,10 +215,16 @@ def _query_block(q_ptr, k_ptr, v_ptr, out_ptr, table_row, start, n, ctx, t0, kvh
                  stride_vh, stride_vblk, stride_vt, stride_tw, stride_ot, stride_oh,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                 WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INVARIANT: tl.constexpr):
     """Tokens ``t0 .. t0 + BLOCK_Q - 1`` of a chunk of ``n`` (batch rows from ``start``, positions from
     ``ctx``) times KV head ``kvh``'s query heads, as ``BLOCK_M`` rows: causal attention over the
-    chunk's keys in the cache (context and itself), stored to ``out``."""
+    chunk's keys in the cache (context and itself), stored to ``out``.
+
+    ``INVARIANT`` (batch_invariant): every key tile takes the masked path, so a row's arithmetic does
+    not depend on the rows it shares a tile with (which tiles skip the masks does). Its tiles start
+    at multiples of ``BLOCK_N``; a tile before its window or after its position only adds exact zeros
+    (the running max and sums unchanged), so the row's result is the same bits in any block, alone
+    as a decode row or inside a chunk of any size."""
     rows = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     tok = t0 + rows // GROUP
@@ -244,6 +250,9 @@ def _query_block(q_ptr, k_ptr, v_ptr, out_ptr, table_row, start, n, ctx, t0, kvh
     else:
         lo = full_hi * 0
         full_lo = lo
+    if INVARIANT:
+        full_lo = lo
+        full_hi = lo
     acc, m_i, l_i = _attend_keys(
         q, qpos, k_ptr + kvh.to(tl.int64) * stride_kh, v_ptr + kvh.to(tl.int64) * stride_vh, table_row,
         lo, full_lo, full_hi, hi, window, qk_mul, cap_mul, stride_tw, stride_kblk, stride_kt, stride_vblk,
@@ -262,7 +271,7 @@ def prefill_kernel(
     stride_tc, stride_tw, stride_sc, stride_lc, stride_cc, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-    WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, INVARIANT: tl.constexpr,
 ):
     """One (query tile, chunk, KV head): ``BLOCK_Q`` of the chunk's tokens times the group's heads
     as ``BLOCK_M`` rows, causal over the chunk's cached context and itself."""
@@ -278,7 +287,7 @@ def prefill_kernel(
                  tile * BLOCK_Q, kvh, num_rows, table_width * PAGE, window, qk_mul, cap_mul,
                  stride_qt, stride_qh, stride_kh, stride_kblk, stride_kt, stride_vh, stride_vblk, stride_vt,
                  stride_tw, stride_ot, stride_oh, GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_Q, BLOCK_D, BLOCK_N,
-                 SOFTCAP, WINDOW, PRECISION, UPCAST)
+                 SOFTCAP, WINDOW, PRECISION, UPCAST, INVARIANT)
 
 
 @triton.jit
@@ -290,6 +299,7 @@ def unified_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    INVARIANT: tl.constexpr,
 ):
     """One (program, KV head) of a ragged step: program ``p`` zeroes the padding rows among batch rows
     ``p * BLOCK_Q ..`` and attends one query block of one sequence, or nothing.
@@ -325,7 +335,7 @@ def unified_kernel(
                      num_rows, table_width * PAGE, window, qk_mul, cap_mul,
                      stride_qt, stride_qh, stride_kh, stride_kblk, stride_kt, stride_vh, stride_vblk, stride_vt,
                      stride_tw, stride_ot, stride_oh, GROUP, HEAD_DIM, PAGE, BLOCK_M, BLOCK_Q, BLOCK_D, BLOCK_N,
-                     SOFTCAP, WINDOW, PRECISION, UPCAST)
+                     SOFTCAP, WINDOW, PRECISION, UPCAST, INVARIANT)
 
 
 @triton.jit

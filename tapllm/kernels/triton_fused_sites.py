@@ -27,7 +27,7 @@ import torch
 from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU
 from tapllm.kernels.triton_elementwise import (ONE_PASS_WIDTH, check_heads, check_kv_write, check_norm, check_rows,
                                                check_values, rotary_launch)
-from tapllm.kernels.triton_rounding import emulate_rne
+from tapllm.kernels.rounding import emulate_rne
 from tapllm.kernels.triton_tap import site_args
 from tapllm.tap.fused import HeadSites, KernelSites, NormSites
 

@@ -7,7 +7,6 @@ even that the GPU does is done on the float32 bits first (then the cast is exact
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -26,8 +25,3 @@ def cast_rne(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
 def round_rne(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """Float32 ``x`` rounded to ``DTYPE`` and back to float32 (what an eager op in ``DTYPE`` returns)."""
     return cast_rne(x, DTYPE, EMULATE_RNE).to(tl.float32)
-
-
-def emulate_rne(interpreted: bool, dtype: torch.dtype) -> bool:
-    """Whether a launch must emulate bfloat16 rounding (see the module docstring)."""
-    return interpreted and dtype == torch.bfloat16

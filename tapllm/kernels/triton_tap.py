@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tapllm.kernels.triton_rounding import emulate_rne
+from tapllm.kernels.rounding import emulate_rne
 from tapllm.tap.sites import Site
 from tapllm.tap.tables import TapTables
 

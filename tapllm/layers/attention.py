@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tapllm.backends.ops import AttentionOps
+from tapllm.layers.row_attention import attend_rows, row_probs
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ class AttentionOptions:
     scale: float
     window: int | None = None  # a query at position i sees keys i - window < j <= i
     softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap before the softmax
+    invariant: bool = False  # batch_invariant: PyTorch attends (and patterns) one row at a time (row_attention.py)
 
 
 @dataclass(slots=True)
@@ -194,6 +196,8 @@ def paged_attention(
         # attention weight; 0 * NaN is NaN, so a value that is not finite (one request's overflow)
         # must never reach the cache where another request could read it that way.
         v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, _finite(v).transpose(0, 1))
+    if meta.attn is None and opts.invariant:
+        return attend_rows(q, k_cache, v_cache, _sequences(meta), opts.scale, opts.window, opts.softcap)
     if meta.unified is not None:
         u = meta.unified
         return meta.attn.unified_attention(q, k_cache, v_cache, u.table, u.seq_rows, u.cu_q, u.ctx, opts.scale,
@@ -231,6 +235,13 @@ def paged_attention(
             vc = _gather(v_cache, table)[:, :, :total].transpose(0, 1)
         out[rows] = _attend(qc, kc, vc, chunk.context_len, opts).squeeze(0).transpose(0, 1)
     return out
+
+
+def _sequences(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tensor]]:
+    """The step's rows as :func:`attend_rows` takes them: decode rows, then chunks (each with its block table)."""
+    lens = meta.decode_lens.tolist() if meta.num_decodes else []
+    out = [(r, lens[r] - 1, 1, meta.decode_block_tables[r]) for r in range(meta.num_decodes)]
+    return out + [(c.start, c.context_len, c.length, c.block_table) for c in meta.prefills]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, opts: AttentionOptions) -> torch.Tensor:
@@ -289,6 +300,8 @@ def gather_keys(k_cache: torch.Tensor, block_table: list[int], length: int) -> t
 def attention_probs(q: torch.Tensor, keys: torch.Tensor, first: int, opts: AttentionOptions) -> torch.Tensor:
     """Softmax attention weights (float32) of queries ``q`` ``[n, H, D]`` at positions ``first..`` over
     ``keys`` ``[Hkv, S, D]`` (positions ``0..S-1``), masked as the layer masks them: ``[n, H, S]``."""
+    if opts.invariant:
+        return row_probs(q, keys, first, opts.scale, opts.window, opts.softcap)
     n, h, _ = q.shape
     keys = keys.repeat_interleave(h // keys.shape[0], dim=0)  # one key head per query head
     scores = torch.einsum("nhd,hkd->nhk", q.float(), keys.float()) * opts.scale

@@ -9,16 +9,21 @@ private ``torch.ops.mkldnn`` packing ops are used, where the backend says so (``
 where ``tapllm.utils.platform``'s probe packed and ran a trial linear in that dtype on this CPU;
 bf16 packing needs AVX512-BW/VL/DQ or AVX-NE-CONVERT); everywhere else the layer is a plain ``F.linear``. With the CPU backend,
 steps of at most ``Backend.gemv_rows`` rows read the packed weight in place with tapllm's GEMV
-(``tapllm.kernels.gemv``).
+(``tapllm.kernels.gemv``). With ``batch_invariant`` every step takes that GEMV, whose row results do
+not depend on the step's other rows; where it cannot run, each row is its own one-row call
+(:func:`rowwise`). On the CUDA backend ``batch_invariant`` hands every layer the backend's invariant
+linear instead (``Backend.linear``: a Triton GEMM of fixed tiles, :meth:`Linear.use_linear`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapllm.backends.ops import GemvOps
+from tapllm.backends.ops import GemvOps, LinearOps
 
 
 class Linear(nn.Module):
@@ -36,15 +41,19 @@ class Linear(nn.Module):
         self.gemv: torch.Tensor | None = None
         self.gemv_rows = 0
         self.ops: GemvOps | None = None
+        self.invariant = False  # batch_invariant: row results independent of the step's other rows
+        self.linear_ops: LinearOps | None = None  # the backend's invariant linear (CUDA), used for every step
 
     def pack(self) -> None:
         """Replace the weight by a oneDNN-packed copy (call after loading, when available)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 16)
         self.weight = None  # the packed copy is the only one kept
 
-    def use_gemv(self, ops: GemvOps | None, rows: int) -> None:
+    def use_gemv(self, ops: GemvOps | None, rows: int, invariant: bool = False) -> None:
         """Read the packed weight in place for steps of at most ``rows`` rows with ``ops`` (the backend's
-        GEMV, probed for the weight's dtype); None restores oneDNN's call."""
+        GEMV, probed for the weight's dtype); None restores oneDNN's call. ``invariant``: every row's
+        result independent of the rest of the step (the GEMV at every size, else one row per call)."""
+        self.invariant = invariant
         usable = ops is not None and self.packed is not None and self.packed.dtype in (torch.bfloat16, torch.float32)
         view = None
         if usable:
@@ -56,12 +65,37 @@ class Linear(nn.Module):
         self.gemv = view
         self.gemv_rows = rows if view is not None else 0
 
+    def use_linear(self, ops: LinearOps | None) -> None:
+        """Compute every step with ``ops`` (the backend's batch-invariant linear); None: the other paths."""
+        self.linear_ops = ops if ops is not None and self.packed is None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= self.gemv_rows and x.dtype == self.gemv.dtype:
+        if self.linear_ops is not None:
+            return self.linear_ops.linear(x, self.weight, self.bias)
+        gemv = self.gemv is not None and x.dim() == 2 and x.dtype == self.gemv.dtype
+        if gemv and (self.invariant or x.shape[0] <= self.gemv_rows):
             return self.ops.packed_linear(x, self.gemv, self.bias)
+        if self.invariant:
+            return rowwise(self._library, x)
+        return self._library(x)
+
+    def _library(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (a linear map of the last dimension) applied to each row of ``x`` alone, as a ``[1, K]`` call.
+
+    A library GEMM's row results depend on how many rows it is given and where the row sits among
+    them (oneDNN's and MKL's do, measured); the same one-row call gives a row the same result in any
+    step, at the cost of a call per row.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 1:
+        return fn(flat).view(*x.shape[:-1], -1)
+    return torch.cat([fn(flat[i : i + 1]) for i in range(flat.shape[0])]).view(*x.shape[:-1], -1)
 
 
 def pack_linears(model: nn.Module) -> None:

@@ -21,6 +21,7 @@ class RMSNorm(nn.Module):
     ops: ElementwiseOps | None = None
     kernel_mode = RMS_LLAMA
     fused_sites: bool = False  # ``ops`` applies a graph step's tap sites (FusedSiteOps), and the model lets it
+    invariant: bool = False  # batch_invariant: per-head norms ([T, H, D]) through ``ops`` too, as rows of D
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -30,6 +31,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and x.dim() == 2 and x.stride(1) == 1:
             return self.ops.rms_norm(x, self.weight, self.eps, self.kernel_mode)
+        if self.ops is not None and self.invariant and x.dim() > 2:
+            # PyTorch's reduction over the last dimension splits it by the number of rows (on a GPU)
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            return self.ops.rms_norm(rows, self.weight, self.eps, self.kernel_mode).view(x.shape)
         return self.eager(x)
 
     def add_and_norm(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ full or partial rotary (or none), paged attention with the layer's window and so
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import logging
@@ -26,7 +27,7 @@ from tapllm.backends import Backend, ElementwiseOps
 from tapllm.config import ModelConfig
 from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU
 from tapllm.layers.attention import AttentionMetadata, AttentionOptions, paged_attention
-from tapllm.layers.linear import Linear, pack_linears
+from tapllm.layers.linear import Linear, pack_linears, rowwise
 from tapllm.layers.norm import RMSNorm
 from tapllm.models.stack import DecoderStack
 from tapllm.quant.embedding import QuantEmbedding
@@ -305,7 +306,14 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] (model dtype) for the given final hidden rows."""
-        logits = F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)
+        elif self.backend is not None and self.backend.linear is not None:
+            logits = self.backend.linear.linear(hidden, self.embed_tokens.weight, None)
+        elif self.backend is not None and self.backend.batch_invariant:
+            logits = rowwise(lambda x: F.linear(x, self.embed_tokens.weight), hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
         if self.final_logit_softcap is not None:
             cap = self.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
@@ -319,21 +327,28 @@ class CausalLM(nn.Module):
     def use_backend(self, backend: Backend | None) -> None:
         """Hand every module the backend's ops of its family (``tapllm.backends.select_backend``);
         ``None`` (or the eager backend) restores the plain PyTorch code everywhere."""
+        invariant = backend is not None and backend.batch_invariant
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | GatedMLP):
                 module.ops = backend.elementwise if backend is not None else None
                 if isinstance(module, Attention):
                     module.fused_kv_write = module.ops is not None and hasattr(module.ops, "rotary_kv_write")
+                    module.opts = replace(module.opts, invariant=invariant)
+                if isinstance(module, RMSNorm):
+                    module.invariant = invariant
+                # batch_invariant: a row's norm must not change kernel with whether another request taps the step
                 site_op = next(name for kind, name in _SITE_OPS if isinstance(module, kind))
-                module.fused_sites = self.fused_blocks and module.ops is not None and hasattr(module.ops, site_op)
+                module.fused_sites = (self.fused_blocks and module.ops is not None and hasattr(module.ops, site_op)
+                                      and not invariant)
             elif isinstance(module, QuantLinear | QuantEmbedding):
                 module.ops = backend.quant if backend is not None else None
             elif isinstance(module, Linear):
                 module.use_gemv(backend.gemv if backend is not None else None,
-                                backend.gemv_rows if backend is not None else 0)
+                                backend.gemv_rows if backend is not None else 0, invariant)
+                module.use_linear(backend.linear if backend is not None else None)
         self.backend = backend
         self.stack = DecoderStack.maybe(backend.stack if backend is not None else None, self.layers,
-                                        self.stack_block, Attention, GatedMLP)
+                                        self.stack_block, Attention, GatedMLP, invariant)
 
     # ---- weights -----------------------------------------------------------------------
     def prepare_for_inference(self, prepack: bool) -> None:

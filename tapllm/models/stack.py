@@ -35,10 +35,12 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 class DecoderStack:
     """The C++ runner's view of a model's blocks; built by :meth:`maybe` when every block fits."""
 
-    def __init__(self, ops: Any, layers: nn.ModuleList, scale: float, eps: float, act: int, packed: bool) -> None:
+    def __init__(self, ops: Any, layers: nn.ModuleList, scale: float, eps: float, act: int, packed: bool,
+                 invariant: bool = False) -> None:
         self.ops = ops
         self.layers = layers
         self.scale, self.eps, self.act, self.packed = scale, eps, act, packed
+        self.invariant = invariant  # batch_invariant: the packed GEMV at every size, row_attention
         first = layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv, first.head_dim
         self.windows = [layer.self_attn.opts.window or 0 for layer in layers]
@@ -50,15 +52,19 @@ class DecoderStack:
 
     @classmethod
     def maybe(cls, ops: Any, layers: nn.ModuleList, block: type | None, attention: type,
-              mlp: type) -> DecoderStack | None:
+              mlp: type, invariant: bool = False) -> DecoderStack | None:
         """A stack over ``layers`` when every one is a ``block`` (the family's pre-norm Llama-style
-        block) of exactly ``attention`` and gated ``mlp`` modules, else None."""
+        block) of exactly ``attention`` and gated ``mlp`` modules, else None. ``invariant``
+        (batch_invariant): only where every linear has the packed GEMV, which the runner then takes
+        at every size."""
         if ops is None or block is None or not hasattr(ops, "decoder_layers") or not len(layers):
             return None
         if any(type(layer) is not block for layer in layers):
             return None
         linears = [m for layer in layers for m in _linears(layer) if type(m) is not SplitQuantLinear]
         if any(type(m) not in (Linear, QuantLinear) for m in linears) or not linears:
+            return None
+        if invariant and any(getattr(m, "gemv", None) is None for m in linears):
             return None
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         eps = getattr(layers[0].input_layernorm, "eps", None)
@@ -75,7 +81,7 @@ class DecoderStack:
         act_bits = {m.act_bits for m in linears if type(m) is QuantLinear}
         if len(packed) > 1 or len(act_bits) > 1:
             return None
-        stack = cls(ops, layers, attn0.opts.scale, eps, mlp0.kernel_act, packed.pop() if packed else False)
+        stack = cls(ops, layers, attn0.opts.scale, eps, mlp0.kernel_act, packed.pop() if packed else False, invariant)
         stack.act_bits = act_bits.pop() if act_bits else 0
         return stack
 
@@ -108,4 +114,4 @@ class DecoderStack:
         return self.ops.decoder_layers(x, params, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping,
                                        meta.decode_block_tables, meta.decode_lens, self.heads, self.kv_heads,
                                        self.head_dim, self.eps, self.scale, self.windows[start:stop], self.act,
-                                       self.packed, self.act_bits)
+                                       self.packed, self.act_bits, self.invariant)

@@ -22,6 +22,9 @@ TORCH_LIBRARY_FRAGMENT(TAPLLM_NS, m) {
         "int window, float softcap) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor starts, Tensor lens, Tensor contexts, "
         "Tensor block_tables, float scale, int window, float softcap) -> Tensor");
+  // row_attention.cpp
+  m.def("row_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "
+        "int window, float softcap) -> Tensor");
   // packed_gemv.cpp (the two queries run on no tensor: one kernel for every dispatch key)
   m.def("packed_view(Tensor packed) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
@@ -34,7 +37,7 @@ TORCH_LIBRARY_FRAGMENT(TAPLLM_NS, m) {
   // decoder.cpp
   m.def("decoder_layers(Tensor(a!) x, Tensor?[] params, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
         "Tensor lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int[] windows, int act, "
-        "bool packed, int act_bits=0) -> Tensor(a!)");
+        "bool packed, int act_bits=0, bool invariant=False) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(TAPLLM_NS, CPU, m) {
@@ -45,6 +48,7 @@ TORCH_LIBRARY_IMPL(TAPLLM_NS, CPU, m) {
   m.impl("kv_write", &tapllm::kv_write);
   m.impl("decode_attention", &tapllm::decode_attention);
   m.impl("prefill_attention", &tapllm::prefill_attention);
+  m.impl("row_attention", &tapllm::row_attention);
   m.impl("packed_view", &tapllm::packed_view);  // a plain tensor: refused with a message
   m.impl("packed_linear", &tapllm::packed_linear);
   m.impl("quant_linear", &tapllm::quant_linear);

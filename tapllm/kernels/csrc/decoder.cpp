@@ -16,11 +16,12 @@ namespace {
 // the Python side probed it (gemv: the packed weight's packed_view, tapllm/kernels/gemv.py); else
 // oneDNN's op on a weight tapllm prepacked at load time, or at::linear. The packed op is private:
 // the Python side only packs after its probe ran it (tapllm/platform.py), and only then passes
-// packed=true.
+// packed=true. invariant (batch_invariant): every step takes the packed GEMV (the Python side hands
+// the runner only blocks whose linears all have one).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& gemv,
-                  const std::optional<at::Tensor>& b, bool packed, int64_t act_bits) {
+                  const std::optional<at::Tensor>& b, bool packed, int64_t act_bits, bool invariant) {
   if (w.scalar_type() == at::kByte) return quant_linear(x, w, b, act_bits);  // a quantized weight (quant.cpp)
-  if (gemv.has_value() && x.size(0) <= GEMV_MAX_ROWS && x.scalar_type() == gemv->scalar_type())
+  if (gemv.has_value() && (invariant || x.size(0) <= GEMV_MAX_ROWS) && x.scalar_type() == gemv->scalar_type())
     return packed_linear(x, *gemv, b);
   if (!packed) return at::linear(x, w, b);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -47,12 +48,13 @@ at::Tensor req(const c10::List<std::optional<at::Tensor>>& params, int64_t i) {
 
 // params: per layer the DECODER_SLOTS of constants.py, in that order (a bias or packed_view may be
 // None); windows: per layer (0: none); act_bits: the quantized linears' activation rounding (0: none,
-// 8: int8). x [T, hidden] is updated in place.
+// 8: int8); invariant: batch_invariant's kernels (the packed GEMV at every size, row_attention).
+// x [T, hidden] is updated in place.
 at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor>>& params, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
                           const at::Tensor& lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           double eps, double scale, at::IntArrayRef windows, int64_t act, bool packed,
-                          int64_t act_bits) {
+                          int64_t act_bits, bool invariant) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: x must be a contiguous [T, hidden] tensor");
   TORCH_CHECK(static_cast<int64_t>(params.size()) == DECODER_SLOTS_COUNT * static_cast<int64_t>(windows.size()),
               "decoder_layers: ", DECODER_SLOTS_COUNT, " parameters per layer expected (DECODER_SLOTS), got ",
@@ -63,21 +65,22 @@ at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor
     const int64_t p = DECODER_SLOTS_COUNT * static_cast<int64_t>(layer);
     at::Tensor h = rms_norm(x, req(params, p + slot::input_norm), eps, RMS_LLAMA);
     at::Tensor qkv = linear(h, req(params, p + slot::qkv), opt(params, p + slot::qkv_gemv),
-                            opt(params, p + slot::qkv_bias), packed, act_bits);
+                            opt(params, p + slot::qkv_bias), packed, act_bits, invariant);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
     rotary_(q, k, cos, sin);
     at::Tensor k_cache = req(params, p + slot::k_cache), v_cache = req(params, p + slot::v_cache);
     kv_write(k, v, k_cache, v_cache, slots);
-    at::Tensor z = decode_attention(q, k_cache, v_cache, block_tables, lens, scale, windows[layer], 0.0);
+    at::Tensor z = invariant ? row_attention(q, k_cache, v_cache, block_tables, lens, scale, windows[layer], 0.0)
+                             : decode_attention(q, k_cache, v_cache, block_tables, lens, scale, windows[layer], 0.0);
     at::Tensor a = linear(z.view({t, q_size}), req(params, p + slot::o), opt(params, p + slot::o_gemv),
-                          opt(params, p + slot::o_bias), packed, act_bits);
+                          opt(params, p + slot::o_bias), packed, act_bits, invariant);
     h = add_rms_norm_(x, a, req(params, p + slot::post_norm), eps, RMS_LLAMA);
     at::Tensor gate_up = linear(h, req(params, p + slot::gate_up), opt(params, p + slot::gate_up_gemv),
-                                opt(params, p + slot::gate_up_bias), packed, act_bits);
+                                opt(params, p + slot::gate_up_bias), packed, act_bits, invariant);
     at::Tensor m = linear(gated_act(gate_up, act), req(params, p + slot::down), opt(params, p + slot::down_gemv),
-                          opt(params, p + slot::down_bias), packed, act_bits);
+                          opt(params, p + slot::down_bias), packed, act_bits, invariant);
     x.add_(m);
   }
   return x;

@@ -34,7 +34,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
                              const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& contexts,
                              const at::Tensor& block_tables, double scale, int64_t window, double softcap);
 
-// ---- packed_gemv.cpp: y = x W^T + b for at most GEMV_MAX_ROWS rows on a oneDNN-prepacked weight ----
+// ---- row_attention.cpp: one query per sequence in the prefill kernel's arithmetic (batch_invariant) ---
+at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
+                         double softcap);
+
+// ---- packed_gemv.cpp: y = x W^T + b on a oneDNN-prepacked weight (decode sizes; any with batch_invariant) ----
 // A plain tensor over the packed weight's bytes, read in place (no copy).
 at::Tensor packed_view(const at::Tensor& packed);
 // w is the weight's packed_view; x is bfloat16 or float32, as the weight.
@@ -54,11 +59,12 @@ at::Tensor quant_dequantize(const at::Tensor& w, int64_t k, at::ScalarType dtype
 at::Tensor round_activations(const at::Tensor& x);
 
 // ---- decoder.cpp: a run of pre-norm decoder blocks for a step of decodes, x [T, hidden] in place ---
-// params: per layer the constants.py DECODER_SLOTS, in that order; windows: per layer (0: none).
+// params: per layer the constants.py DECODER_SLOTS, in that order; windows: per layer (0: none);
+// invariant: batch_invariant's kernels.
 at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor>>& params, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
                           const at::Tensor& lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           double eps, double scale, at::IntArrayRef windows, int64_t act, bool packed,
-                          int64_t act_bits);
+                          int64_t act_bits, bool invariant);
 
 }  // namespace tapllm

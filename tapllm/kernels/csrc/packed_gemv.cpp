@@ -8,7 +8,9 @@
 // operand of vdpbf16ps: one 512-bit load is 16 outputs x 2 inputs, the input pair is broadcast.
 // packed_view() checks the byte count; tapllm/kernels/gemv.py checks the layout by running this
 // kernel against oneDNN before any model uses it, so another layout keeps oneDNN's call. Steps of
-// more than GEMV_MAX_ROWS rows (constants.py) are oneDNN's: this kernel refuses them.
+// more than GEMV_MAX_ROWS rows (constants.py) are oneDNN's, except with batch_invariant: a row's sums
+// here run over the inputs in one order whatever the number of rows and the row's place among them,
+// so every step takes this kernel then.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -28,6 +30,11 @@ constexpr int64_t kBlockK = 32;  // K is padded to a multiple of this (bf16)
 constexpr int64_t kBlockKF32 = 16;  // float32: blocks of 64 outputs x K, one input at a time, K padded to 16
 int64_t block_k(at::ScalarType t) { return t == at::kFloat ? kBlockKF32 : kBlockK; }
 constexpr int64_t kRowsPerPass = 4;
+// Steps of more than GEMV_MAX_ROWS rows (batch_invariant's prefill chunks) take 6 rows per pass: 24
+// accumulators reuse each loaded block of weights for more rows. (Which rows share a pass changes
+// nothing in any row's sums.)
+constexpr int64_t kWideRowsPerPass = 6;
+constexpr int64_t kTileBytes = 256 << 10;  // rows of x kept in L2 while the weights pass (steps of many rows)
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
@@ -57,14 +64,16 @@ bool supported_f32() {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The input pair (x[2p], x[2p+1]) of a row, broadcast; the pair past an odd K is (x[K-1], 0).
+// The input pair (x[2p], x[2p+1]) of a row, broadcast (one load: a branch here would make the compiler
+// move it through a general register); Tail: the pair past an odd K, (x[K-1], 0).
+template <bool Tail>
 TAPLLM_TARGET_AVX512BF16
-inline __m512bh pair(const uint16_t* x, int64_t p, int64_t k) {
+inline __m512bh pair(const uint16_t* x, int64_t p) {
   uint32_t bits;
-  if (2 * p + 1 < k) {
-    std::memcpy(&bits, x + 2 * p, 4);
-  } else {
+  if constexpr (Tail) {
     bits = x[2 * p];
+  } else {
+    std::memcpy(&bits, x + 2 * p, 4);
   }
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
 }
@@ -99,6 +108,30 @@ inline void stream_ahead(const char* step, bool streaming) {
   }
 }
 
+// One input pair p of rows [0, M) against a block of 64 outputs, into acc.
+template <int M, bool Tail>
+TAPLLM_TARGET_AVX512BF16
+inline void pair_step(__m512 (&acc)[M][4], const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t p,
+                      const Ahead& ahead) {
+  const uint16_t* wp = w + p * 2 * kBlockN;  // pairs of a block follow each other (16 x 128 = 2048)
+  stream_ahead(reinterpret_cast<const char*>(wp), ahead.streaming);
+  if (ahead.next != nullptr) {
+    for (int q = 0; q < ahead.each; ++q) {
+      const int64_t line = ahead.first + p * ahead.each + q;
+      if (line < ahead.end) _mm_prefetch(ahead.next + line * 64, _MM_HINT_T1);
+    }
+  }
+  const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+  const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+  for (int r = 0; r < M; ++r) {
+    const __m512bh xb = pair<Tail>(x + r * ldx, p);
+    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
+    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
+    acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
+    acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
+  }
+}
+
 // Rows [0, M) of x times one block of 64 outputs; out gets float32 sums [M][64].
 template <int M>
 TAPLLM_TARGET_AVX512BF16
@@ -106,26 +139,8 @@ void block_rows(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, fl
   __m512 acc[M][4];
   for (int r = 0; r < M; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t pairs = (k + 1) / 2;
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* wp = w + p * 2 * kBlockN;  // pairs of a block follow each other (16 x 128 = 2048)
-    stream_ahead(reinterpret_cast<const char*>(wp), ahead.streaming);
-    if (ahead.next != nullptr) {
-      for (int q = 0; q < ahead.each; ++q) {
-        const int64_t line = ahead.first + p * ahead.each + q;
-        if (line < ahead.end) _mm_prefetch(ahead.next + line * 64, _MM_HINT_T1);
-      }
-    }
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
-    for (int r = 0; r < M; ++r) {
-      const __m512bh xb = pair(x + r * ldx, p, k);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
-    }
-  }
+  for (int64_t p = 0; p < k / 2; ++p) pair_step<M, false>(acc, w, x, ldx, p, ahead);
+  if (k % 2 == 1) pair_step<M, true>(acc, w, x, ldx, k / 2, ahead);
   for (int r = 0; r < M; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kBlockN + 16 * j, acc[r][j]);
 }
@@ -136,7 +151,9 @@ void run_rows(int m, const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t 
     case 1: return block_rows<1>(w, x, ldx, k, out, ahead);
     case 2: return block_rows<2>(w, x, ldx, k, out, ahead);
     case 3: return block_rows<3>(w, x, ldx, k, out, ahead);
-    default: return block_rows<4>(w, x, ldx, k, out, ahead);
+    case 4: return block_rows<4>(w, x, ldx, k, out, ahead);
+    case 5: return block_rows<5>(w, x, ldx, k, out, ahead);
+    default: return block_rows<6>(w, x, ldx, k, out, ahead);
   }
 }
 
@@ -190,7 +207,9 @@ void run_rows_f32(int m, const float* w, const float* x, int64_t ldx, int64_t k,
     case 1: return block_rows_f32<1>(w, x, ldx, k, out, ahead);
     case 2: return block_rows_f32<2>(w, x, ldx, k, out, ahead);
     case 3: return block_rows_f32<3>(w, x, ldx, k, out, ahead);
-    default: return block_rows_f32<4>(w, x, ldx, k, out, ahead);
+    case 4: return block_rows_f32<4>(w, x, ldx, k, out, ahead);
+    case 5: return block_rows_f32<5>(w, x, ldx, k, out, ahead);
+    default: return block_rows_f32<6>(w, x, ldx, k, out, ahead);
   }
 }
 
@@ -204,28 +223,72 @@ void store_row_f32(const float* sums, const float* bias, float* y, int64_t n0, i
   }
 }
 
-// Rows of x over the blocks of outputs, 4 rows per pass (see packed_linear): run(rows, block, r0,
+// Steps of many rows, in tiles of `tile` rows (a multiple of kWideRowsPerPass): a work unit is one block
+// of outputs for one tile, units ordered tile by tile.
+template <typename Run, typename Store>
+void drive_tiles(int64_t m, int64_t n, int64_t steps, int64_t block_bytes, const char* wbase, int64_t tile, Run run,
+                 Store store) {
+  const int64_t blocks = (n + kBlockN - 1) / kBlockN, tiles = (m + tile - 1) / tile, block_lines = block_bytes / 64;
+  at::parallel_for(0, tiles * blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kWideRowsPerPass * kBlockN];
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u % blocks, n0 = b * kBlockN, count = std::min(kBlockN, n - n0);
+      const int64_t r_lo = u / blocks * tile, r_hi = std::min(m, r_lo + tile);
+      const int64_t passes = (r_hi - r_lo + kWideRowsPerPass - 1) / kWideRowsPerPass;
+      const int each = passes > 1 ? static_cast<int>((block_lines / steps + passes - 2) / (passes - 1)) : 0;
+      const bool next_here = u + 1 < end && b + 1 < blocks;  // this thread runs the tile's next block too
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t r0 = r_lo + pass * kWideRowsPerPass;
+        const int rows = static_cast<int>(std::min<int64_t>(kWideRowsPerPass, r_hi - r0));
+        Ahead ahead;
+        ahead.streaming = pass == 0;
+        if (pass > 0 && next_here) {
+          ahead.next = wbase + (b + 1) * block_bytes;
+          ahead.first = (pass - 1) * steps * each;
+          ahead.end = block_lines;
+          ahead.each = each;
+        }
+        run(rows, b, r0, sums, ahead);
+        for (int r = 0; r < rows; ++r) store(sums + r * kBlockN, r0 + r, n0, count);
+      }
+    }
+  });
+}
+
+// Rows of x over the blocks of outputs, 4 rows per pass (6 past GEMV_MAX_ROWS): run(rows, block, r0,
 // sums, ahead) computes, store(sums of a row, row, n0, count) writes.
 template <typename Run, typename Store>
 void drive(int64_t m, int64_t n, int64_t steps, int64_t block_bytes, const char* wbase, Run run, Store store) {
   const int64_t blocks = (n + kBlockN - 1) / kBlockN;
-  const int64_t passes = (m + kRowsPerPass - 1) / kRowsPerPass;
+  const int64_t rp = m > GEMV_MAX_ROWS ? kWideRowsPerPass : kRowsPerPass;  // rows per pass
+  if (m > GEMV_MAX_ROWS) {
+    // Rows in tiles that stay in L2 while every block of weights passes, where that moves fewer bytes
+    // (the weights once per tile) than the rows passing each block (x once per block of outputs).
+    const int64_t row_bytes = steps * 4, tile = std::max(rp, kTileBytes / row_bytes / rp * rp);
+    const int64_t tiles = (m + tile - 1) / tile;
+    if (m * row_bytes > kTileBytes && tiles * block_bytes < m * row_bytes)
+      return drive_tiles(m, n, steps, block_bytes, wbase, tile, run, store);
+  }
+  const int64_t passes = (m + rp - 1) / rp;
   const int64_t block_lines = block_bytes / 64;
   // The next block's lines spread over this block's later passes (4 lines per step in all).
   const int each = passes > 1 ? static_cast<int>((block_lines / steps + passes - 2) / (passes - 1)) : 0;
-  // With 2+ passes a work unit is half of a block's passes, so an odd block count (the default
-  // model's 576 outputs are 9 blocks) still splits evenly over threads; an even one gives each
-  // thread whole blocks, as before.
-  const int64_t halves = passes > 1 ? 2 : 1, mid = (passes + 1) / 2;
-  at::parallel_for(0, blocks * halves, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kRowsPerPass * kBlockN];
+  // With 2+ passes a work unit is a part of a block's passes: half of them up to 64 rows, so an odd
+  // block count (the default model's 576 outputs are 9 blocks) still splits evenly over threads (an
+  // even one gives each thread whole blocks); parts of about GEMV_MAX_ROWS rows beyond. A thread
+  // runs consecutive units, so the parts of a block follow each other while it is in cache.
+  const int64_t part_passes = (GEMV_MAX_ROWS + rp - 1) / rp;
+  const int64_t parts = passes > 1 ? std::max<int64_t>(2, (passes + part_passes - 1) / part_passes) : 1;
+  const int64_t per = (passes + parts - 1) / parts;
+  at::parallel_for(0, blocks * parts, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kWideRowsPerPass * kBlockN];
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / halves, n0 = b * kBlockN, count = std::min(kBlockN, n - n0);
-      const int64_t pass_lo = halves == 1 || u % 2 == 0 ? 0 : mid, pass_hi = halves == 1 || u % 2 == 1 ? passes : mid;
-      const bool next_here = (b + 1) * halves < end;  // this thread runs the next block too
+      const int64_t b = u / parts, n0 = b * kBlockN, count = std::min(kBlockN, n - n0);
+      const int64_t pass_lo = u % parts * per, pass_hi = std::min(passes, pass_lo + per);
+      const bool next_here = (b + 1) * parts < end;  // this thread runs the next block too
       for (int64_t pass = pass_lo; pass < pass_hi; ++pass) {  // later passes read the block from cache
-        const int64_t r0 = pass * kRowsPerPass;
-        const int rows = static_cast<int>(std::min<int64_t>(kRowsPerPass, m - r0));
+        const int64_t r0 = pass * rp;
+        const int rows = static_cast<int>(std::min<int64_t>(rp, m - r0));
         Ahead ahead;
         ahead.streaming = pass == pass_lo;  // this thread's first touch of the block
         if (pass > 0 && next_here) {
@@ -262,7 +325,8 @@ at::Tensor packed_view(const at::Tensor& packed) {
                        at::TensorOptions().dtype(packed.scalar_type()));
 }
 
-// y = x W^T + b for a few rows x [m, K] (bf16 or float32) and a packed_view W of that dtype; y [m, N].
+// y = x W^T + b for rows x [m, K] (bf16 or float32; a few, or any number with batch_invariant) and a
+// packed_view W of that dtype; y [m, N].
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   const bool f32 = x.scalar_type() == at::kFloat;
   TORCH_CHECK(f32 ? supported_f32() : supported(), "packed_linear: this build or CPU lacks ",
@@ -271,8 +335,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::op
                   w.dim() == 2,
               "packed_linear: bfloat16 or float32 x [m, K] and a packed_view weight of its dtype expected");
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), kpad = w.size(1);
-  TORCH_CHECK(m <= GEMV_MAX_ROWS, "packed_linear: x has ", m, " rows, at most GEMV_MAX_ROWS = ", GEMV_MAX_ROWS,
-              " (tapllm/kernels/constants.py); larger steps take oneDNN's call");
   TORCH_CHECK(round_up(k, block_k(x.scalar_type())) == kpad, "packed_linear: x has ", k, " inputs, the weight ", kpad,
               " (padded)");
   const at::Tensor xc = x.contiguous();

@@ -113,7 +113,7 @@ void f32_task(const T* q, const T* kh, const T* vh, T* out, const int64_t* table
     }
   }
   const int64_t last_pos = rows.ctx + rows.first + rows.n - 1;  // no key past the last query is needed
-  const int64_t first_key = window > 0 ? std::max<int64_t>(0, rows.ctx + rows.first - window + 1) : 0;
+  const int64_t first_key = first_tile(rows.ctx + rows.first, window);
   TileRows tr;
   for (int64_t k0 = first_key; k0 <= last_pos; k0 += KT) {
     const int64_t nk = std::min(KT, last_pos + 1 - k0);

@@ -36,6 +36,13 @@ constexpr int RMAX = 1;     // 16 ymm registers
 #endif
 constexpr float kLog2e = 1.4426950408889634f;
 
+// The first key tile a query at position pos reads: tiles start at multiples of KT, wherever the
+// query's chunk starts, so every row meets the same tiles (and the same online-softmax rescalings)
+// in any chunk, and row_attention.cpp can repeat them for a query alone.
+inline int64_t first_tile(int64_t pos, int64_t window) {
+  return (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) / KT * KT;
+}
+
 // Where one task's rows are: row vector rv holds positions first + (rv / group) * W + lane of
 // query head hk * group + rv % group.
 struct Rows {

@@ -134,7 +134,7 @@ void bf16_dot_task(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, ui
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   const int64_t last_pos = rows.ctx + rows.first + rows.n - 1;
-  const int64_t first_key = window > 0 ? std::max<int64_t>(0, rows.ctx + rows.first - window + 1) : 0;
+  const int64_t first_key = first_tile(rows.ctx + rows.first, window);
   TileRows tr;
   for (int64_t k0 = first_key; k0 <= last_pos; k0 += KT) {
     const int64_t nk = std::min(KT, last_pos + 1 - k0);
