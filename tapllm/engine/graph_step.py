@@ -28,7 +28,7 @@ from tapllm.engine.block_tables import BlockTables
 from tapllm.engine.cuda_graphs import GraphOutputs, GraphRunner
 from tapllm.engine.graph_sampler import SlotSampling
 from tapllm.engine.input_buffers import InputBuffers
-from tapllm.engine.request import Request
+from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
 from tapllm.engine.step_inputs import StepLayout
 from tapllm.hidden_states.capture import RequestCapture, RowViews
@@ -98,6 +98,7 @@ class GraphStep:
         self._joined: dict[Request, _Joined] = {}
         self.pending: list[tuple[torch.Tensor, np.ndarray]] = []  # sampling rows of slots joined this step
         self._places: tuple[np.ndarray, int] | None = None  # the step's capture places (TapTables.places)
+        self._host: torch.Tensor | None = None  # the step's captured rows copied to the host (deliver)
 
     def warm_up(self) -> None:
         """Capture every graph (start-up)."""
@@ -106,7 +107,6 @@ class GraphStep:
     # ---- slots ---------------------------------------------------------------------------------
     def shape(self, lay: StepLayout) -> StepShape:
         """The step's shape for the decider; requests new to their slot write their tables first."""
-        captures = False
         blocked = None
         known = self._joined
         for it, slot in zip(lay.items, lay.item_slots):
@@ -116,10 +116,9 @@ class GraphStep:
                 joined = self._join(req, slot)
             if joined.blocked is not None and blocked is None:
                 blocked = joined.blocked
-            if req.capture is not None:
-                captures = True
         slots = np.array(lay.item_slots)
-        tapped = self.taps.any_taps(slots)
+        captures, steers = self.taps.kinds(slots)
+        tapped = captures or steers
         if self.block_tables.generation != self._generation:
             blocked = "the block table moved"
         self._places = None
@@ -202,54 +201,16 @@ class GraphStep:
         """Hand each capturing request its rows of the step just replayed (see the module docstring), except
         requests in ``stopped`` (they ended at the step before: these rows are past their end); returns the
         captures that failed alone."""
-        entries: list[_Delivery] = []
-        kept: list[tuple[RequestCapture, RowViews, int, int, int]] = []
-        base = places = None
-        end = 0  # the host copy covers the rows of requests that keep them as captured
-        row = 0
-        known = self._joined
-        for it in lay.items:
-            req, n, r = it.request, it.num_tokens, row
-            row += n
-            cap = req.capture
-            if cap is None or req.finished or (stopped and req in stopped):
-                continue
-            window = cap.window(it.start, n)
-            if window is None:
-                continue
-            if places is None:
-                base = self._places[0]  # computed by shape() for this step
-                places = base.tolist()
-            a, b = window
-            if n == 1:
-                first = places[r]
-                placed = 1 if first >= 0 else 0
-            else:
-                inside = np.flatnonzero(base[r : r + n] >= 0)
-                placed = len(inside)
-                first = places[r + int(inside[0])] if placed else -1
-            if placed != b - a:
-                raise RuntimeError(f"request {req.request_id}: the graph captured {placed} rows where its "
-                                   f"window holds {b - a}")
-            joined = known[req]
-            how = joined.delivery
-            if how is None or how[0] is not cap:
-                how = joined.delivery = self._delivery(joined.layout, cap)
-            _, size, views = how
-            if size:
-                last = first + (b - a) * size
-                if last > end:
-                    end = last
-            if views is not None:  # rows kept as captured: cut from the step's host copy when the result is read
-                kept.append((cap, views, first, a, b))
-            else:
-                entries.append(_Delivery(cap, joined.layout, a, b, first, cap.sel.features is not None))
-        if not entries and not kept:
+        if self._places is None:  # no row of the step captured
+            return {}
+        if lay.decode_only:
+            entries = self._deliver_decode(lay, sink, stopped)
+        else:
+            entries = self._deliver_chunks(lay, sink, stopped)
+        if not entries:
             return {}
         sink.settle()
-        host = _to_host(self.taps.cap_out[:end], sink) if end else None
-        for cap, views, first, a, b in kept:
-            cap.defer(views, host, first, a, b)
+        host = self._host
         failed: dict[RequestCapture, str] = {}
         for e in entries:
             cap = e.capture
@@ -275,6 +236,88 @@ class GraphStep:
             if e.capture not in failed:
                 e.capture.advance(e.a, e.b)
         return failed
+
+    def _deliver_decode(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset) -> list[_Delivery]:
+        """:meth:`deliver` for a step of single-token decodes: the rows that captured are those the tables
+        placed (a slot's positions start where its capture goes on, see :func:`slot_capture`), so only
+        they are visited; a request that keeps its rows takes its place in the step's host copy at once.
+        Returns the requests that take their rows on the device."""
+        base, total = self._places
+        rows = np.flatnonzero(base >= 0)
+        items, known = lay.items, self._joined
+        entries: list[_Delivery] = []
+        host = None
+        finished = RequestStatus.FINISHED
+        for r, first in zip(rows.tolist(), base[rows].tolist()):
+            it = items[r]
+            req = it.request
+            if req.status is finished or (stopped and req in stopped):
+                continue
+            cap = req.capture
+            joined = known[req]
+            how = joined.delivery
+            if how is None or how[0] is not cap:
+                how = joined.delivery = self._delivery(joined.layout, cap)
+            a = it.start
+            views = how[2]
+            if views is not None:  # rows kept as captured: cut from the step's host copy when the result is read
+                if host is None:
+                    sink.settle()
+                    host = _to_host(self.taps.cap_out[:total], sink)
+                cap.defer_one(views, host, first, a)
+            else:
+                entries.append(_Delivery(cap, joined.layout, a, a + 1, first, cap.sel.features is not None))
+        if host is None and any(e.capture.takes_host_rows and e.capture.sel.points for e in entries):
+            sink.settle()
+            host = _to_host(self.taps.cap_out[:total], sink)
+        self._host = host
+        return entries
+
+    def _deliver_chunks(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset
+                        ) -> list[_Delivery]:
+        """:meth:`deliver` for a step with prompt chunks: each request's window of its chunk."""
+        entries: list[_Delivery] = []
+        kept: list[tuple[RequestCapture, RowViews, int, int, int]] = []
+        base = self._places[0]
+        places = base.tolist()
+        end = 0  # the host copy covers the rows of requests that keep them as captured
+        row = 0
+        known = self._joined
+        for it in lay.items:
+            req, n, r = it.request, it.num_tokens, row
+            row += n
+            cap = req.capture
+            if cap is None or req.finished or (stopped and req in stopped):
+                continue
+            window = cap.window(it.start, n)
+            if window is None:
+                continue
+            a, b = window
+            inside = np.flatnonzero(base[r : r + n] >= 0)
+            placed = len(inside)
+            first = places[r + int(inside[0])] if placed else -1
+            if placed != b - a:
+                raise RuntimeError(f"request {req.request_id}: the graph captured {placed} rows where its "
+                                   f"window holds {b - a}")
+            joined = known[req]
+            how = joined.delivery
+            if how is None or how[0] is not cap:
+                how = joined.delivery = self._delivery(joined.layout, cap)
+            _, size, views = how
+            if size:
+                end = max(end, first + (b - a) * size)
+            if views is not None:
+                kept.append((cap, views, first, a, b))
+            else:
+                entries.append(_Delivery(cap, joined.layout, a, b, first, cap.sel.features is not None))
+        host = None
+        if end:
+            sink.settle()
+            host = _to_host(self.taps.cap_out[:end], sink)
+        for cap, views, first, a, b in kept:
+            cap.defer(views, host, first, a, b)
+        self._host = host
+        return entries
 
     def _delivery(self, layout: RecordLayout, cap: RequestCapture) -> tuple[RequestCapture, int, RowViews | None]:
         """How a step hands ``cap`` its rows: ``(cap, numbers per position of the host copy it reads (0: none),

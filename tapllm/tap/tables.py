@@ -220,7 +220,12 @@ class TapTables:
 
     def any_taps(self, slots: Sequence[int] | np.ndarray) -> bool:
         """True when any of ``slots`` captures or steers anything."""
-        return bool(self.rec[slots].any() or self.steered[slots].any())
+        captures, steers = self.kinds(slots)
+        return captures or steers
+
+    def kinds(self, slots: Sequence[int] | np.ndarray) -> tuple[bool, bool]:
+        """Whether any of ``slots`` captures, and whether any steers."""
+        return bool(self.rec[slots].any()), bool(self.steered[slots].any())
 
     # ---- per step ----------------------------------------------------------------------------
     def prologue(self, row_slot: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor) -> None:
