@@ -97,7 +97,8 @@ class GraphStep:
         self._generation = tables.generation
         self._joined: dict[Request, _Joined] = {}
         self.pending: list[tuple[torch.Tensor, np.ndarray]] = []  # sampling rows of slots joined this step
-        self._places: tuple[np.ndarray, int] | None = None  # the step's capture places (TapTables.places)
+        # The step's captured chunks and the numbers captured (TapTables.chunk_places), by shape().
+        self._placed: tuple[list[tuple[int, int, int]], int] | None = None
         self._host: torch.Tensor | None = None  # the step's captured rows copied to the host (deliver)
 
     def warm_up(self) -> None:
@@ -116,25 +117,22 @@ class GraphStep:
                 joined = self._join(req, slot)
             if joined.blocked is not None and blocked is None:
                 blocked = joined.blocked
-        slots = np.array(lay.item_slots)
-        captures, steers = self.taps.kinds(slots)
-        tapped = captures or steers
         if self.block_tables.generation != self._generation:
             blocked = "the block table moved"
-        self._places = None
-        if captures and blocked is None:
+        self._placed = None
+        if self.taps.capturing and blocked is None:
+            if lay.decode_only:
+                placed = self.taps.chunk_places(lay.item_slots, lay.pos)
+            else:
+                placed = self.taps.chunk_places(lay.item_slots, [it.start for it in lay.items],
+                                                [it.num_tokens for it in lay.items])
+            if placed[0]:
+                self._placed = placed
             # The site kernel writes each captured row where the prologue places it, unchecked: a step
             # whose captures all together overrun the buffer must not replay.
-            if lay.decode_only:
-                row_slot, last = slots, None
-            else:
-                sizes = [it.num_tokens for it in lay.items]
-                last = np.zeros(len(lay.pos), dtype=np.bool_)
-                last[np.cumsum(sizes) - 1] = True
-                row_slot = np.repeat(lay.item_slots, sizes)
-            self._places = self.taps.places(row_slot, np.asarray(lay.pos), last)
-            if self._places[1] > self.taps.cap_out.numel():
+            if placed[1] > self.taps.cap_out.numel():
                 blocked = "the step's captures exceed the capture buffer"
+        tapped = self._placed is not None or self.taps.any_steers(lay.item_slots)
         return StepShape(lay.decode_only, len(lay.ids), len(lay.items), len(lay.sample_rows), tapped, blocked)
 
     def _join(self, req: Request, slot: int) -> _Joined:
@@ -201,7 +199,7 @@ class GraphStep:
         """Hand each capturing request its rows of the step just replayed (see the module docstring), except
         requests in ``stopped`` (they ended at the step before: these rows are past their end); returns the
         captures that failed alone."""
-        if self._places is None:  # no row of the step captured
+        if self._placed is None:  # no row of the step captured
             return {}
         if lay.decode_only:
             entries = self._deliver_decode(lay, sink, stopped)
@@ -242,13 +240,12 @@ class GraphStep:
         placed (a slot's positions start where its capture goes on, see :func:`slot_capture`), so only
         they are visited; a request that keeps its rows takes its place in the step's host copy at once.
         Returns the requests that take their rows on the device."""
-        base, total = self._places
-        rows = np.flatnonzero(base >= 0)
+        placed, total = self._placed
         items, known = lay.items, self._joined
         entries: list[_Delivery] = []
         host = None
         finished = RequestStatus.FINISHED
-        for r, first in zip(rows.tolist(), base[rows].tolist()):
+        for r, first, _ in placed:
             it = items[r]
             req = it.request
             if req.status is finished or (stopped and req in stopped):
@@ -278,14 +275,11 @@ class GraphStep:
         """:meth:`deliver` for a step with prompt chunks: each request's window of its chunk."""
         entries: list[_Delivery] = []
         kept: list[tuple[RequestCapture, RowViews, int, int, int]] = []
-        base = self._places[0]
-        places = base.tolist()
+        placed = {i: (first, count) for i, first, count in self._placed[0]}
         end = 0  # the host copy covers the rows of requests that keep them as captured
-        row = 0
         known = self._joined
-        for it in lay.items:
-            req, n, r = it.request, it.num_tokens, row
-            row += n
+        for i, it in enumerate(lay.items):
+            req, n = it.request, it.num_tokens
             cap = req.capture
             if cap is None or req.finished or (stopped and req in stopped):
                 continue
@@ -293,11 +287,9 @@ class GraphStep:
             if window is None:
                 continue
             a, b = window
-            inside = np.flatnonzero(base[r : r + n] >= 0)
-            placed = len(inside)
-            first = places[r + int(inside[0])] if placed else -1
-            if placed != b - a:
-                raise RuntimeError(f"request {req.request_id}: the graph captured {placed} rows where its "
+            first, count = placed.get(i, (-1, 0))
+            if count != b - a:
+                raise RuntimeError(f"request {req.request_id}: the graph captured {count} rows where its "
                                    f"window holds {b - a}")
             joined = known[req]
             how = joined.delivery
