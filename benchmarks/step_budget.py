@@ -16,8 +16,9 @@ What it prints (and writes with ``--json FILE``)
                         counting rule), for a plain step and tapped ones: the last position's ``final``
                         state; 3 blocks x every position; every block x every position; half the batch
                         steered (add at 3 blocks, ablate at one); an SAE's top-16 features at one block.
-    host_ms[case][b]    the step's wall time minus the time inside the graph body (the replay) and in the SAE
-                        encoder that runs after it (device work on a GPU), the fastest of several decode
+    host_ms[case][b]    the step's wall time minus the time inside the graph body (the replay), in the SAE
+                        encoder that runs after it and in the copy of the captured rows to the host (device
+                        work on a GPU: kernels and an asynchronous copy), the fastest of several decode
                         steps (another job on the machine only ever slows a step), nothing counting; the
                         host's share of a step on a GPU.
     trace               a serving trace through the graph path (``--trace-requests``): requests arriving
@@ -280,8 +281,22 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
         finally:
             inside["s"] += time.perf_counter() - t0
 
+    # The copy of the step's captured rows to the host is the same: an asynchronous copy on a GPU (host
+    # time: its launch), a clone of the capture buffer here.
+    from tapllm.engine import graph_step
+
+    to_host = graph_step._to_host
+
+    def to_host_timed(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return to_host(*a, **kw)
+        finally:
+            inside["s"] += time.perf_counter() - t0
+
     setattr(owner, name, hooked)
     FeatureBatch._encode = encode_timed
+    graph_step._to_host = to_host_timed
     try:
         sched = engine.scheduler.schedule()
         assert all(it.num_tokens == 1 for it in sched.items) and len(sched.items) == batch
@@ -305,6 +320,7 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
     finally:
         setattr(owner, name, body)
         FeatureBatch._encode = encode
+        graph_step._to_host = to_host
         TRITON.counter = None
     finish(engine, seed, batch)
     return {"host_ops": len(host_ops) + len(host_launches), "ops": dict(Counter(host_ops + host_launches)),

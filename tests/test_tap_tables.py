@@ -136,3 +136,37 @@ def test_a_cleared_slot_frees_its_operands_and_captures_nothing():
     base, total = t.places(np.array([1, 2]), np.array([0, 0]), np.array([True, True]))
     assert total == 0 and base.tolist() == [-1, -1]
     assert "capture buffer" in t.write(3, SlotCapture({site.index: 0}, 10**6, 0, 1), [])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_places_by_chunk_equal_places_by_row(seed):
+    """A step's chunks (decodes and prompt chunks, some slots capturing the last position only, some
+    cleared) are placed by chunk exactly as the prologue's per-row rule places their rows."""
+    g = torch.Generator().manual_seed(seed)
+    t = TapTables(Sites(LAYERS, SHAPES), 8, 64, torch.device("cpu"), torch.float32, max_ops=1, pool_rows=1,
+                  capture_numbers=1 << 20)
+    for slot in range(7):
+        lo, span = int(torch.randint(0, 20, (1,), generator=g)), int(torch.randint(0, 30, (1,), generator=g))
+        last = bool(torch.rand(1, generator=g) < 0.3)
+        assert t.write(slot, SlotCapture({0: 0}, 3 + slot, lo, lo + span if span else NO_END, last), []) is None
+    t.clear(int(torch.randint(0, 7, (1,), generator=g)))
+    slots = torch.randperm(8, generator=g)[: int(torch.randint(1, 8, (1,), generator=g))].tolist()
+    starts = torch.randint(0, 40, (len(slots),), generator=g).tolist()
+    sizes = [1 if torch.rand(1, generator=g) < 0.5 else int(torch.randint(1, 12, (1,), generator=g)) for _ in slots]
+    row_slot = np.repeat(slots, sizes)
+    positions = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, sizes)])
+    last_rows = np.concatenate([np.arange(n) == n - 1 for n in sizes])
+    base, total = t.places(row_slot, positions, last_rows)
+    chunks, chunk_total = t.chunk_places(slots, starts, sizes)
+    assert chunk_total == total
+    expect = []
+    first_row = np.cumsum([0, *sizes[:-1]])
+    for i, (r, n) in enumerate(zip(first_row, sizes)):
+        placed = [int(p) for p in base[r : r + n] if p >= 0]
+        if placed:
+            rec = int(t.rec[slots[i]])
+            assert placed == [placed[0] + k * rec for k in range(len(placed))]  # consecutive records
+            expect.append((i, placed[0], len(placed)))
+    assert chunks == expect
+    if all(n == 1 for n in sizes):
+        assert t.chunk_places(slots, starts) == (chunks, total)

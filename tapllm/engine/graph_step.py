@@ -28,7 +28,7 @@ from tapllm.engine.block_tables import BlockTables
 from tapllm.engine.cuda_graphs import GraphOutputs, GraphRunner
 from tapllm.engine.graph_sampler import SlotSampling
 from tapllm.engine.input_buffers import InputBuffers
-from tapllm.engine.request import Request
+from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
 from tapllm.engine.step_inputs import StepLayout
 from tapllm.hidden_states.capture import RequestCapture, RowViews
@@ -58,7 +58,7 @@ class _Joined:
     preemptions: int
     layout: RecordLayout | None = None
     blocked: str | None = None
-    views: tuple[RequestCapture, RowViews] | None = None  # the capture's rows cut from a step's host block
+    delivery: tuple[RequestCapture, int, RowViews | None] | None = None  # GraphStep._delivery, made once
 
 
 @dataclass(slots=True)
@@ -97,7 +97,9 @@ class GraphStep:
         self._generation = tables.generation
         self._joined: dict[Request, _Joined] = {}
         self.pending: list[tuple[torch.Tensor, np.ndarray]] = []  # sampling rows of slots joined this step
-        self._places: tuple[np.ndarray, int] | None = None  # the step's capture places (TapTables.places)
+        # The step's captured chunks and the numbers captured (TapTables.chunk_places), by shape().
+        self._placed: tuple[list[tuple[int, int, int]], int] | None = None
+        self._host: torch.Tensor | None = None  # the step's captured rows copied to the host (deliver)
 
     def warm_up(self) -> None:
         """Capture every graph (start-up)."""
@@ -106,7 +108,6 @@ class GraphStep:
     # ---- slots ---------------------------------------------------------------------------------
     def shape(self, lay: StepLayout) -> StepShape:
         """The step's shape for the decider; requests new to their slot write their tables first."""
-        captures = False
         blocked = None
         known = self._joined
         for it, slot in zip(lay.items, lay.item_slots):
@@ -116,25 +117,22 @@ class GraphStep:
                 joined = self._join(req, slot)
             if joined.blocked is not None and blocked is None:
                 blocked = joined.blocked
-            if req.capture is not None:
-                captures = True
-        tapped = self.taps.any_taps(lay.item_slots)
         if self.block_tables.generation != self._generation:
             blocked = "the block table moved"
-        self._places = None
-        if captures and blocked is None:
+        self._placed = None
+        if self.taps.capturing and blocked is None:
+            if lay.decode_only:
+                placed = self.taps.chunk_places(lay.item_slots, lay.pos)
+            else:
+                placed = self.taps.chunk_places(lay.item_slots, [it.start for it in lay.items],
+                                                [it.num_tokens for it in lay.items])
+            if placed[0]:
+                self._placed = placed
             # The site kernel writes each captured row where the prologue places it, unchecked: a step
             # whose captures all together overrun the buffer must not replay.
-            if lay.decode_only:
-                row_slot, last = np.asarray(lay.item_slots), np.ones(len(lay.pos), dtype=np.bool_)
-            else:
-                sizes = [it.num_tokens for it in lay.items]
-                last = np.zeros(len(lay.pos), dtype=np.bool_)
-                last[np.cumsum(sizes) - 1] = True
-                row_slot = np.repeat(lay.item_slots, sizes)
-            self._places = self.taps.places(row_slot, np.asarray(lay.pos), last)
-            if self._places[1] > self.taps.cap_out.numel():
+            if placed[1] > self.taps.cap_out.numel():
                 blocked = "the step's captures exceed the capture buffer"
+        tapped = self._placed is not None or self.taps.any_steers(lay.item_slots)
         return StepShape(lay.decode_only, len(lay.ids), len(lay.items), len(lay.sample_rows), tapped, blocked)
 
     def _join(self, req: Request, slot: int) -> _Joined:
@@ -201,54 +199,16 @@ class GraphStep:
         """Hand each capturing request its rows of the step just replayed (see the module docstring), except
         requests in ``stopped`` (they ended at the step before: these rows are past their end); returns the
         captures that failed alone."""
-        entries: list[_Delivery] = []
-        kept: list[tuple[RequestCapture, RowViews, int, int, int]] = []
-        places = None
-        end = 0  # the host copy covers the rows of requests that keep them as captured
-        row = 0
-        for it in lay.items:
-            req, n, r = it.request, it.num_tokens, row
-            row += n
-            cap = req.capture
-            if cap is None or req in stopped or req.finished:
-                continue
-            window = cap.window(it.start, n)
-            if window is None:
-                continue
-            if places is None:
-                base = self._places[0]  # computed by shape() for this step
-                places = base.tolist()
-            a, b = window
-            if n == 1:
-                first = places[r]
-                placed = int(first >= 0)
-            else:
-                inside = np.flatnonzero(base[r : r + n] >= 0)
-                placed = len(inside)
-                first = places[r + int(inside[0])] if placed else -1
-            if placed != b - a:
-                raise RuntimeError(f"request {req.request_id}: the graph captured {placed} rows where its "
-                                   f"window holds {b - a}")
-            joined = self._joined[req]
-            host_rows = cap.takes_host_rows and cap.sel.points
-            if host_rows:
-                last = first + (b - a) * joined.layout.size
-                if last > end:
-                    end = last
-            if host_rows and cap.sel.features is None:
-                # rows kept as captured: cut from the step's host copy when the result is read
-                views = joined.views
-                if views is None or views[0] is not cap:
-                    views = joined.views = (cap, self._views(joined.layout, cap))
-                kept.append((cap, views[1], first, a, b))
-            else:
-                entries.append(_Delivery(cap, joined.layout, a, b, first, cap.sel.features is not None))
-        if not entries and not kept:
+        if self._placed is None:  # no row of the step captured
+            return {}
+        if lay.decode_only:
+            entries = self._deliver_decode(lay, sink, stopped)
+        else:
+            entries = self._deliver_chunks(lay, sink, stopped)
+        if not entries:
             return {}
         sink.settle()
-        host = _to_host(self.taps.cap_out[:end], sink) if end else None
-        for cap, views, first, a, b in kept:
-            cap.defer(views, host, first, a, b)
+        host = self._host
         failed: dict[RequestCapture, str] = {}
         for e in entries:
             cap = e.capture
@@ -274,6 +234,89 @@ class GraphStep:
             if e.capture not in failed:
                 e.capture.advance(e.a, e.b)
         return failed
+
+    def _deliver_decode(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset) -> list[_Delivery]:
+        """:meth:`deliver` for a step of single-token decodes: the rows that captured are those the tables
+        placed (a slot's positions start where its capture goes on, see :func:`slot_capture`), so only
+        they are visited; a request that keeps its rows takes its place in the step's host copy at once.
+        Returns the requests that take their rows on the device."""
+        placed, total = self._placed
+        items, known = lay.items, self._joined
+        entries: list[_Delivery] = []
+        host = None
+        finished = RequestStatus.FINISHED
+        for r, first, _ in placed:
+            it = items[r]
+            req = it.request
+            if req.status is finished or (stopped and req in stopped):
+                continue
+            cap = req.capture
+            joined = known[req]
+            how = joined.delivery
+            if how is None or how[0] is not cap:
+                how = joined.delivery = self._delivery(joined.layout, cap)
+            a = it.start
+            views = how[2]
+            if views is not None:  # rows kept as captured: cut from the step's host copy when the result is read
+                if host is None:
+                    sink.settle()
+                    host = _to_host(self.taps.cap_out[:total], sink)
+                cap.defer_one(views, host, first, a)
+            else:
+                entries.append(_Delivery(cap, joined.layout, a, a + 1, first, cap.sel.features is not None))
+        if host is None and any(e.capture.takes_host_rows and e.capture.sel.points for e in entries):
+            sink.settle()
+            host = _to_host(self.taps.cap_out[:total], sink)
+        self._host = host
+        return entries
+
+    def _deliver_chunks(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset
+                        ) -> list[_Delivery]:
+        """:meth:`deliver` for a step with prompt chunks: each request's window of its chunk."""
+        entries: list[_Delivery] = []
+        kept: list[tuple[RequestCapture, RowViews, int, int, int]] = []
+        placed = {i: (first, count) for i, first, count in self._placed[0]}
+        end = 0  # the host copy covers the rows of requests that keep them as captured
+        known = self._joined
+        for i, it in enumerate(lay.items):
+            req, n = it.request, it.num_tokens
+            cap = req.capture
+            if cap is None or req.finished or (stopped and req in stopped):
+                continue
+            window = cap.window(it.start, n)
+            if window is None:
+                continue
+            a, b = window
+            first, count = placed.get(i, (-1, 0))
+            if count != b - a:
+                raise RuntimeError(f"request {req.request_id}: the graph captured {count} rows where its "
+                                   f"window holds {b - a}")
+            joined = known[req]
+            how = joined.delivery
+            if how is None or how[0] is not cap:
+                how = joined.delivery = self._delivery(joined.layout, cap)
+            _, size, views = how
+            if size:
+                end = max(end, first + (b - a) * size)
+            if views is not None:
+                kept.append((cap, views, first, a, b))
+            else:
+                entries.append(_Delivery(cap, joined.layout, a, b, first, cap.sel.features is not None))
+        host = None
+        if end:
+            sink.settle()
+            host = _to_host(self.taps.cap_out[:end], sink)
+        for cap, views, first, a, b in kept:
+            cap.defer(views, host, first, a, b)
+        self._host = host
+        return entries
+
+    def _delivery(self, layout: RecordLayout, cap: RequestCapture) -> tuple[RequestCapture, int, RowViews | None]:
+        """How a step hands ``cap`` its rows: ``(cap, numbers per position of the host copy it reads (0: none),
+        its views when it keeps its rows as captured)`` (see :meth:`deliver`)."""
+        host_rows = cap.takes_host_rows and bool(cap.sel.points)
+        views = self._views(layout, cap) if host_rows and cap.sel.features is None else None
+        return cap, layout.size if host_rows else 0, views
 
     def _views(self, layout: RecordLayout, cap: RequestCapture) -> RowViews:
         """``cap``'s :data:`RowViews` over a step's host block, by ``layout`` (cut when its result is read)."""

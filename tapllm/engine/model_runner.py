@@ -302,7 +302,7 @@ class ModelRunner:
             logits = logits.index_select(0, batch.sample_index) if batch.sample_index is not None else \
                 logits[: len(lay.sample_rows)]
         else:
-            tap = StepTap.build(lay.captures, lay.steers, self.device, self.capture_sink,
+            tap = StepTap.build(*lay.tap_spans(), self.device, self.capture_sink,
                                 sae_kernel=self.backend.name == "cuda")
             # Prompt-only requests need the blocks up to their deepest capture; a step of only such
             # requests stops there (their blocks are salted by that depth: see InputProcessor.prepare).

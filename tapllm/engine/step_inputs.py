@@ -47,8 +47,6 @@ class StepLayout:
     decode_rows: list[int] = field(default_factory=list)
     decode_lens: list[int] = field(default_factory=list)
     decode_width: int = 0
-    captures: list[CaptureSpan] = field(default_factory=list)
-    steers: list[SteerSpan] = field(default_factory=list)
     prompt_logprob_rows: list[tuple[ScheduledItem, int]] = field(default_factory=list)
     item_slots: list[int] = field(default_factory=list)  # each item's slot (its block-table row)
 
@@ -57,10 +55,25 @@ class StepLayout:
         """True when every row is a single-token decode."""
         return not self.prefills
 
+    def tap_spans(self) -> tuple[list[CaptureSpan], list[SteerSpan]]:
+        """The chunks of requests that capture and that steer, for the eager step's tap (a graph step reads
+        its requests' slot tables instead, so it makes none)."""
+        captures: list[CaptureSpan] = []
+        steers: list[SteerSpan] = []
+        row = 0
+        for it in self.items:
+            req, n = it.request, it.num_tokens
+            if req.capture is not None:
+                captures.append((RowSpan(row, it.start, n), req.capture, req.block_table))
+            if req.steering is not None:
+                steers.append((RowSpan(row, it.start, n), req.steering))
+            row += n
+        return captures, steers
+
 
 @dataclass(slots=True)
 class StepBatch:
-    """One step's batch tensors, attention metadata, the rows that sample, and the tap's row spans."""
+    """One step's batch tensors, attention metadata, the rows that sample, and the prompt-logprob rows."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -68,8 +81,6 @@ class StepBatch:
     sample_rows: list[tuple[int, Request]]  # (batch row, request) of each request that samples
     sample_index: torch.Tensor | None  # batch rows of sample_rows on the device (None: every row, in order)
     sampling: SamplingPlan | None
-    captures: list[CaptureSpan]  # chunks of requests that capture
-    steers: list[SteerSpan]  # chunks of requests that steer
     prompt_logprob_rows: list[tuple[ScheduledItem, int]]  # chunks (and first rows) of prompt-logprob requests
 
 
@@ -102,10 +113,6 @@ def lay_out(items: list[ScheduledItem], tables: BlockTables) -> StepLayout:
             lay.sample_rows.append((row + n - 1, req))
             # Samples waiting for this prompt draw their first tokens from the same logits.
             lay.sample_rows.extend((row + n - 1, child) for child in req.forks)
-        if req.capture is not None:
-            lay.captures.append((RowSpan(row, start, n), req.capture, req.block_table))
-        if req.steering is not None:
-            lay.steers.append((RowSpan(row, start, n), req.steering))
         if req.prompt_lp is not None:
             lay.prompt_logprob_rows.append((it, row))
     return lay
@@ -191,7 +198,7 @@ def upload(lay: StepLayout, staging: Staging, tables: BlockTables, *, attn: Atte
         prefill_batch=prefill_batch,
     )
     return StepBatch(ids, views[s_pos], meta, lay.sample_rows,
-                     views[s_sample] if s_sample is not None else None, sampling, lay.captures, lay.steers,
+                     views[s_sample] if s_sample is not None else None, sampling,
                      lay.prompt_logprob_rows)
 
 
@@ -227,7 +234,7 @@ def upload_graph(lay: StepLayout, staging: Staging, tables: BlockTables, fill: C
     if sampling is not None:
         sampling.bind(views)
     return StepBatch(None, None, None, lay.sample_rows, views[s_sample] if s_sample is not None else None, sampling,
-                     lay.captures, lay.steers, lay.prompt_logprob_rows), views[s_inputs]
+                     lay.prompt_logprob_rows), views[s_inputs]
 
 
 def _sampling_sections(lay: StepLayout, staging: Staging, vocab_size: int, device: torch.device, rows: int,

@@ -132,6 +132,16 @@ class RequestCapture:
         if b > self.next_pos:
             self.next_pos = b
 
+    def defer_one(self, views: RowViews, host: torch.Tensor, start: int, a: int) -> None:
+        """:meth:`defer` of the one position ``a`` (a decode step's row)."""
+        if self.sel.last_only:
+            self.deferred = [(views, host, start, a, a + 1)]
+            self.last_pos = a
+        else:
+            self.deferred.append((views, host, start, a, a + 1))
+        if a >= self.next_pos:
+            self.next_pos = a + 1
+
     def _settle(self) -> None:
         """Cut the deferred host blocks into chunks (:meth:`defer`)."""
         deferred, self.deferred = self.deferred, []

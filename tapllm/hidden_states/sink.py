@@ -105,6 +105,8 @@ class CopySink:
 
     def settle(self) -> None:
         """Wait for the copies started by :meth:`flush` and :meth:`track` and put their rows in the requests' buffers."""
+        if not self._inflight:
+            return
         inflight, self._inflight = self._inflight, []
         with torch.inference_mode():  # buffers grown during a step are inference tensors
             for _, done, scatter, _ in inflight:

@@ -131,6 +131,11 @@ class TapTables:
         self.hi = np.zeros(n, dtype=np.int64)
         self.last = np.zeros(n, dtype=np.bool_)
         self.steered = np.zeros(n, dtype=np.bool_)
+        # The same numbers as lists, for :meth:`chunk_places`' loop (a list's item costs a fraction of an
+        # array's); written together with the arrays.
+        self._spans: list[tuple[int, int, int, bool] | None] = [None] * n  # (record, lo, hi, last only)
+        self.capturing = 0  # slots that capture
+        self.steering = 0  # slots that steer
         self._ops = RangeAllocator(max_ops)
         self._pool = RangeAllocator(pool_rows)
         self._held: dict[int, tuple[int, int, int, int]] = {}  # slot -> (op start, ops, pool start, rows)
@@ -155,6 +160,8 @@ class TapTables:
             self.cap_last[slot] = capture.last_only
             self.rec[slot], self.lo[slot], self.hi[slot] = capture.record, capture.lo, capture.hi
             self.last[slot] = capture.last_only
+            self._spans[slot] = (capture.record, capture.lo, capture.hi, capture.last_only)
+            self.capturing += 1
         if ops:
             problem = self._write_ops(slot, ops)
             if problem is not None:
@@ -195,6 +202,7 @@ class TapTables:
         if n_rows:
             self.pending.append((self.pool[first_row : first_row + n_rows], pool))
         self.steered[slot] = True
+        self.steering += 1
         return None
 
     def flush_pending(self) -> None:
@@ -210,17 +218,24 @@ class TapTables:
             self.cap_off[slot].fill_(-1)
             self.cap_rec[slot] = 0
             self.rec[slot] = 0
+            self._spans[slot] = None
+            self.capturing -= 1
         if self.steered[slot]:
             self.st_count[slot].zero_()
             self.steered[slot] = False
+            self.steering -= 1
         held = self._held.pop(slot, None)
         if held is not None:
             self._ops.give(held[0], held[1])
             self._pool.give(held[2], held[3])
 
-    def any_taps(self, slots: Sequence[int]) -> bool:
+    def any_taps(self, slots: Sequence[int] | np.ndarray) -> bool:
         """True when any of ``slots`` captures or steers anything."""
-        return bool(self.rec[slots].any() or self.steered[slots].any())
+        return self.any_steers(slots) or (self.capturing > 0 and bool(self.rec[slots].any()))
+
+    def any_steers(self, slots: Sequence[int] | np.ndarray) -> bool:
+        """True when any of ``slots`` steers."""
+        return self.steering > 0 and bool(self.steered[slots].any())
 
     # ---- per step ----------------------------------------------------------------------------
     def prologue(self, row_slot: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor) -> None:
@@ -239,15 +254,45 @@ class TapTables:
         ends = torch.cumsum(numbers, 0)
         self.row_base[:t].copy_(torch.where(numbers > 0, ends - numbers, -1))
 
-    def places(self, row_slot: np.ndarray, positions: np.ndarray, last_rows: np.ndarray) -> tuple[np.ndarray, int]:
-        """What :meth:`prologue` computes, on the host: ``row_base`` per row and the numbers captured in all."""
+    def places(self, row_slot: np.ndarray, positions: np.ndarray, last_rows: np.ndarray | None
+               ) -> tuple[np.ndarray, int]:
+        """What :meth:`prologue` computes, on the host: ``row_base`` per row and the numbers captured in all.
+        ``last_rows`` None: every row is its chunk's last (a decode step)."""
         rec = self.rec[row_slot]
-        last_rows = last_rows.astype(np.bool_, copy=False)
-        inside = (positions >= self.lo[row_slot]) & (positions < self.hi[row_slot]) & \
-            (last_rows | ~self.last[row_slot])
-        numbers = np.where(inside, rec, 0)
+        inside = (positions >= self.lo[row_slot]) & (positions < self.hi[row_slot])
+        if last_rows is not None:
+            inside &= last_rows.astype(np.bool_, copy=False) | ~self.last[row_slot]
+        numbers = rec * inside
         ends = np.cumsum(numbers)
-        return np.where(numbers > 0, ends - numbers, -1), int(ends[-1]) if len(ends) else 0
+        base = ends - numbers
+        base[numbers == 0] = -1
+        return base, int(ends[-1]) if len(ends) else 0
+
+
+    def chunk_places(self, slots: Sequence[int], starts: Sequence[int], sizes: Sequence[int] | None = None
+                     ) -> tuple[list[tuple[int, int, int]], int]:
+        """:meth:`places` by chunk: chunk ``i`` runs positions ``[starts[i], starts[i] + sizes[i])`` in slot
+        ``slots[i]`` (``sizes`` None: one position each, a decode step). Returns ``(i, number of its first
+        captured row, rows captured)`` for each chunk that captures, and the numbers captured in all. A
+        chunk's captured rows are consecutive, and so are their places, one record apart."""
+        spans = self._spans
+        out: list[tuple[int, int, int]] = []
+        total = 0
+        for i, slot in enumerate(slots):
+            span = spans[slot]
+            if span is None:
+                continue
+            rec, lo, hi, last_only = span
+            start = starts[i]
+            end = start + (1 if sizes is None else sizes[i])
+            if last_only:
+                count = 1 if lo <= end - 1 < hi else 0
+            else:
+                count = min(end, hi) - max(start, lo)
+            if count > 0:
+                out.append((i, total, count))
+                total += count * rec
+        return out, total
 
 
 def _in_slot(dest: torch.Tensor, tables: TapTables, slot: int) -> bool:
