@@ -13,8 +13,9 @@ each chunk is (``positions="last"``). Each step the :meth:`TapTables.prologue` g
 its place in the flat capture buffer ``cap_out``: rows that capture follow each other in batch
 order, each taking its slot's record (``row_base``; -1 for a row that captures nothing), so one
 request's rows of a step are one contiguous block ``[rows, record]``. The host computes the same
-places from its mirror of the tables (:meth:`TapTables.places`), so it knows which part of the
-buffer to copy back and whose rows are where, without reading the device.
+places from its mirror of the tables (:meth:`TapTables.places` row by row, :meth:`TapTables.chunk_places`
+chunk by chunk, as a step uses it), so it knows which part of the buffer to copy back and whose rows
+are where, without reading the device.
 
 Steering, per slot and site: ``st_first``/``st_count`` name a run of operations in ``ops``
 (``[kind, first position, end position, pool row, pool rows per position]``, and ``op_value``: a
