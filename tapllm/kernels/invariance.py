@@ -80,7 +80,7 @@ def _gemv_trial(ops: Any, dtype: torch.dtype) -> str | None:
 
 def _attention_trial(ops: Any, dtype: torch.dtype) -> str | None:
     g = torch.Generator().manual_seed(0)
-    bs, n = 16, 150
+    bs, n = 16, 530  # past row_attention's group of 8 key tiles (512 keys)
     for heads, kv_heads, d in ((4, 2, 16), (6, 2, 64), (2, 1, 80)):
         blocks = n // bs + 3
         k_cache = torch.randn(kv_heads, blocks, bs, d, generator=g).to(dtype)
@@ -88,14 +88,14 @@ def _attention_trial(ops: Any, dtype: torch.dtype) -> str | None:
         table = torch.randperm(blocks, generator=g)[: -(-n // bs)][None].contiguous()
         qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
         q = qkv[:, : heads * d].view(n, heads, d)  # a view of a fused projection, as the model's
-        for window, cap in ((0, 0.0), (40, 0.0), (0, 4.0)):
+        for window, cap in ((0, 0.0), (40, 0.0), (0, 4.0), (520, 0.0)):
             def chunks(cuts: list[int]) -> torch.Tensor:
                 return torch.cat([ops.prefill_attention(q[a:b], k_cache, v_cache, torch.tensor([0]),
                                                         torch.tensor([b - a]), torch.tensor([a]), table,
                                                         d**-0.5, window, cap) for a, b in zip(cuts, cuts[1:])])
 
             whole = chunks([0, n])
-            if not torch.equal(whole, chunks([0, 37, 100, 101, n])):
+            if not torch.equal(whole, chunks([0, 37, 100, 101, 515, n])):
                 return f"prefill_attention rows changed with the chunking (head size {d}, window {window})"
             rows = ops.row_attention(q, k_cache, v_cache, table.expand(n, -1).contiguous(), torch.arange(1, n + 1),
                                      d**-0.5, window, cap)

@@ -264,8 +264,19 @@ void drive(int64_t m, int64_t n, int64_t steps, int64_t block_bytes, const char*
   if (m > GEMV_MAX_ROWS) {
     // Rows in tiles that stay in L2 while every block of weights passes, where that moves fewer bytes
     // (the weights once per tile) than the rows passing each block (x once per block of outputs).
-    const int64_t row_bytes = steps * 4, tile = std::max(rp, kTileBytes / row_bytes / rp * rp);
-    const int64_t tiles = (m + tile - 1) / tile;
+    // Tiles of equal size (a short last tile would leave a thread idle while another runs a whole one).
+    const int64_t row_bytes = steps * 4, most = std::max(rp, kTileBytes / row_bytes / rp * rp);
+    // A work unit is one tile x one block of outputs: a tile count that splits the units evenly over
+    // the threads where one a few tiles larger does.
+    const int64_t blocks = (n + kBlockN - 1) / kBlockN, threads = at::get_num_threads();
+    int64_t tiles = (m + most - 1) / most;
+    for (int64_t more = tiles; more < tiles + threads && more * rp <= m; ++more) {
+      if (more * blocks % threads == 0) {
+        tiles = more;
+        break;
+      }
+    }
+    const int64_t tile = round_up((m + tiles - 1) / tiles, rp);
     if (m * row_bytes > kTileBytes && tiles * block_bytes < m * row_bytes)
       return drive_tiles(m, n, steps, block_bytes, wbase, tile, run, store);
   }

@@ -51,6 +51,8 @@ struct RowScratch {
   std::vector<float> qf, kw, kt, vw, s, ot, m, l, alpha, sum;
   std::vector<uint32_t> qp, kp, ktp, vt;
   std::vector<uint16_t> pb;
+  std::vector<int64_t> offs;  // per tile of a pass: element offsets of its keys [a, e) in a head's cache (Tile::rows)
+  int64_t off[KT];  // the same for one tile (the float32 task)
 };
 
 // A row's part of the key tile at k0: the keys [a, e) it sees; [c0, c1) (relative to k0) the vectors
@@ -64,6 +66,16 @@ struct Tile {
     c1 = (e - k0 + width - 1) / width * width;
   }
   bool empty() const { return e <= a; }  // a tile before the row's window leaves its state as it is
+
+  // off[j - k0] = where key j's row (of d elements) starts in a head's cache, for the keys [a, e): one
+  // division per block the tile touches, not one per key and pass (K and V share the offsets).
+  void rows(const int64_t* table, int64_t block_size, int64_t d, int64_t* off) const {
+    for (int64_t j = a; j < e;) {
+      const int64_t blk = j / block_size, end = std::min(e, (blk + 1) * block_size);
+      const int64_t base = (table[blk] * block_size - blk * block_size) * d;
+      for (; j < end; ++j) off[j - k0] = base + j * d;
+    }
+  }
 };
 
 // Scores of W keys from key0 as the prefill kernel's score() leaves them: scaled and soft-capped
@@ -128,11 +140,6 @@ inline void store_out(const float* ot, float l, int64_t d, T* dst) {
 #else
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(ot[i] * inv);
 #endif
-}
-
-template <typename T>
-inline const T* row_of(const T* base, const int64_t* table, int64_t p, int64_t block_size, int64_t d) {
-  return base + (table[p / block_size] * block_size + p % block_size) * d;
 }
 
 // Keys and values [from, to) into L2 ahead of use (a sequence's blocks lie anywhere: the hardware
@@ -221,14 +228,14 @@ inline void f32_scores(const float* qf, const float* kt, int64_t d, int64_t g0, 
 
 // Outputs of heads [g0, g0 + NH) (NV vectors each): O = alpha O + sum_j p_j v_j over the visible keys.
 template <typename T, int NV, int NH>
-inline void f32_values(const T* vh, const int64_t* table, int64_t block_size, const Tile& t, const float* s,
-                       const float* alpha, int64_t g0, float* ot) {
+inline void f32_values(const T* vh, const int64_t* off, const Tile& t, const float* s, const float* alpha, int64_t g0,
+                       float* ot) {
   constexpr int64_t D = NV * W;
   Vec acc[NH][NV];
   for (int h = 0; h < NH; ++h)
     for (int v = 0; v < NV; ++v) acc[h][v] = Vec::loadu(ot + (g0 + h) * D + v * W) * Vec(alpha[g0 + h]);
   for (int64_t j = t.a; j < t.e; ++j) {
-    const T* vr = row_of(vh, table, j, block_size, D);
+    const T* vr = vh + off[j - t.k0];
     Vec vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = loadf<T>(vr + v * W);
     for (int h = 0; h < NH; ++h) {
@@ -276,6 +283,7 @@ void f32_row(const T* q, int64_t q_head, const T* kh, const T* vh, T* out, const
   for (int64_t k0 = first_tile(pos, window); k0 <= pos; k0 += KT) {
     const Tile t(k0, lo, pos, W);
     if (t.empty()) continue;
+    t.rows(table, block_size, d, b.off);
     for (int64_t j = t.c0; j < t.c1; ++j) {  // key rows widened; zeros where not seen
       float* kr = b.kw.data() + j * d;
       const int64_t p = k0 + j;
@@ -283,10 +291,10 @@ void f32_row(const T* q, int64_t q_head, const T* kh, const T* vh, T* out, const
         std::fill(kr, kr + d, 0.f);
         continue;
       }
-      const T* src = row_of(kh, table, p, block_size, d);
+      const T* src = kh + b.off[j];
       for (int64_t x = 0; x < d; ++x) kr[x] = static_cast<float>(src[x]);
       if constexpr (NV == 0) {
-        const T* vs = row_of(vh, table, p, block_size, d);
+        const T* vs = vh + b.off[j];
         for (int64_t x = 0; x < d; ++x) b.vw[j * dp + x] = static_cast<float>(vs[x]);
       }
     }
@@ -303,7 +311,7 @@ void f32_row(const T* q, int64_t q_head, const T* kh, const T* vh, T* out, const
     softmax_tile(b.s.data(), group, t, cscale, b.m.data(), b.l.data(), b.alpha.data(), b.sum.data());
     if constexpr (NV > 0) {
       by_heads<(NV >= 16 ? 1 : std::min(4, 16 / NV))>(group, [&](auto nh, int64_t g0) {
-        f32_values<T, NV, decltype(nh)::value>(vh, table, block_size, t, b.s.data(), b.alpha.data(), g0, b.ot.data());
+        f32_values<T, NV, decltype(nh)::value>(vh, b.off, t, b.s.data(), b.alpha.data(), g0, b.ot.data());
       });
     } else {
       for (int64_t g = 0; g < group; ++g) {
@@ -329,12 +337,11 @@ void f32_row(const T* q, int64_t q_head, const T* kh, const T* vh, T* out, const
 // Scores of heads [g0, g0 + NH) against the tile's keys (pairs transposed: ktp [KT/16][dh][16]).
 template <int NH>
 TAPLLM_TARGET_AVX512BF16
-void bf16_scores(const uint32_t* qp, const uint32_t* ktp, int64_t dh, int64_t g0, float* s, const Ahead& ahead) {
+void bf16_scores(const uint32_t* qp, const uint32_t* ktp, int64_t dh, int64_t g0, float* s) {
   __m512 acc[NH][KT / 16];
   for (int h = 0; h < NH; ++h)
     for (int64_t c = 0; c < KT / 16; ++c) acc[h][c] = _mm512_setzero_ps();
   for (int64_t x = 0; x < dh; ++x) {
-    ahead.step(x, dh);
     __m512bh kv[KT / 16];
     for (int64_t c = 0; c < KT / 16; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(ktp + (c * dh + x) * 16);
     for (int h = 0; h < NH; ++h) {
@@ -346,13 +353,18 @@ void bf16_scores(const uint32_t* qp, const uint32_t* ktp, int64_t dh, int64_t g0
     for (int64_t c = 0; c < KT / 16; ++c) _mm512_storeu_ps(s + (g0 + h) * KT + c * 16, acc[h][c]);
 }
 
+// bf16_row: each 16 keys' rows are requested into L1 while the 16 before them are transposed, value
+// rows kValuesAhead pairs before their use.
+constexpr int64_t kValuesAhead = 4;
+constexpr int64_t kTilesPerPass = 8;  // bf16_row: 512 keys' rows (64 KB of keys and values at head size 64) stay in L2
+
 // Outputs of heads [g0, g0 + NH) (NV vectors of 16 dims each) over the key pairs [jp0, jp1) of the tile at
 // k0: each pair's value rows interleaved in registers as bf16_dot_task's value tile holds them (word 2i
 // from the first key, word 2i + 1 from the second; a key not seen is zeros, its probability 0).
 template <int NV, int NH>
 TAPLLM_TARGET_AVX512BF16
-void bf16_values(const uint16_t* vh, const int64_t* table, int64_t block_size, const Tile& t, const uint16_t* pb,
-                 const float* alpha, int64_t jp0, int64_t jp1, int64_t g0, float* ot) {
+void bf16_values(const uint16_t* vh, const int64_t* off, const Tile& t, const uint16_t* pb, const float* alpha,
+                 int64_t jp0, int64_t jp1, int64_t g0, float* ot) {
   constexpr int64_t D = NV * 16;
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -363,8 +375,16 @@ void bf16_values(const uint16_t* vh, const int64_t* table, int64_t block_size, c
       acc[h][v] = _mm512_mul_ps(_mm512_loadu_ps(ot + (g0 + h) * D + v * 16), _mm512_set1_ps(alpha[g0 + h]));
   for (int64_t jp = jp0; jp < jp1; ++jp) {
     const int64_t p0 = t.k0 + 2 * jp, p1 = p0 + 1;
-    const uint16_t* r0 = p0 >= t.a && p0 < t.e ? row_of(vh, table, p0, block_size, D) : nullptr;
-    const uint16_t* r1 = p1 >= t.a && p1 < t.e ? row_of(vh, table, p1, block_size, D) : nullptr;
+    if (g0 == 0 && p1 + 2 * kValuesAhead < t.e) {
+      const char* ahead0 = reinterpret_cast<const char*>(vh + off[2 * (jp + kValuesAhead)]);
+      const char* ahead1 = reinterpret_cast<const char*>(vh + off[2 * (jp + kValuesAhead) + 1]);
+      for (int64_t b = 0; b < D * 2; b += 64) {
+        _mm_prefetch(ahead0 + b, _MM_HINT_T0);
+        _mm_prefetch(ahead1 + b, _MM_HINT_T0);
+      }
+    }
+    const uint16_t* r0 = p0 >= t.a && p0 < t.e ? vh + off[2 * jp] : nullptr;
+    const uint16_t* r1 = p1 >= t.a && p1 < t.e ? vh + off[2 * jp + 1] : nullptr;
     __m512bh vv[NV];
     for (int v = 0; v < NV; v += 2) {
       const __m512i va = r0 != nullptr ? _mm512_loadu_si512(r0 + v * 16) : _mm512_setzero_si512();
@@ -385,36 +405,34 @@ void bf16_values(const uint16_t* vh, const int64_t* table, int64_t block_size, c
 
 template <int MAXH>
 TAPLLM_TARGET_AVX512BF16
-void bf16_scores_all(const uint32_t* qp, const uint32_t* ktp, int64_t dh, int64_t group, float* s,
-                     const Ahead& ahead) {
+void bf16_scores_all(const uint32_t* qp, const uint32_t* ktp, int64_t dh, int64_t group, float* s) {
   for (int64_t g0 = 0; g0 < group; g0 += MAXH) {
-    const Ahead& a = g0 == 0 ? ahead : Ahead();
     switch (std::min<int64_t>(MAXH, group - g0)) {
-      case 1: bf16_scores<1>(qp, ktp, dh, g0, s, a); break;
-      case 2: bf16_scores<2>(qp, ktp, dh, g0, s, a); break;
-      case 3: bf16_scores<3>(qp, ktp, dh, g0, s, a); break;
-      default: bf16_scores<4>(qp, ktp, dh, g0, s, a); break;
+      case 1: bf16_scores<1>(qp, ktp, dh, g0, s); break;
+      case 2: bf16_scores<2>(qp, ktp, dh, g0, s); break;
+      case 3: bf16_scores<3>(qp, ktp, dh, g0, s); break;
+      default: bf16_scores<4>(qp, ktp, dh, g0, s); break;
     }
   }
 }
 
 template <int NV>
 TAPLLM_TARGET_AVX512BF16
-void bf16_values_all(const uint16_t* vh, const int64_t* table, int64_t block_size, const Tile& t, const uint16_t* pb,
-                     const float* alpha, int64_t jp0, int64_t jp1, int64_t group, float* ot) {
+void bf16_values_all(const uint16_t* vh, const int64_t* off, const Tile& t, const uint16_t* pb, const float* alpha,
+                     int64_t jp0, int64_t jp1, int64_t group, float* ot) {
   constexpr int MAXH = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);
   for (int64_t g0 = 0; g0 < group; g0 += MAXH) {
     const int64_t nh = std::min<int64_t>(MAXH, group - g0);
     if (nh == 1) {
-      bf16_values<NV, 1>(vh, table, block_size, t, pb, alpha, jp0, jp1, g0, ot);
+      bf16_values<NV, 1>(vh, off, t, pb, alpha, jp0, jp1, g0, ot);
     } else if constexpr (MAXH >= 2) {
       if (nh == 2) {
-        bf16_values<NV, 2>(vh, table, block_size, t, pb, alpha, jp0, jp1, g0, ot);
+        bf16_values<NV, 2>(vh, off, t, pb, alpha, jp0, jp1, g0, ot);
       } else if constexpr (MAXH >= 4) {
         if (nh == 3) {
-          bf16_values<NV, 3>(vh, table, block_size, t, pb, alpha, jp0, jp1, g0, ot);
+          bf16_values<NV, 3>(vh, off, t, pb, alpha, jp0, jp1, g0, ot);
         } else {
-          bf16_values<NV, 4>(vh, table, block_size, t, pb, alpha, jp0, jp1, g0, ot);
+          bf16_values<NV, 4>(vh, off, t, pb, alpha, jp0, jp1, g0, ot);
         }
       }
     }
@@ -422,6 +440,10 @@ void bf16_values_all(const uint16_t* vh, const int64_t* table, int64_t block_siz
 }
 
 // NV: vectors of 16 dims per head (head size 16 NV, a multiple of 32), 0: any such head size.
+// The tiles run in groups of kTilesPerPass: first the scores of every tile of the group (the scores do
+// not depend on the softmax's state), streaming the keys and requesting the values into L2 as
+// decode_attention does, then each tile's softmax and values in order. Each tile's arithmetic is the
+// one-tile-at-a-time sequence the prefill kernel's lane runs; only when the loads happen changes.
 template <int NV>
 TAPLLM_TARGET_AVX512BF16
 void bf16_row(const uint16_t* q, int64_t q_head, const uint16_t* kh, const uint16_t* vh, uint16_t* out,
@@ -436,7 +458,8 @@ void bf16_row(const uint16_t* q, int64_t q_head, const uint16_t* kh, const uint1
   grow(b.ktp, KT * dh);
   if constexpr (NV == 0) b.vt.resize(KT / 2 * d);
   b.pb.resize(group * KT);
-  b.s.resize(group * KT);
+  b.s.resize(kTilesPerPass * group * KT);
+  b.offs.resize(kTilesPerPass * KT);
   b.ot.assign(group * d, 0.f);
   b.m.assign(group, kNegInf);
   b.l.assign(group, 0.f);
@@ -447,62 +470,89 @@ void bf16_row(const uint16_t* q, int64_t q_head, const uint16_t* kh, const uint1
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-  for (int64_t k0 = first_tile(pos, window); k0 <= pos; k0 += KT) {
-    const Tile t(k0, lo, pos, 16);
-    if (t.empty()) continue;
-    for (int64_t j = t.c0; j < t.c1; ++j) {
-      const int64_t p = k0 + j;
-      if (p < t.a || p >= t.e) {
-        std::memset(b.kp.data() + j * dh, 0, d * 2);
+  for (int64_t g0 = first_tile(pos, window); g0 <= pos; g0 += kTilesPerPass * KT) {
+    const int64_t tiles = std::min(kTilesPerPass, (pos - g0) / KT + 1);
+    // ---- the scores of the group's tiles
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t k0 = g0 + i * KT;
+      const Tile t(k0, lo, pos, 16);
+      if (t.empty()) continue;
+      int64_t* off = b.offs.data() + i * KT;
+      t.rows(table, block_size, d, off);
+      for (int64_t c = t.c0; c < t.c1; c += 16) {  // 16 keys a pass, moved as float32 bits (pairs)
+
+        if (c + 16 < t.c1) {  // the next 16 key rows into L1
+          for (int64_t j = std::max(c + 16, t.a - k0); j < std::min(c + 32, t.e - k0); ++j) {
+            const char* row = reinterpret_cast<const char*>(kh + off[j]);
+            for (int64_t x = 0; x < d * 2; x += 64) _mm_prefetch(row + x, _MM_HINT_T0);
+          }
+        }
+        const float* src;
+        if (k0 + c >= t.a && k0 + c + 16 <= t.e && off[c + 15] == off[c] + 15 * d) {
+          src = reinterpret_cast<const float*>(kh + off[c]);  // 16 visible keys in a row of the cache: read in place
+        } else {
+          for (int64_t j = c; j < c + 16; ++j) {
+            const int64_t p = k0 + j;
+            if (p < t.a || p >= t.e) {
+              std::memset(b.kp.data() + j * dh, 0, d * 2);
+            } else {
+              std::memcpy(b.kp.data() + j * dh, kh + off[j], d * 2);
+            }
+          }
+          src = reinterpret_cast<const float*>(b.kp.data() + c * dh);
+        }
+        rows_to_lanes(src, dh, 16, dh, reinterpret_cast<float*>(b.ktp.data() + c * dh));
+      }
+      bf16_scores_all<4>(b.qp.data(), b.ktp.data(), dh, group, b.s.data() + i * group * KT);
+    }
+    // ---- each tile's softmax and values, in order
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t k0 = g0 + i * KT;
+      const Tile t(k0, lo, pos, 16);
+      if (t.empty()) continue;
+      const int64_t* off = b.offs.data() + i * KT;
+      float* s = b.s.data() + i * group * KT;
+      const int64_t jp0 = (t.a - k0) / 2, jp1 = (t.e - k0 + 1) / 2;  // the key pairs holding the visible keys
+      for (int64_t jp = jp0; NV == 0 && jp < jp1; ++jp) {  // NV > 0: pairs made in registers (bf16_values)
+        const uint16_t* vr[2];
+        for (int u = 0; u < 2; ++u) {
+          const int64_t p = k0 + 2 * jp + u;
+          vr[u] = p >= t.a && p < t.e ? vh + off[2 * jp + u] : nullptr;
+        }
+        uint32_t* vp = b.vt.data() + jp * d;
+        for (int64_t x = 0; x < d; x += 32) {
+          const __m512i va = vr[0] ? _mm512_loadu_si512(vr[0] + x) : _mm512_setzero_si512();
+          const __m512i vc = vr[1] ? _mm512_loadu_si512(vr[1] + x) : _mm512_setzero_si512();
+          _mm512_storeu_si512(vp + x, _mm512_permutex2var_epi16(va, lo_idx, vc));
+          _mm512_storeu_si512(vp + x + 16, _mm512_permutex2var_epi16(va, hi_idx, vc));
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = t.c0; c < t.c1; c += 16) {
+          float* sc = s + g * KT + c;
+          transform(Vec(_mm512_loadu_ps(sc)), tf, scale, softcap, k0 + c, t.a, t.e).store(sc);
+        }
+      softmax_tile(s, group, t, cscale, b.m.data(), b.l.data(), b.alpha.data(), b.sum.data());
+      for (int64_t g = 0; g < group; ++g)  // the probabilities in bfloat16 (0 where not seen: exp2(-inf))
+        for (int64_t c = t.c0; c < t.c1; c += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.pb.data() + g * KT + c),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + g * KT + c)));
+      if constexpr (NV > 0) {
+        bf16_values_all<NV>(vh, off, t, b.pb.data(), b.alpha.data(), jp0, jp1, group, b.ot.data());
       } else {
-        std::memcpy(b.kp.data() + j * dh, row_of(kh, table, p, block_size, d), d * 2);
-      }
-    }
-    for (int64_t c = t.c0; c < t.c1; c += 16)  // pairs moved as float32 bits
-      rows_to_lanes(reinterpret_cast<const float*>(b.kp.data() + c * dh), dh, 16, dh,
-                    reinterpret_cast<float*>(b.ktp.data() + c * dh));
-    const int64_t jp0 = (t.a - k0) / 2, jp1 = (t.e - k0 + 1) / 2;  // the key pairs holding the visible keys
-    for (int64_t jp = jp0; NV == 0 && jp < jp1; ++jp) {  // NV > 0: pairs made in registers (bf16_values)
-      const uint16_t* vr[2];
-      for (int u = 0; u < 2; ++u) {
-        const int64_t p = k0 + 2 * jp + u;
-        vr[u] = p >= t.a && p < t.e ? row_of(vh, table, p, block_size, d) : nullptr;
-      }
-      uint32_t* vp = b.vt.data() + jp * d;
-      for (int64_t x = 0; x < d; x += 32) {
-        const __m512i va = vr[0] ? _mm512_loadu_si512(vr[0] + x) : _mm512_setzero_si512();
-        const __m512i vc = vr[1] ? _mm512_loadu_si512(vr[1] + x) : _mm512_setzero_si512();
-        _mm512_storeu_si512(vp + x, _mm512_permutex2var_epi16(va, lo_idx, vc));
-        _mm512_storeu_si512(vp + x + 16, _mm512_permutex2var_epi16(va, hi_idx, vc));
-      }
-    }
-    bf16_scores_all<4>(b.qp.data(), b.ktp.data(), dh, group, b.s.data(),
-                       ahead_of(kh, vh, table, k0, pos, block_size, d));
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t c = t.c0; c < t.c1; c += 16) {
-        float* sc = b.s.data() + g * KT + c;
-        transform(Vec(_mm512_loadu_ps(sc)), tf, scale, softcap, k0 + c, t.a, t.e).store(sc);
-      }
-    softmax_tile(b.s.data(), group, t, cscale, b.m.data(), b.l.data(), b.alpha.data(), b.sum.data());
-    for (int64_t g = 0; g < group; ++g)  // the probabilities in bfloat16 (0 where not seen: exp2(-inf))
-      for (int64_t c = t.c0; c < t.c1; c += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.pb.data() + g * KT + c),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b.s.data() + g * KT + c)));
-    if constexpr (NV > 0) {
-      bf16_values_all<NV>(vh, table, block_size, t, b.pb.data(), b.alpha.data(), jp0, jp1, group, b.ot.data());
-    } else {
-      for (int64_t g = 0; g < group; ++g) {
-        float* og = b.ot.data() + g * d;
-        for (int64_t x = 0; x < d; x += 16)
-          _mm512_storeu_ps(og + x, _mm512_mul_ps(_mm512_loadu_ps(og + x), _mm512_set1_ps(b.alpha[g])));
-        for (int64_t jp = jp0; jp < jp1; ++jp) {
-          uint32_t bits;
-          std::memcpy(&bits, b.pb.data() + g * KT + 2 * jp, 4);
-          const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
-          const uint32_t* vp = b.vt.data() + jp * d;
+        for (int64_t g = 0; g < group; ++g) {
+          float* og = b.ot.data() + g * d;
           for (int64_t x = 0; x < d; x += 16)
-            _mm512_storeu_ps(og + x,
-                             _mm512_dpbf16_ps(_mm512_loadu_ps(og + x), pv, (__m512bh)_mm512_loadu_si512(vp + x)));
+            _mm512_storeu_ps(og + x, _mm512_mul_ps(_mm512_loadu_ps(og + x), _mm512_set1_ps(b.alpha[g])));
+          for (int64_t jp = jp0; jp < jp1; ++jp) {
+            uint32_t bits;
+            std::memcpy(&bits, b.pb.data() + g * KT + 2 * jp, 4);
+            const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
+            const uint32_t* vp = b.vt.data() + jp * d;
+            for (int64_t x = 0; x < d; x += 16)
+              _mm512_storeu_ps(og + x,
+                               _mm512_dpbf16_ps(_mm512_loadu_ps(og + x), pv, (__m512bh)_mm512_loadu_si512(vp + x)));
+          }
         }
       }
     }
