@@ -24,6 +24,7 @@ from tapllm.utils.options import from_mapping
 logger = logging.getLogger("tapllm")
 
 Prompt = str | Sequence[int]
+PromptDict = Mapping[str, Any]  # vLLM's TextPrompt {"prompt": ...} or TokensPrompt {"prompt_token_ids": ...}
 Message = dict[str, str]
 
 
@@ -78,11 +79,12 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Complete each prompt (a string or a list of token ids); outputs come in input order.
+        """Complete each prompt (a string, a list of token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``); outputs come in input order.
 
         Every prompt and parameter set is validated before anything is scheduled, so a bad
         one raises ``ValueError`` without running the others. A request whose params carry
@@ -96,7 +98,7 @@ class LLM:
 
     def encode(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
         hidden_states: HiddenStatesSpec | dict | Sequence[HiddenStatesSpec | dict] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -188,9 +190,11 @@ class LLM:
                     bar.set_postfix_str(f"{rate:.1f} tok/s")
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, Mapping):
+        return [_from_dict(prompts, "prompts")]
     if isinstance(prompts, bytes | bytearray | memoryview):
         raise TypeError("prompts: got bytes; pass text as str (decode it first) or token ids as a list of ints")
     if isinstance(prompts, torch.Tensor):
@@ -201,9 +205,34 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
         return [items]  # a single prompt of token ids
     for i, x in enumerate(items):
-        if not isinstance(x, str | list | tuple | torch.Tensor):
-            raise TypeError(f"prompts[{i}] must be a str or a list of token ids, got {type(x).__name__}")
+        if isinstance(x, Mapping):
+            items[i] = _from_dict(x, f"prompts[{i}]")
+        elif not isinstance(x, str | list | tuple | torch.Tensor):
+            raise TypeError(f"prompts[{i}] must be a str, a list of token ids or a dict with 'prompt' or "
+                            f"'prompt_token_ids', got {type(x).__name__}")
     return items
+
+
+def _from_dict(prompt: PromptDict, where: str) -> Prompt:
+    """vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt) or ``{"prompt_token_ids": ids}`` (TokensPrompt)."""
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"{where}['prompt'] must be a str, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if isinstance(ids, str) or not isinstance(ids, Sequence):
+            raise TypeError(f"{where}['prompt_token_ids'] must be a list of token ids, got {type(ids).__name__}")
+        return list(ids)
+    unknown = sorted(keys - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise ValueError(f"{where}: unsupported prompt field(s) {unknown}; a prompt dict holds 'prompt' (text) "
+                         "or 'prompt_token_ids'")
+    raise ValueError(f"{where}: give one of 'prompt' (text) and 'prompt_token_ids', not both" if keys
+                     else f"{where}: an empty prompt dict; give 'prompt' (text) or 'prompt_token_ids'")
 
 
 def _as_params_list(

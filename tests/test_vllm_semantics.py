@@ -138,3 +138,25 @@ def test_spaces_between_special_tokens(llm):
     c = _one(llm, random_prompts([4], seed=2)[0], temperature=0, max_tokens=3, ignore_eos=True,
              skip_special_tokens=False, spaces_between_special_tokens=False, allowed_token_ids=[1, 2])
     assert c.text == "".join(tok.convert_ids_to_tokens(c.token_ids))
+
+
+def test_vllm_prompt_dicts(llm):
+    """vLLM's TextPrompt and TokensPrompt dicts give what the bare text and ids give; other keys are refused."""
+    ids = random_prompts([6], seed=3)[0]
+    text = "The capital of France is"
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    bare = llm.generate([text, ids], params, use_tqdm=False)
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in bare]
+    assert dicts[1].prompt_token_ids == ids
+    one = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    assert len(one) == 1 and one[0].outputs[0].token_ids == bare[1].outputs[0].token_ids
+    assert llm.encode([{"prompt_token_ids": ids}], use_tqdm=False)[0].prompt_token_ids == ids
+    with pytest.raises(ValueError, match=r"prompts\[1\]: unsupported prompt field\(s\) \['multi_modal_data'\]"):
+        llm.generate([text, {"prompt": text, "multi_modal_data": {}}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate([{"prompt": text, "prompt_token_ids": ids}], params, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"prompts\[0\]\['prompt'\] must be a str"):
+        llm.generate([{"prompt": ids}], params, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"prompt_token_ids'\] must be a list"):
+        llm.generate([{"prompt_token_ids": "abc"}], params, use_tqdm=False)
