@@ -99,7 +99,6 @@ class GraphStep:
         self.pending: list[tuple[torch.Tensor, np.ndarray]] = []  # sampling rows of slots joined this step
         # The step's captured chunks and the numbers captured (TapTables.chunk_places), by shape().
         self._placed: tuple[list[tuple[int, int, int]], int] | None = None
-        self._host: torch.Tensor | None = None  # the step's captured rows copied to the host (deliver)
 
     def warm_up(self) -> None:
         """Capture every graph (start-up)."""
@@ -202,13 +201,12 @@ class GraphStep:
         if self._placed is None:  # no row of the step captured
             return {}
         if lay.decode_only:
-            entries = self._deliver_decode(lay, sink, stopped)
+            entries, host = self._deliver_decode(lay, sink, stopped)
         else:
-            entries = self._deliver_chunks(lay, sink, stopped)
+            entries, host = self._deliver_chunks(lay, sink, stopped)
         if not entries:
             return {}
         sink.settle()
-        host = self._host
         failed: dict[RequestCapture, str] = {}
         for e in entries:
             cap = e.capture
@@ -235,11 +233,12 @@ class GraphStep:
                 e.capture.advance(e.a, e.b)
         return failed
 
-    def _deliver_decode(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset) -> list[_Delivery]:
+    def _deliver_decode(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset
+                        ) -> tuple[list[_Delivery], torch.Tensor | None]:
         """:meth:`deliver` for a step of single-token decodes: the rows that captured are those the tables
         placed (a slot's positions start where its capture goes on, see :func:`slot_capture`), so only
         they are visited; a request that keeps its rows takes its place in the step's host copy at once.
-        Returns the requests that take their rows on the device."""
+        Returns the requests that take their rows on the device, and the step's host copy (None: none made)."""
         placed, total = self._placed
         items, known = lay.items, self._joined
         entries: list[_Delivery] = []
@@ -267,12 +266,12 @@ class GraphStep:
         if host is None and any(e.capture.takes_host_rows and e.capture.sel.points for e in entries):
             sink.settle()
             host = _to_host(self.taps.cap_out[:total], sink)
-        self._host = host
-        return entries
+        return entries, host
 
     def _deliver_chunks(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset
-                        ) -> list[_Delivery]:
-        """:meth:`deliver` for a step with prompt chunks: each request's window of its chunk."""
+                        ) -> tuple[list[_Delivery], torch.Tensor | None]:
+        """:meth:`deliver` for a step with prompt chunks: each request's window of its chunk (returns as
+        :meth:`_deliver_decode`)."""
         entries: list[_Delivery] = []
         kept: list[tuple[RequestCapture, RowViews, int, int, int]] = []
         placed = {i: (first, count) for i, first, count in self._placed[0]}
@@ -308,8 +307,7 @@ class GraphStep:
             host = _to_host(self.taps.cap_out[:end], sink)
         for cap, views, first, a, b in kept:
             cap.defer(views, host, first, a, b)
-        self._host = host
-        return entries
+        return entries, host
 
     def _delivery(self, layout: RecordLayout, cap: RequestCapture) -> tuple[RequestCapture, int, RowViews | None]:
         """How a step hands ``cap`` its rows: ``(cap, numbers per position of the host copy it reads (0: none),

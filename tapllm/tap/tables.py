@@ -230,10 +230,6 @@ class TapTables:
             self._ops.give(held[0], held[1])
             self._pool.give(held[2], held[3])
 
-    def any_taps(self, slots: Sequence[int] | np.ndarray) -> bool:
-        """True when any of ``slots`` captures or steers anything."""
-        return self.any_steers(slots) or (self.capturing > 0 and bool(self.rec[slots].any()))
-
     def any_steers(self, slots: Sequence[int] | np.ndarray) -> bool:
         """True when any of ``slots`` steers."""
         return self.steering > 0 and bool(self.steered[slots].any())
