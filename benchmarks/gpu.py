@@ -18,8 +18,8 @@ What it measures (random weights; every figure in one run of under 8 minutes, so
        ``enforce_eager=True``: output tokens/s of greedy generation at batch 1, 16, 64 (and 256 for
        tapllm), prompts of 128 random tokens, 64 new, EOS ignored, best of 2 with fresh prompts;
        start-up (weights, KV cache, every graph captured, Triton's compilations on a fresh machine),
-       peak GPU memory; the batch-1 decode step (from generations of 1 and 65 tokens) against the
-       weights' bytes over the bandwidth of (1).
+       peak GPU memory; the batch-1 decode step (the median of 64 engine steps timed one by one)
+       against the weights' bytes over the bandwidth of (1).
     4. What capture and steering cost under graphs (1B shape, batch 16; best of 3 rounds): the last
        position's final state, a mean over the prompt at 3 blocks, 3 blocks at every position, every
        block at every position, half the batch steered at 3 blocks, an SAE's top-16 features at one
@@ -391,17 +391,31 @@ def tapllm_rate(llm: Any, device: torch.device, batch: int, new: int, prompt_len
 
 def decode_step_ms(llm: Any, device: torch.device, prompt_len: int, seed: str, steps: int = 64,
                    runs: int = 3) -> float:
-    """One batch-1 decode step: (``steps + 1`` tokens - 1 token) / ``steps``, best of ``runs``."""
+    """One batch-1 decode step: the median wall time of ``steps`` engine steps after the prompt's, each
+    timed on its own (device synced), best of ``runs`` requests with fresh prompts. (A difference of two
+    generation times, as this once was, can come out at or below zero on a loaded machine.)"""
     from tapllm import SamplingParams
 
-    def run(n: int, r: int) -> float:
-        p = prompts(1, prompt_len, f"{seed}-step{n}-{r}")
-        return timed(device, lambda: llm.generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                                                  use_tqdm=False))[0]
-
-    one = min(run(1, r) for r in range(runs))
-    many = min(run(steps + 1, r) for r in range(runs))
-    return max(many - one, 0.0) / steps * 1e3
+    engine = llm.engine
+    best = float("inf")
+    for r in range(runs):
+        rid = f"{seed}-step-{r}"
+        params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+        req = engine.add(engine.input_processor.prepare(prompts(1, prompt_len, rid)[0], params, request_id=rid))
+        while not req.output_token_ids:  # the prompt
+            engine.step()
+        walls = []
+        for _ in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            engine.step()
+            sync(device)
+            walls.append(time.perf_counter() - t0)
+        engine.abort(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+        best = min(best, statistics.median(walls))
+    return best * 1e3
 
 
 def hf_model(config: Any, device: torch.device, dtype: torch.dtype) -> Any:
