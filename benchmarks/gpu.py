@@ -356,7 +356,8 @@ class Bench:
             "startup_s": round(start, 2), "describe": llm.describe(),
             "graph_capture_s": round(graphs.capture_seconds, 2) if graphs is not None else None,
             "graphs": graphs.distinct_graphs if graphs is not None else 0,
-            "buckets": graphs.buckets if graphs is not None else 0}
+            "buckets": graphs.buckets if graphs is not None else 0,
+            "draws_in_step_graphs": graphs.draws_in_step if graphs is not None else None}
         print(f"\ntapllm on {name} ({describe_config(config)}), started in {start:.1f}s:\n{llm.describe()}",
               flush=True)
         self._graph = (name, llm)

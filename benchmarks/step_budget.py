@@ -9,7 +9,8 @@ would launch and every op the host issues around it can be counted.
 What it prints (and writes with ``--json FILE``)
     kernels_per_block   kernels one block of a replayed decode graph launches (bf16, a 16-block Llama):
                         aten ops that would run a kernel (not views, not allocations, a cast only when
-                        it converts) plus Triton launches, while that block runs; ``per_step`` the rest.
+                        it converts) plus Triton launches, while that block runs; ``per_step`` the rest,
+                        but for ``draw``: the random draw a greedy step's graph skips (a conditional node).
                         ``kernels_tapped``: the same for the tapped graph (every request captures the
                         last position's ``final`` state; which taps does not change the graph).
     host_ops[case][b]   aten ops outside the graph body in one decode step of ``b`` requests (the same
@@ -359,13 +360,26 @@ def kernels_per_block(llm: Any, args: argparse.Namespace, case: str = "plain") -
         finally:
             counter.phase = "outside"
 
+    # The draw of rows sampling at random sits in a conditional node a greedy step skips on a GPU (the
+    # emulation runs it every step): its kernels are counted apart.
+    draw_body = owner.draw_body
+
+    def hooked_draw(*a: Any, **kw: Any) -> Any:
+        prev, counter.phase = counter.phase, "draw"
+        try:
+            return draw_body(*a, **kw)
+        finally:
+            counter.phase = prev
+
     setattr(owner, name, hooked)
+    owner.draw_body = hooked_draw
     try:
         sched = engine.scheduler.schedule()
         with counter:
             runner.execute(sched.items)
     finally:
         setattr(owner, name, body)
+        del owner.draw_body
         for h in hooks:
             h.remove()
         TRITON.counter = None
@@ -377,9 +391,11 @@ def kernels_per_block(llm: Any, args: argparse.Namespace, case: str = "plain") -
         per_block.append(len(ops))
         kinds.update(ops)
     per_step = counter.ops.get("per_step", []) + TRITON.launches.get("per_step", [])
+    draw = counter.ops.get("draw", []) + TRITON.launches.get("draw", [])
     return {"kernels_per_block": round(statistics.mean(per_block), 2) if per_block else None,
             "per_block": per_block, "block_kernels": {k: round(v / len(layers), 2) for k, v in kinds.items()},
-            "per_step_kernels": len(per_step), "per_step": dict(Counter(per_step))}
+            "per_step_kernels": len(per_step), "per_step": dict(Counter(per_step)),
+            "draw_kernels": len(draw), "draw": dict(Counter(draw))}
 
 
 # ---- the serving trace ------------------------------------------------------------------------
@@ -495,7 +511,8 @@ def trace(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"requests": len(reqs), "steps": steps, "graph_steps": policy.graph_steps,
             "eager_reasons": dict(policy.eager_steps), "eager_share": policy.eager_share,
             "captures_after_warmup": graphs.captures_after_warmup, "distinct_graphs": graphs.distinct_graphs,
-            "buckets": graphs.buckets, "tokens_equal": f"{same}/{len(want)}", "max_state_error": worst,
+            "buckets": graphs.buckets, "draws_in_step_graphs": graphs.draws_in_step,
+            "tokens_equal": f"{same}/{len(want)}", "max_state_error": worst,
             "left_out": "attention patterns and SAE feature edits (eager by design)", "seconds": round(seconds, 1)}
 
 
@@ -533,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, case in (("kernels", "plain"), ("kernels_tapped", "last")):
             report[key] = k = kernels_per_block(llm, args, case)
             print(f"kernels per block{' (tapped)' if case != 'plain' else ''}: {k['kernels_per_block']} "
-                  f"({k['block_kernels']}); per step {k['per_step_kernels']}", flush=True)
+                  f"({k['block_kernels']}); per step {k['per_step_kernels']}, and {k['draw_kernels']} in the "
+                  f"conditional draw", flush=True)
         names = args.cases.split(",") if args.cases else list(cases(256, args.layers))
         all_cases = cases(256, args.layers)
         report["host_ops"], report["host_ms"], report["host_detail"] = {}, {}, {}

@@ -153,16 +153,37 @@ def test_a_step_whose_captures_overrun_the_buffer_runs_eagerly(tiny_models):
 
 
 def test_every_graph_is_captured_at_start_and_none_after(tiny_models):
+    """Two graphs a bucket (plain, tapped): step graphs draw their random rows themselves."""
     graphed = _graphed(tiny_models["llama"])
     runner = graphed.engine.runner.graph_step.graphs
-    graphs = 2 * (len(DECODE) + len(MIXED)) + len(runner.draw_sizes)  # step graphs, then sampler graphs
+    graphs = 2 * (len(DECODE) + len(MIXED))
+    assert runner.draws_in_step
     assert runner.buckets == len(DECODE) + len(MIXED) and runner.distinct_graphs == graphs
     spec = HiddenStatesSpec(layers=[0], points="resid_post", positions="all")
     prompts = random_prompts([4, 6, 5], seed=8)
-    graphed.generate(prompts, [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
-                                              hidden_states=spec if i else None) for i in range(3)], use_tqdm=False)
+    got = graphed.generate(prompts, [SamplingParams(max_tokens=4, temperature=0.8 if i == 1 else 0, seed=i,
+                                                    ignore_eos=True, hidden_states=spec if i else None)
+                                     for i in range(3)], use_tqdm=False)
     assert runner.captures_after_warmup == 0 and runner.distinct_graphs == graphs
     assert sum(runner.replays.values()) > 0
+    want = _eager(tiny_models["llama"]).generate(prompts, [SamplingParams(
+        max_tokens=4, temperature=0.8 if i == 1 else 0, seed=i, ignore_eos=True) for i in range(3)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_without_conditional_nodes_drawing_rows_run_sampler_graphs(tiny_models):
+    """Where the driver captures no conditional node, drawing steps replay a sampler graph per sample
+    size after the step's graph, with the same tokens."""
+    graphed = _graphed(tiny_models["llama"])
+    runner = graphed.engine.runner.graph_step.graphs
+    runner.draws_in_step = False  # as the start-up probe decides on such a driver; then capture again
+    runner.warm_up()
+    assert runner.distinct_graphs == 2 * (len(DECODE) + len(MIXED)) + len(runner.draw_sizes)
+    prompts = random_prompts([4, 6, 5], seed=9)
+    params = [SamplingParams(max_tokens=5, temperature=0.9, top_p=0.8, seed=7 + i, ignore_eos=True) for i in range(3)]
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    want = _eager(tiny_models["llama"]).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
 def test_padding_rows_never_touch_a_request_s_blocks(tiny_models):

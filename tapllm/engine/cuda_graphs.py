@@ -17,10 +17,12 @@ taps: the number of graphs is bounded by the buckets, and nothing is captured af
 step of ``n`` rows or tokens replays the graph of the next size up; its padding rows read the
 padding slot and write to the padding block.
 
-Rows that draw at random are sampled by a second, small graph per number of sampled rows
-(:meth:`GraphRunner.draw`), replayed after the step's graph only when some row draws: it reads the
-step graph's logits and each row's slot parameters (``engine/graph_sampler.py``), so greedy steps
-pay for no sort.
+Every step graph samples its rows by their slots' parameters (``engine/graph_sampler.py``): the
+greedy tokens always, then, inside a CUDA conditional node taken only when some row's slot has a
+temperature, the drawn ones; so greedy steps pay for no sort, and sampling adds no graph. Where the
+driver cannot capture a conditional node (before CUDA 12.4; probed at start-up), rows that draw are
+sampled by a second, small graph per number of sampled rows (:meth:`GraphRunner.draw`), replayed
+after the step's graph.
 
 Without a GPU, ``capture=False`` makes :meth:`GraphRunner.run` call the very function a graph holds,
 on the same buffers (the tests and ``benchmarks/step_budget.py`` count what it does).
@@ -74,6 +76,8 @@ class GraphRunner:
         self.device = device
         self.capture = capture
         self.fuse_sites = True  # tapped graphs hand kernels their sites (TableTap(fuse=)); read when captured
+        # Whether step graphs draw too (in a conditional node); else sampler graphs do. Decided at warm-up.
+        self.draws_in_step = True
         self.keys = sorted(keys, key=lambda k: (k.kind, k.size, k.tapped))
         self.decode_sizes = sorted({k.size for k in keys if k.kind == "decode"})
         self.mixed_sizes = sorted({k.size for k in keys if k.kind == "mixed"})
@@ -105,17 +109,22 @@ class GraphRunner:
 
     @property
     def distinct_graphs(self) -> int:
-        """Step graphs (each bucket plain and tapped) and sampler graphs (one per number of sampled rows)."""
+        """Step graphs (each bucket plain and tapped) and sampler graphs (one per number of sampled rows,
+        only where step graphs cannot draw)."""
         return len(self._graphs) + len(self._draws)
 
     # ---- capture ------------------------------------------------------------------------------
     def warm_up(self) -> None:
         """Capture every graph (largest first, so smaller ones reuse its memory pool)."""
         t0 = time.perf_counter()
+        if self.capture and self.draws_in_step and not conditional_nodes_work(self.device):
+            self.draws_in_step = False
+            logger.info("CUDA graphs: this driver captures no conditional node; drawing rows run sampler graphs")
         for key in sorted(self.keys, key=lambda k: -k.size):
             self._graphs[key] = self._record(key)
-        for size in reversed(self.draw_sizes):
-            self._draws[size] = self._record_draw(size)
+        if not self.draws_in_step:
+            for size in reversed(self.draw_sizes):
+                self._draws[size] = self._record_draw(size)
         self.capture_seconds += time.perf_counter() - t0
         self.warm = True
 
@@ -175,7 +184,8 @@ class GraphRunner:
 
     def draw(self, rows: int) -> torch.Tensor:
         """Replay the sampler graph over the first ``rows`` sampled rows of the step just replayed (some of
-        them draw at random); returns the tokens (float64, the sampler graph's size)."""
+        them draw at random); returns the tokens (float64, the sampler graph's size). Only where step
+        graphs do not draw (:attr:`draws_in_step` is False)."""
         size = next(s for s in self.draw_sizes if s >= rows)
         graph = self._draws.get(size)
         if graph is None:
@@ -229,4 +239,44 @@ class GraphRunner:
         torch.add(positions, 1, out=self.counters[:n])
         self.tokens[:n].copy_(self.sampler.sample(logits, self.sample_slots[:n], self.counters[:n], draw=False))
         self.last_token.index_copy_(0, self.sample_slots[:n], self.tokens[:n].clamp(min=0).long())
+        if self.draws_in_step:
+            self._draw_if_any(n)
         return GraphOutputs(hidden, logits, self.tokens[:n])
+
+    def _draw_if_any(self, n: int) -> None:
+        """Re-sample the ``n`` rows by their parameters when some row's slot has a temperature: in a
+        conditional node while capturing; otherwise (warming up for a capture, or without graphs)
+        always, which gives the same tokens (greedy rows keep their argmax) without reading a device
+        value on the host."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            drawing = (self.sampler.temperature.index_select(0, self.sample_slots[:n]) > 0).any()
+            graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+            graph.begin_capture_to_if_node(drawing)
+            try:
+                self.draw_body(n)
+            finally:
+                graph.end_capture_to_conditional_node()
+        else:
+            self.draw_body(n)
+
+
+def conditional_nodes_work(device: torch.device) -> bool:
+    """Whether this driver captures and replays a CUDA graph's conditional node (CUDA 12.4 and later):
+    a one-kernel body, replayed with its predicate true then false."""
+    try:
+        flag = torch.ones((), dtype=torch.bool, device=device)
+        x = torch.zeros(1, device=device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph.begin_capture_to_if_node(flag)
+            try:
+                x.add_(1)
+            finally:
+                graph.end_capture_to_conditional_node()
+        graph.replay()
+        flag.fill_(False)
+        graph.replay()
+        return float(x.item()) == 1.0
+    except Exception as exc:  # noqa: BLE001 - any failure means: use sampler graphs
+        logger.debug("conditional node probe failed: %s", exc)
+        return False

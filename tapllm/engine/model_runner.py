@@ -319,15 +319,16 @@ class ModelRunner:
 
     def _graph_sampled(self, items: list[ScheduledItem], batch: StepBatch, out: GraphOutputs, deliver: Deliver
                        ) -> LaunchedStep:
-        """A graph step whose tokens the graph samples (drawing rows by its sampler graph)."""
+        """A graph step whose tokens the graph samples (drawing rows too, or, where step graphs cannot
+        draw, by a sampler graph)."""
         failed = self._prompt_logprobs(batch, out.hidden)
         requests = [req for _, req in batch.sample_rows]
         if not requests:
             return LaunchedStep(items, [], deliver=deliver, tokens=None, read=None, failed=failed, row_failures={},
                                 graph_sampled=True)
-        tokens = out.tokens
-        if any(not req.params.greedy for req in requests):
-            tokens = self.graph_step.graphs.draw(len(requests))
+        tokens, graphs = out.tokens, self.graph_step.graphs
+        if not graphs.draws_in_step and any(not req.params.greedy for req in requests):
+            tokens = graphs.draw(len(requests))
         return LaunchedStep(items, requests, deliver=deliver, tokens=self.download.start(tokens[: len(requests)]),
                             read=lambda codes, failures: read_tokens(codes, requests, failures), failed=failed,
                             row_failures={}, graph_sampled=True)
