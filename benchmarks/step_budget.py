@@ -19,9 +19,12 @@ What it prints (and writes with ``--json FILE``)
                         steered (add at 3 blocks, ablate at one); an SAE's top-16 features at one block.
     host_ms[case][b]    the step's wall time minus the time inside the graph body (the replay), in the SAE
                         encoder that runs after it and in the copy of the captured rows to the host (device
-                        work on a GPU: kernels and an asynchronous copy), the fastest of several decode
-                        steps (another job on the machine only ever slows a step), nothing counting; the
-                        host's share of a step on a GPU.
+                        work on a GPU: kernels and an asynchronous copy), the fastest of ``--timed-steps``
+                        decode steps (another job on the machine only ever slows a step), nothing counting;
+                        the host's share of a step on a GPU. The body and the encoder stand in as a replay
+                        does for the host: their first outputs, at once (interpreting them every step would
+                        leave the host code after them with cold caches: ``host_ms_interpreted``, with
+                        ``--interpreted-timing``).
     trace               a serving trace through the graph path (``--trace-requests``): requests arriving
                         over time with mixed taps and steers; captures after warm-up, distinct graphs,
                         buckets, the share of eager steps and why, and whether tokens and states equal
@@ -308,9 +311,53 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
         host_launches = TRITON.launches.get("host", [])
         body_calls = inside["calls"]
         TRITON.counter = None
-        engine.scheduler.running  # the counted step is rerun by the engine's own steps below
-        times = []
-        for _ in range(args.timed_steps):
+        times = timed_steps(engine, args.timed_steps, inside, owner, name, hooked)
+        interpreted = None
+        if args.interpreted_timing:
+            interpreted = timed_steps(engine, args.timed_steps, inside, owner, name, hooked,
+                                      stand_in=False)
+    finally:
+        setattr(owner, name, body)
+        FeatureBatch._encode = encode
+        graph_step._to_host = to_host
+        TRITON.counter = None
+    finish(engine, seed, batch)
+    return {"host_ops": len(host_ops) + len(host_launches), "ops": dict(Counter(host_ops + host_launches)),
+            "syncs": list(counter.syncs), "graph_replays": body_calls, "host_ms": round(min(times), 4),
+            "host_ms_interpreted": round(min(interpreted), 4) if interpreted else None}
+
+
+def timed_steps(engine: Any, steps: int, inside: dict[str, Any], owner: Any, name: str, hooked: Callable,
+                stand_in: bool = True) -> list[float]:
+    """Host ms of ``steps`` decode steps: wall time minus the time ``inside`` the graph body, the SAE
+    encoder and the host copy.
+
+    ``stand_in``: the graph body and the SAE encoder return their first outputs again (per graph, per
+    number of requests) as a replay does for the host, which only launches it. Interpreted Triton
+    takes milliseconds and leaves the CPU's caches cold for the host code after it, a cost no GPU
+    step has; with ``stand_in=False`` they run every step (``--interpreted-timing``)."""
+    from tapllm.sae.batch import FeatureBatch
+
+    encode = FeatureBatch._encode
+    bodies: dict[Any, Any] = {}
+    packs: dict[int, Any] = {}
+
+    def replay(key: Any) -> Any:
+        if key not in bodies:
+            bodies[key] = hooked(key)
+        return bodies[key]
+
+    def encoded(self: Any, entries: list[Any], rows_of: Any) -> Any:
+        if len(entries) not in packs:
+            packs[len(entries)] = encode(self, entries, rows_of)
+        return packs[len(entries)]
+
+    if stand_in:
+        setattr(owner, name, replay)
+        FeatureBatch._encode = encoded
+    times = []
+    try:
+        for _ in range(steps):
             inside["s"] = 0.0
             sched = engine.scheduler.schedule()
             t0 = time.perf_counter()
@@ -319,13 +366,9 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
             times.append((total - inside["s"]) * 1e3)
             _advance(engine, sched, result)
     finally:
-        setattr(owner, name, body)
+        setattr(owner, name, hooked)
         FeatureBatch._encode = encode
-        graph_step._to_host = to_host
-        TRITON.counter = None
-    finish(engine, seed, batch)
-    return {"host_ops": len(host_ops) + len(host_launches), "ops": dict(Counter(host_ops + host_launches)),
-            "syncs": list(counter.syncs), "graph_replays": body_calls, "host_ms": round(min(times), 4)}
+    return times
 
 
 def _advance(engine: Any, sched: Any, result: Any) -> None:
@@ -528,7 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=16, help="blocks of the Llama (default 16)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt-len", type=int, default=12)
-    p.add_argument("--timed-steps", type=int, default=5, help="decode steps timed per cell (the fastest is kept)")
+    p.add_argument("--timed-steps", type=int, default=100, help="decode steps timed per cell (the fastest is kept)")
+    p.add_argument("--interpreted-timing", action="store_true",
+                   help="also time steps that run the interpreted graph body and SAE encoder every step (slow)")
     p.add_argument("--skip-trace", action="store_true")
     p.add_argument("--trace-requests", type=int, default=500, help="requests in the serving trace (default 500)")
     p.add_argument("--trace-layers", type=int, default=2, help="blocks of the trace's Llama (default 2)")

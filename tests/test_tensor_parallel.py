@@ -8,6 +8,7 @@ makes the engine raise a clear error quickly, and no worker is left behind.
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import math
@@ -182,6 +183,44 @@ def test_other_llama_family_models(arch, tiny_models):
         per_rank = two.engine.runner.tp.weight_bytes
         assert len(per_rank) == 2 and all(b <= full * (0.5 + 0.05) for b in per_rank), (per_rank, full)
         assert "tensor parallel: 2 ranks" in two.describe()
+    finally:
+        two.close()
+
+
+# Every other registered family (each architecture's own checkpoint layout: Phi-3's fused q/k/v and
+# gate/up, GPT-2's Conv1D, GPT-NeoX's per-head q/k/v, OLMo-2's norms over every head).
+FAMILIES = ["mistral", "gemma2", "gemma3", "phi3", "phi3-longrope", "olmo2", "olmo2-one-kv-head", "gpt2", "pythia"]
+
+
+@pytest.fixture(scope="module")
+def family_folders(tmp_path_factory, default_model_folder):
+    from conftest import save_tiny_model
+    from family_configs import family_configs
+
+    configs = family_configs()
+    configs["olmo2-one-kv-head"] = copy.deepcopy(configs["olmo2"])
+    configs["olmo2-one-kv-head"].num_key_value_heads = 1  # replicated on both ranks, its k_norm too
+    root = tmp_path_factory.mktemp("tp-families")
+    return {name: save_tiny_model(root / name, configs[name], default_model_folder) for name in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_equals_one_process(family, family_folders):
+    """Tokens, states at residual and sharded points, and a steer at a residual and a sharded point."""
+    folder = family_folders[family]
+    one, two = _pair(folder)
+    try:
+        hidden = one.engine.model_config.hidden_size
+        points = ["resid_post", "attn_out", "q", "k", "z", "mlp_post", "final"]
+        spec = HiddenStatesSpec(layers="all", points=points, positions="all")
+        steer = [Steer(layers=[1], point="resid_mid", vector=torch.ones(hidden), scale=0.5),
+                 Steer(layers=[0], point="mlp_post", op="scale", neurons=[1, 2, 100], scale=0.0)]
+        prompts = random_prompts([7, 40], seed=6)  # 40 > the budget of 32: chunked prefill
+        params = [greedy(5, hidden_states=spec), greedy(5, hidden_states=spec, steering=steer)]
+        _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False), points)
+        full = _checkpoint_bytes(folder)
+        per_rank = two.engine.runner.tp.weight_bytes
+        assert len(per_rank) == 2 and all(b <= full * (0.5 + 0.05) for b in per_rank), (per_rank, full)
     finally:
         two.close()
 

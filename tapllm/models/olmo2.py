@@ -25,6 +25,8 @@ from tapllm.tap import Tap
 class Olmo2Attention(Attention):
     """Attention with q_norm over ``H*D`` and k_norm over ``Hkv*D``."""
 
+    qk_norm_spans_heads = True  # split over tensor-parallel ranks, the norms need every rank's heads
+
     def __init__(self, cfg: ModelConfig, layer: int, **kwargs: Any) -> None:
         super().__init__(cfg, layer, **kwargs)
         eps = float(cfg.hf_config.rms_norm_eps)

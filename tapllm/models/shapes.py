@@ -31,8 +31,12 @@ def config_point_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     For checks made before the weights load (``tapllm collect`` refuses a bad point first); a
     loaded engine reads its modules instead.
     """
-    hf = config.hf_config
-    d_mlp = getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * config.hidden_size
     dims = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-            "d_mlp": int(d_mlp)}
+            "d_mlp": mlp_width(config)}
     return {name: shape for name, shape in row_shapes(dims).items() if name not in HIDDEN_POINTS}
+
+
+def mlp_width(config: ModelConfig) -> int:
+    """The MLP's hidden width (neurons) of the model ``config`` describes (GPT-2: ``n_inner``, or 4 x hidden)."""
+    hf = config.hf_config
+    return int(getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * config.hidden_size)

@@ -197,13 +197,16 @@ class TensorParallel:
 class DriverModel:
     """Rank 0's model as the model runner sees it: each call is announced to the workers first."""
 
-    needs_prompt_lengths = False
-
     def __init__(self, tp: TensorParallel) -> None:
         self.tp = tp
         self.shard = tp.model
         self.num_layers = len(self.shard.layers)
         self.forwards = 0  # steps run (for benchmarks: collectives per step)
+
+    @property
+    def needs_prompt_lengths(self) -> bool:
+        """Whether the step's metadata carries each row's prompt length (Phi-3's LongRoPE picks by it)."""
+        return bool(self.shard.needs_prompt_lengths)
 
     @property
     def last_runs(self) -> tuple[tuple[int, int, str], ...]:

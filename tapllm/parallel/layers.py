@@ -1,5 +1,5 @@
 """The layers whose output needs the other ranks: row-parallel linears, the vocabulary-parallel
-embedding and LM head. Column-parallel projections (q/k/v, gate/up) need no layer of their own:
+embedding and LM head, norms over every head. Column-parallel projections (q/k/v, gate/up) need no layer of their own:
 a rank's :class:`~tapllm.layers.linear.Linear` simply holds its rows.
 """
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapllm.layers.linear import Linear
+from tapllm.layers.norm import RMSNorm
 from tapllm.parallel.group import TPGroup
 
 
@@ -54,3 +55,23 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
         x.masked_fill_(outside.unsqueeze(-1), 0)
         return self.group.all_reduce(x.contiguous())
+
+
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over a width split across the ranks (OLMo-2's q/k norms over every head): each rank
+    scales its part by the mean square of the whole, its sum of squares all-reduced. Where KV heads
+    are replicated, each rank's part counts as many times as it is held, so dividing by the local
+    width x ranks still gives the mean over the distinct heads. Float32 arithmetic, as
+    :class:`~tapllm.layers.norm.RMSNormScaledInFloat32`."""
+
+    def __init__(self, norm: RMSNorm, group: TPGroup) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        squares = self.group.all_reduce(h.pow(2).sum(-1, keepdim=True).contiguous())
+        h = h * torch.rsqrt(squares / (h.shape[-1] * self.group.size) + self.eps)
+        return (self.weight * h).to(x.dtype)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,42 +22,75 @@ from safetensors import safe_open
 from tapllm.config import ModelConfig
 from tapllm.loader.weights import iter_weights, weight_files
 from tapllm.models import build_model
+from tapllm.layers.norm import RMSNorm
 from tapllm.models.base import MLP, Attention, CausalLM, GatedMLP
+from tapllm.models.shapes import mlp_width
 from tapllm.parallel.group import TPGroup
-from tapllm.parallel.layers import GatheredHead, RowParallelLinear, VocabParallelEmbedding
+from tapllm.parallel.layers import GatheredHead, RowParallelLinear, ShardedRMSNorm, VocabParallelEmbedding
 from tapllm.parallel.layout import ShardLayout
 from tapllm.utils.hf_config import HFConfig
 
-# The families whose blocks this module knows how to split (their checkpoint names below).
-SHARDABLE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+@dataclass(frozen=True, slots=True)
+class Split:
+    """How one checkpoint module is cut: what its split dim counts (``unit``), the dim of its weight,
+    and whether its bias is cut with the outputs (column-parallel) or kept whole (row-parallel: added
+    once after the all-reduce)."""
 
-# A checkpoint module's name -> (what its rows or columns count, the dim split). Anything not
-# named here (norms, rotary buffers) is replicated on every rank.
-SPLITS: dict[str, tuple[str, int]] = {
-    "q_proj": ("heads", 0), "k_proj": ("kv_heads", 0), "v_proj": ("kv_heads", 0), "o_proj": ("heads", 1),
-    "gate_proj": ("neurons", 0), "up_proj": ("neurons", 0), "down_proj": ("neurons", 1),
-    "embed_tokens": ("vocab", 0), "lm_head": ("vocab", 0),
+    unit: str  # heads, kv_heads, qkv ([q; k; v] stacked), qkv_by_head (q, k, v per head), neurons,
+    #            gate_up ([gate; up] stacked), vocab
+    dim: int
+    column: bool = True
+
+
+_ROW = dict(column=False)
+_LLAMA = {
+    "q_proj": Split("heads", 0), "k_proj": Split("kv_heads", 0), "v_proj": Split("kv_heads", 0),
+    "o_proj": Split("heads", 1, **_ROW), "gate_proj": Split("neurons", 0), "up_proj": Split("neurons", 0),
+    "down_proj": Split("neurons", 1, **_ROW), "embed_tokens": Split("vocab", 0), "lm_head": Split("vocab", 0),
 }
+# A checkpoint module's name (its last one or two components) -> its split, per architecture. Anything
+# not named (norms, position embeddings, rotary buffers) is whole on every rank.
+RULES: dict[str, dict[str, Split]] = {
+    "LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA, "Gemma2ForCausalLM": _LLAMA, "Gemma3ForCausalLM": _LLAMA,
+    "Gemma3ForConditionalGeneration": _LLAMA,
+    # OLMo-2's q_norm and k_norm span every head: each rank holds its heads' scales (ShardedRMSNorm)
+    "Olmo2ForCausalLM": {**_LLAMA, "q_norm": Split("heads", 0), "k_norm": Split("kv_heads", 0)},
+    "Phi3ForCausalLM": {"qkv_proj": Split("qkv", 0), "o_proj": Split("heads", 1, **_ROW),
+                        "gate_up_proj": Split("gate_up", 0), "down_proj": Split("neurons", 1, **_ROW),
+                        "embed_tokens": Split("vocab", 0), "lm_head": Split("vocab", 0)},
+    # GPT-2 stores Conv1D weights as [in, out]: outputs are dim 1
+    "GPT2LMHeadModel": {"attn.c_attn": Split("qkv", 1), "attn.c_proj": Split("heads", 0, **_ROW),
+                        "mlp.c_fc": Split("neurons", 1), "mlp.c_proj": Split("neurons", 0, **_ROW),
+                        "wte": Split("vocab", 0), "lm_head": Split("vocab", 0)},
+    "GPTNeoXForCausalLM": {"attention.query_key_value": Split("qkv_by_head", 0),
+                           "attention.dense": Split("heads", 1, **_ROW), "mlp.dense_h_to_4h": Split("neurons", 0),
+                           "mlp.dense_4h_to_h": Split("neurons", 1, **_ROW), "embed_in": Split("vocab", 0),
+                           "embed_out": Split("vocab", 0), "lm_head": Split("vocab", 0)},
+}
+SHARDABLE = tuple(RULES)
 
 
 def layout_for(cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
     """The split of ``cfg``'s model over ``size`` ranks (``ValueError`` names a field that does not divide)."""
-    if cfg.architecture not in SHARDABLE:
+    if cfg.architecture not in RULES:
         raise ValueError(f"tensor_parallel_size > 1 is not supported for {cfg.architecture} yet; "
                          f"supported: {', '.join(SHARDABLE)}")
-    return ShardLayout(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                       int(cfg.hf_config.intermediate_size), cfg.vocab_size)
+    return ShardLayout(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, mlp_width(cfg), cfg.vocab_size)
 
 
 def local_config(cfg: ModelConfig, layout: ShardLayout) -> ModelConfig:
-    """``cfg`` with this rank's heads, KV heads, MLP neurons and vocabulary rows."""
+    """``cfg`` with this rank's heads, KV heads, MLP neurons and vocabulary rows.
+
+    The modules read their head counts from the :class:`ModelConfig`; the transformers config keeps the
+    model's own (rotary embeddings derive the head size from it: Phi-3's as hidden size / heads)."""
     hf = cfg.hf_config
     values = hf.to_dict()
     aliases = dict(hf._aliases) if isinstance(hf, HFConfig) else dict(getattr(type(hf), "attribute_map", {}))
-    for name, value in (("num_attention_heads", layout.heads), ("num_key_value_heads", layout.kv_heads),
-                        ("intermediate_size", layout.neurons), ("head_dim", layout.head_dim),
-                        ("vocab_size", layout.vocab)):
+    for name, value in (("intermediate_size", layout.neurons), ("vocab_size", layout.vocab)):
         values[aliases.get(name, name)] = value
+    if "n_inner" in values:  # GPT-2's MLP width (None: 4 x hidden)
+        values["n_inner"] = layout.neurons
     return dataclasses.replace(cfg, hf_config=HFConfig(values, aliases), num_heads=layout.heads,
                                num_kv_heads=layout.kv_heads, vocab_size=layout.vocab)
 
@@ -70,6 +104,10 @@ def build_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup) -> Causal
             old = module.o_proj
             module.o_proj = RowParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
                                               cfg.dtype, group)
+            for name in ("q_norm", "k_norm"):
+                norm = getattr(module, name, None)
+                if isinstance(norm, RMSNorm) and getattr(module, "qk_norm_spans_heads", False):
+                    setattr(module, name, ShardedRMSNorm(norm, group))
         elif isinstance(module, GatedMLP | MLP):
             old = module.down_proj
             module.down_proj = RowParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
@@ -82,48 +120,66 @@ def build_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup) -> Causal
     return model
 
 
-def _part(layout: ShardLayout, unit: str) -> tuple[int, int]:
-    """(first index, count) along the split dim of a tensor counting ``unit``."""
+def _ranges(layout: ShardLayout, unit: str) -> list[tuple[int, int]]:
+    """(first index, count) of each run this rank holds along the split dim of a tensor counting ``unit``."""
     d = layout.head_dim
+    q = (layout.head_start * d, layout.heads * d)
+    kv = (layout.kv_head_start * d, layout.kv_heads * d)
+    n = (layout.neuron_start, layout.neurons)
+    q_all, kv_all = layout.num_heads * d, layout.num_kv_heads * d
     return {
-        "heads": (layout.head_start * d, layout.heads * d),
-        "kv_heads": (layout.kv_head_start * d, layout.kv_heads * d),
-        "neurons": (layout.neuron_start, layout.neurons),
-        "vocab": (layout.vocab_start, layout.vocab),
+        "heads": [q],
+        "kv_heads": [kv],
+        "qkv": [q, (q_all + kv[0], kv[1]), (q_all + kv_all + kv[0], kv[1])],
+        "qkv_by_head": [(layout.head_start * 3 * d, layout.heads * 3 * d)],
+        "neurons": [n],
+        "gate_up": [n, (layout.intermediate_size + n[0], n[1])],
+        "vocab": [(layout.vocab_start, layout.vocab)],
     }[unit]
 
 
-def split_of(name: str, layout: ShardLayout, ndim: int) -> tuple[int, int, int] | None:
-    """``(dim, start, count)`` of checkpoint tensor ``name`` that this rank reads; None: all of it."""
-    parts = name.split(".")
-    if len(parts) < 2:
-        return None
-    rule = SPLITS.get(parts[-2])
+def split_of(name: str, layout: ShardLayout, ndim: int, architecture: str = "LlamaForCausalLM"
+             ) -> tuple[int, list[tuple[int, int]]] | None:
+    """``(dim, [(start, count), ...])`` of checkpoint tensor ``name`` that this rank reads, the runs
+    concatenated in order; None: all of it."""
+    module, _, kind = name.rpartition(".")
+    parts = module.split(".")
+    rules = RULES.get(architecture, _LLAMA)
+    rule = rules.get(".".join(parts[-2:])) or rules.get(parts[-1])
     if rule is None:
         return None
-    unit, dim = rule
-    if dim >= ndim:  # the bias of a row-parallel layer: whole, added once after the all-reduce
-        return None
-    return (dim, *_part(layout, unit))
+    if kind == "bias" or ndim == 1:
+        if kind == "bias" and not rule.column:  # a row-parallel layer's bias: whole
+            return None
+        return 0, _ranges(layout, rule.unit)
+    return rule.dim, _ranges(layout, rule.unit)
 
 
-def shard_weights(folder: Path, layout: ShardLayout) -> Iterator[tuple[str, torch.Tensor]]:
+def _cut(tensor: torch.Tensor, dim: int, runs: list[tuple[int, int]]) -> torch.Tensor:
+    pieces = [tensor.narrow(dim, start, count) for start, count in runs]
+    return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
+def shard_weights(folder: Path, layout: ShardLayout, architecture: str = "LlamaForCausalLM"
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every checkpoint tensor of ``folder`` as this rank's slice of it (safetensors: only the slice is read)."""
     for file in weight_files(folder):
         if file.suffix != ".safetensors":  # PyTorch .bin files have no partial reads: read, then cut
             for name, tensor in iter_weights(folder):
-                split = split_of(name, layout, tensor.dim())
-                yield name, tensor if split is None else tensor.narrow(*split).clone()
+                split = split_of(name, layout, tensor.dim(), architecture)
+                yield name, tensor if split is None else _cut(tensor, *split)
             return
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 piece = f.get_slice(name)
-                split = split_of(name, layout, len(piece.get_shape()))
+                split = split_of(name, layout, len(piece.get_shape()), architecture)
                 if split is None:
                     yield name, f.get_tensor(name)
                     continue
-                dim, start, count = split
-                yield name, piece[start:start + count] if dim == 0 else piece[:, start:start + count]
+                dim, runs = split
+                pieces = [piece[start:start + count] if dim == 0 else piece[:, start:start + count]
+                          for start, count in runs]
+                yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
 def load_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup, dummy_seed: int | None = None) -> CausalLM:
@@ -134,7 +190,7 @@ def load_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup, dummy_seed
 
         fill_dummy_weights(model, dummy_seed + layout.rank)
     else:
-        model.load_weights(shard_weights(cfg.path, layout))
+        model.load_weights(shard_weights(cfg.path, layout, cfg.architecture))
     model.eval()
     return model
 

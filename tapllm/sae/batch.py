@@ -65,12 +65,11 @@ class FeatureBatch:
                 continue
             row = 0
             for e, cols in zip(entries, columns):
-                n = e.b - e.a
                 try:
-                    e.capture.features.take(host[row : row + n], cols, e.a, e.b)
+                    e.capture.features.take(host, row, cols, e.a, e.b)
                 except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                     failed[e.capture] = f"hidden_states: delivering SAE features failed: {type(exc).__name__}: {exc}"
-                row += n
+                row += e.b - e.a
         return failed
 
     def _encode(self, entries: list[Any], rows_of: RowsOf) -> tuple[torch.Tensor, list[Columns]]:

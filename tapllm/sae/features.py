@@ -295,15 +295,16 @@ class FeatureBuffers:
     def __init__(self, fs: FeatureSelection, last_only: bool) -> None:
         self.fs = fs
         self.last_only = last_only
-        self.chunks: list[tuple[int, torch.Tensor, Columns]] = []  # (first position, pack rows, columns)
+        # (first position, a step's host pack, its first row, rows, columns): cut when the result is made
+        self.chunks: list[tuple[int, torch.Tensor, int, int, Columns]] = []
 
-    def take(self, rows: torch.Tensor, cols: Columns, a: int, b: int) -> None:
-        """Keep ``rows``, int32 host pack rows of positions ``[a, b)`` (filled by the time results are read),
-        whose fields are at ``cols``."""
+    def take(self, pack: torch.Tensor, row: int, cols: Columns, a: int, b: int) -> None:
+        """Keep rows ``row, row + 1, ...`` of ``pack`` (an int32 host pack, filled by the time results are
+        read) for positions ``[a, b)``, whose fields are at ``cols``."""
         if self.last_only:
-            self.chunks = [(b - 1, rows[-1:], cols)]
+            self.chunks = [(b - 1, pack, row + b - a - 1, 1, cols)]
         else:
-            self.chunks.append((a, rows, cols))
+            self.chunks.append((a, pack, row, b - a, cols))
 
     def result(self, positions: torch.Tensor) -> Features:
         """The captured rows as ``Features`` (``positions`` as the request's states have them)."""
@@ -312,7 +313,7 @@ class FeatureBuffers:
         names = ("ids", "values") if fs.mode == "topk" else ("dense",)
         out: dict[str, torch.Tensor] = {}
         for name in (*names, "error_norm"):
-            parts = [rows[:, cols[name]] for _, rows, cols in self.chunks]
+            parts = [pack[row : row + k, cols[name]] for _, pack, row, k, cols in self.chunks]
             width = 1 if name == "error_norm" else fs.width
             t = torch.cat(parts) if parts else torch.empty((0, width), dtype=torch.int32)
             if t.shape[0] != n:
