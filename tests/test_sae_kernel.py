@@ -189,7 +189,7 @@ def test_a_graph_step_s_sae_work_does_not_grow_with_the_batch(tiny_models):
                  "sae": lambda i: SamplingParams(max_tokens=64, temperature=0, ignore_eos=True,
                                                  hidden_states=HiddenStatesSpec(sae=sae, features="topk:8",
                                                                                 positions="all"))}
-        args = Namespace(prompt_len=4, timed_steps=1)
+        args = Namespace(prompt_len=4, timed_steps=1, interpreted_timing=False)
         ops = {(case, b): sb.measure_step(llm, make, b, 100 + b, args) for case, make in cases.items() for b in (1, 8)}
     finally:
         sb.TRITON.restore()
