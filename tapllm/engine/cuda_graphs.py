@@ -92,6 +92,7 @@ class GraphRunner:
         self.counters = torch.zeros(most, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(most, dtype=torch.float64, device=device)
         self._pool = None
+        self._capturing: torch.cuda.CUDAGraph | None = None  # the step graph being captured
         self.warm = False
         self.captures_after_warmup = 0
         self.capture_seconds = 0.0
@@ -139,8 +140,12 @@ class GraphRunner:
                 self.body(key)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self.body(key)
+        self._capturing = graph  # the body opens its conditional draw node in it
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                outputs = self.body(key)
+        finally:
+            self._capturing = None
         if self._pool is None:
             self._pool = graph.pool()
         return graph, outputs
@@ -248,9 +253,9 @@ class GraphRunner:
         conditional node while capturing; otherwise (warming up for a capture, or without graphs)
         always, which gives the same tokens (greedy rows keep their argmax) without reading a device
         value on the host."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        graph = self._capturing
+        if graph is not None:
             drawing = (self.sampler.temperature.index_select(0, self.sample_slots[:n]) > 0).any()
-            graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
             graph.begin_capture_to_if_node(drawing)
             try:
                 self.draw_body(n)
