@@ -138,13 +138,13 @@ def _ranges(layout: ShardLayout, unit: str) -> list[tuple[int, int]]:
     }[unit]
 
 
-def split_of(name: str, layout: ShardLayout, ndim: int, architecture: str = "LlamaForCausalLM"
+def split_of(name: str, layout: ShardLayout, ndim: int, architecture: str
              ) -> tuple[int, list[tuple[int, int]]] | None:
     """``(dim, [(start, count), ...])`` of checkpoint tensor ``name`` that this rank reads, the runs
     concatenated in order; None: all of it."""
     module, _, kind = name.rpartition(".")
     parts = module.split(".")
-    rules = RULES.get(architecture, _LLAMA)
+    rules = RULES[architecture]
     rule = rules.get(".".join(parts[-2:])) or rules.get(parts[-1])
     if rule is None:
         return None
@@ -160,8 +160,7 @@ def _cut(tensor: torch.Tensor, dim: int, runs: list[tuple[int, int]]) -> torch.T
     return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
-def shard_weights(folder: Path, layout: ShardLayout, architecture: str = "LlamaForCausalLM"
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def shard_weights(folder: Path, layout: ShardLayout, architecture: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every checkpoint tensor of ``folder`` as this rank's slice of it (safetensors: only the slice is read)."""
     for file in weight_files(folder):
         if file.suffix != ".safetensors":  # PyTorch .bin files have no partial reads: read, then cut
