@@ -273,22 +273,22 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
             counter.phase = prev
 
     # The SAE encoder runs after the replay (a matmul and a Triton kernel: device work on a GPU, issued
-    # without a sync); its time is the device's, not the host's, so it is kept out of host_ms too.
-    from tapllm.sae.batch import FeatureBatch
+    # without a sync); its time is the device's, not the host's, so it is kept out of host_ms too. The host
+    # work around it (gathering the rows, the pack's layout, handing each request its row) is measured.
+    from tapllm.engine import graph_features, graph_step
+    from tapllm.sae import batch as sae_batch
 
-    encode = FeatureBatch._encode
+    pack = sae_batch.group_pack
 
-    def encode_timed(self: Any, *a: Any, **kw: Any) -> Any:
+    def pack_timed(*a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return encode(self, *a, **kw)
+            return pack(*a, **kw)
         finally:
             inside["s"] += time.perf_counter() - t0
 
     # The copy of the step's captured rows to the host is the same: an asynchronous copy on a GPU (host
     # time: its launch), a clone of the capture buffer here.
-    from tapllm.engine import graph_step
-
     to_host = graph_step._to_host
 
     def to_host_timed(*a: Any, **kw: Any) -> Any:
@@ -299,7 +299,7 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
             inside["s"] += time.perf_counter() - t0
 
     setattr(owner, name, hooked)
-    FeatureBatch._encode = encode_timed
+    sae_batch.group_pack = graph_features.group_pack = pack_timed
     graph_step._to_host = to_host_timed
     try:
         sched = engine.scheduler.schedule()
@@ -318,7 +318,7 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
                                       stand_in=False)
     finally:
         setattr(owner, name, body)
-        FeatureBatch._encode = encode
+        sae_batch.group_pack = graph_features.group_pack = pack
         graph_step._to_host = to_host
         TRITON.counter = None
     finish(engine, seed, batch)
@@ -332,29 +332,49 @@ def timed_steps(engine: Any, steps: int, inside: dict[str, Any], owner: Any, nam
     """Host ms of ``steps`` decode steps: wall time minus the time ``inside`` the graph body, the SAE
     encoder and the host copy.
 
-    ``stand_in``: the graph body and the SAE encoder return their first outputs again (per graph, per
-    number of requests) as a replay does for the host, which only launches it. Interpreted Triton
-    takes milliseconds and leaves the CPU's caches cold for the host code after it, a cost no GPU
-    step has; with ``stand_in=False`` they run every step (``--interpreted-timing``)."""
-    from tapllm.sae.batch import FeatureBatch
+    ``stand_in``: the graph body and the SAE encoder's device work (:func:`tapllm.sae.batch.group_pack`)
+    return their first outputs again (per graph; per SAE and number of rows) as a replay does for the
+    host, which only launches it. Interpreted Triton takes milliseconds and leaves the CPU's caches cold
+    for the host code after it, a cost no GPU step has; with ``stand_in=False`` they run every step
+    (``--interpreted-timing``)."""
+    from tapllm.engine import graph_features, graph_step
+    from tapllm.sae import batch as sae_batch
 
-    encode = FeatureBatch._encode
+    pack = sae_batch.group_pack
     bodies: dict[Any, Any] = {}
-    packs: dict[int, Any] = {}
+    packs: dict[tuple[int, int], Any] = {}
 
     def replay(key: Any) -> Any:
         if key not in bodies:
             bodies[key] = hooked(key)
         return bodies[key]
 
-    def encoded(self: Any, entries: list[Any], rows_of: Any) -> Any:
-        if len(entries) not in packs:
-            packs[len(entries)] = encode(self, entries, rows_of)
-        return packs[len(entries)]
+    def packed(sae: Any, sels: Any, x: Any, *a: Any, **kw: Any) -> Any:
+        key = (id(sae), x.shape[0])
+        if key not in packs:
+            packs[key] = pack(sae, sels, x, *a, **kw)
+        return packs[key]
+
+    # The step's host copy of the captured rows is a DMA into pinned memory on a GPU; here the CPU writes
+    # it, and into fresh memory each step, whose page faults and cache misses land on the host code
+    # after it. As a stand-in it goes to one reused buffer (its time is excluded either way; the timed
+    # steps' rows are never read).
+    to_host = graph_step._to_host
+    reused: dict[torch.dtype, torch.Tensor] = {}
+
+    def to_reused(t: Any, sink: Any) -> Any:
+        t0 = time.perf_counter()
+        buf = reused.get(t.dtype)
+        if buf is None or buf.numel() < t.numel():
+            buf = reused[t.dtype] = torch.empty(2 * t.numel(), dtype=t.dtype)
+        out = buf[: t.numel()].view(t.shape).copy_(t)
+        inside["s"] += time.perf_counter() - t0
+        return out
 
     if stand_in:
         setattr(owner, name, replay)
-        FeatureBatch._encode = encoded
+        sae_batch.group_pack = graph_features.group_pack = packed
+        graph_step._to_host = to_reused
     times = []
     try:
         for _ in range(steps):
@@ -367,7 +387,8 @@ def timed_steps(engine: Any, steps: int, inside: dict[str, Any], owner: Any, nam
             _advance(engine, sched, result)
     finally:
         setattr(owner, name, hooked)
-        FeatureBatch._encode = encode
+        sae_batch.group_pack = graph_features.group_pack = pack
+        graph_step._to_host = to_host
     return times
 
 

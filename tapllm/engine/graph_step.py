@@ -18,7 +18,8 @@ an SAE at once, from their blocks on the device, and come back in one copy per S
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ import torch
 from tapllm.backends.policy import GraphKey, GraphSizes, StepShape
 from tapllm.engine.block_tables import BlockTables
 from tapllm.engine.cuda_graphs import GraphOutputs, GraphRunner
+from tapllm.engine.graph_features import FeatureRow, deliver_features, rows_at
+from tapllm.engine.graph_memory import OPS_PER_SEQ, POOL_ROWS_PER_SEQ, capture_numbers
 from tapllm.engine.graph_sampler import SlotSampling
 from tapllm.engine.input_buffers import InputBuffers
 from tapllm.engine.request import Request, RequestStatus
@@ -33,32 +36,35 @@ from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
 from tapllm.engine.step_inputs import StepLayout
 from tapllm.hidden_states.capture import RequestCapture, RowViews
 from tapllm.hidden_states.sink import CopySink
-from tapllm.sae.batch import FeatureBatch
+from tapllm.sae.batch import FeatureBatch, PackLayouts
+from tapllm.sae.features import FeatureSelection
 from tapllm.tap.points import BY_NAME
 from tapllm.tap.sites import Sites
 from tapllm.tap.tables import TapTables
 
 logger = logging.getLogger("tapllm")
 
-POOL_ROWS_PER_SEQ = 8  # steering pool rows per slot, on average (a request may use more while others use less)
-OPS_PER_SEQ = 32
-CAPTURE_POINTS_PER_TOKEN = 8  # the capture buffer holds this many hidden-size rows per token of the largest step
 
+@dataclass(slots=True)
+class _How:
+    """How a step hands a request its rows (:meth:`GraphStep._delivery`)."""
 
-def capture_numbers(hidden: int, rows: int, decode_rows: int, num_layers: int) -> int:
-    """The capture buffer's size: ``CAPTURE_POINTS_PER_TOKEN`` hidden-size rows per token of the largest
-    step, and at least one point at every block (and ``final``) for every row of the largest decode step,
-    so a decode batch that all captures a residual point at every block still replays its graph."""
-    return hidden * max(CAPTURE_POINTS_PER_TOKEN * rows, (num_layers + 1) * decode_rows)
+    capture: RequestCapture
+    size: int  # numbers per position of the step's host copy it reads (0: none)
+    views: RowViews | None  # it keeps its rows as captured: its views of the host copy
+    # it keeps SAE features only: (its SAE's id, its selection, its SAE input's and target's first numbers in
+    # its record)
+    features: tuple[int, FeatureSelection, int, int | None] | None
 
 
 @dataclass(slots=True)
 class _Joined:
+    request: Request
     slot: int
     preemptions: int
     layout: RecordLayout | None = None
     blocked: str | None = None
-    delivery: tuple[RequestCapture, int, RowViews | None] | None = None  # GraphStep._delivery, made once
+    delivery: _How | None = None  # GraphStep._delivery, made once
 
 
 @dataclass(slots=True)
@@ -71,7 +77,6 @@ class _Delivery:
     b: int
     start: int
     features: bool = False
-    rows: dict = field(default_factory=dict)
 
 
 class GraphStep:
@@ -97,8 +102,10 @@ class GraphStep:
         self._generation = tables.generation
         self._joined: dict[Request, _Joined] = {}
         self.pending: list[tuple[torch.Tensor, np.ndarray]] = []  # sampling rows of slots joined this step
-        # The step's captured chunks and the numbers captured (TapTables.chunk_places), by shape().
-        self._placed: tuple[list[tuple[int, int, int]], int] | None = None
+        # The step's captured chunks, by shape(): (item, number of its first captured row, rows captured, its
+        # _Joined on a decode step, else None) for each chunk that captures, and the numbers captured in all.
+        self._placed: tuple[list[tuple[int, int, int, _Joined | None]], int] | None = None
+        self._pack_layouts = PackLayouts()
 
     def warm_up(self) -> None:
         """Capture every graph (start-up)."""
@@ -109,30 +116,45 @@ class GraphStep:
         """The step's shape for the decider; requests new to their slot write their tables first."""
         blocked = None
         known = self._joined
-        for it, slot in zip(lay.items, lay.item_slots):
+        decode = lay.decode_only
+        # A steady decode step places its captured rows in the same pass (what TapTables.chunk_places does,
+        # with each row's _Joined for the delivery); a pass that joined a slot places them again after it.
+        spans = self.taps.spans if decode and self.taps.capturing else None
+        placed: list[tuple[int, int, int, _Joined]] = []
+        total = 0
+        joins = False
+        for i, (it, slot) in enumerate(zip(lay.items, lay.item_slots)):
             req = it.request
             joined = known.get(req)
             if joined is None or joined.slot != slot or joined.preemptions != req.num_preemptions:
                 joined = self._join(req, slot)
+                joins = True
             if joined.blocked is not None and blocked is None:
                 blocked = joined.blocked
+            if spans is not None:
+                span = spans[slot]
+                if span is not None and span[1] <= it.start < span[2]:  # one position: in the span or not
+                    placed.append((i, total, 1, joined))
+                    total += span[0]
         if self.block_tables.generation != self._generation:
             blocked = "the block table moved"
         self._placed = None
         if self.taps.capturing and blocked is None:
-            if lay.decode_only:
-                placed = self.taps.chunk_places(lay.item_slots, lay.pos)
-            else:
-                placed = self.taps.chunk_places(lay.item_slots, [it.start for it in lay.items],
-                                                [it.num_tokens for it in lay.items])
-            if placed[0]:
-                self._placed = placed
+            if decode and (joins or spans is None):
+                rows, total = self.taps.chunk_places(lay.item_slots, lay.pos)
+                placed = [(i, first, n, known[lay.items[i].request]) for i, first, n in rows]
+            elif not decode:
+                rows, total = self.taps.chunk_places(lay.item_slots, [it.start for it in lay.items],
+                                                     [it.num_tokens for it in lay.items])
+                placed = [(i, first, n, None) for i, first, n in rows]
+            if placed:
+                self._placed = placed, total
             # The site kernel writes each captured row where the prologue places it, unchecked: a step
             # whose captures all together overrun the buffer must not replay.
-            if placed[1] > self.taps.cap_out.numel():
+            if total > self.taps.cap_out.numel():
                 blocked = "the step's captures exceed the capture buffer"
         tapped = self._placed is not None or self.taps.any_steers(lay.item_slots)
-        return StepShape(lay.decode_only, len(lay.ids), len(lay.items), len(lay.sample_rows), tapped, blocked)
+        return StepShape(decode, len(lay.ids), len(lay.items), len(lay.sample_rows), tapped, blocked)
 
     def _join(self, req: Request, slot: int) -> _Joined:
         joined = self._joined.get(req)
@@ -140,7 +162,7 @@ class GraphStep:
             return joined
         if joined is not None and joined.slot != slot:
             self.taps.clear(joined.slot)
-        joined = self._joined[req] = _Joined(slot, req.num_preemptions)
+        joined = self._joined[req] = _Joined(req, slot, req.num_preemptions)
         self.pending.append(self.sampler.pending_write(slot, req.params, req.seed))
         if req.capture is None and req.steering is None:
             return joined
@@ -200,14 +222,17 @@ class GraphStep:
         captures that failed alone."""
         if self._placed is None:  # no row of the step captured
             return {}
+        groups: dict[int, list[FeatureRow]] = {}
         if lay.decode_only:
-            entries, host = self._deliver_decode(lay, sink, stopped)
+            entries, host = self._deliver_decode(lay, sink, stopped, groups)
         else:
             entries, host = self._deliver_chunks(lay, sink, stopped)
-        if not entries:
+        if not entries and not groups:
             return {}
         sink.settle()
         failed: dict[RequestCapture, str] = {}
+        if groups:
+            deliver_features(groups, sink, failed, self._rows_at, self._pack_layouts)
         for e in entries:
             cap = e.capture
             if not cap.sel.points:  # a request of SAE features only keeps no rows
@@ -226,41 +251,48 @@ class GraphStep:
                     break
         features = [e for e in entries if e.features and e.capture not in failed]
         if features:
-            failed.update(FeatureBatch(features, kernel=True).run(self._device_rows, sink, failed))
+            failed.update(FeatureBatch(features, kernel=True, layouts=self._pack_layouts).run(self._gather, sink,
+                                                                                            failed))
+        self._pack_layouts.end_step()
         sink.flush()
         for e in entries:
             if e.capture not in failed:
                 e.capture.advance(e.a, e.b)
         return failed
 
-    def _deliver_decode(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset
-                        ) -> tuple[list[_Delivery], torch.Tensor | None]:
+    def _deliver_decode(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset,
+                        groups: dict[int, list[FeatureRow]]) -> tuple[list[_Delivery], torch.Tensor | None]:
         """:meth:`deliver` for a step of single-token decodes: the rows that captured are those the tables
         placed (a slot's positions start where its capture goes on, see :func:`slot_capture`), so only
-        they are visited; a request that keeps its rows takes its place in the step's host copy at once.
-        Returns the requests that take their rows on the device, and the step's host copy (None: none made)."""
+        they are visited; a request that keeps its rows takes its place in the step's host copy at once,
+        one that keeps only SAE features joins its SAE's ``groups``. Returns the other requests (they take
+        their rows on the device), and the step's host copy (None: none made)."""
         placed, total = self._placed
-        items, known = lay.items, self._joined
+        pos = lay.pos
         entries: list[_Delivery] = []
         host = None
         finished = RequestStatus.FINISHED
-        for r, first, _ in placed:
-            it = items[r]
-            req = it.request
+        for r, first, _, joined in placed:
+            req = joined.request
             if req.status is finished or (stopped and req in stopped):
                 continue
             cap = req.capture
-            joined = known[req]
             how = joined.delivery
-            if how is None or how[0] is not cap:
+            if how is None or how.capture is not cap:
                 how = joined.delivery = self._delivery(joined.layout, cap)
-            a = it.start
-            views = how[2]
+            a = pos[r]
+            views = how.views
             if views is not None:  # rows kept as captured: cut from the step's host copy when the result is read
                 if host is None:
                     sink.settle()
                     host = _to_host(self.taps.cap_out[:total], sink)
                 cap.defer_one(views, host, first, a)
+            elif how.features is not None:
+                sae, fs, at_in, at_out = how.features
+                g = groups.get(sae)
+                if g is None:
+                    g = groups[sae] = []
+                g.append((cap, fs, a, first + at_in, 0 if at_out is None else first + at_out))
             else:
                 entries.append(_Delivery(cap, joined.layout, a, a + 1, first, cap.sel.features is not None))
         if host is None and any(e.capture.takes_host_rows and e.capture.sel.points for e in entries):
@@ -274,7 +306,7 @@ class GraphStep:
         :meth:`_deliver_decode`)."""
         entries: list[_Delivery] = []
         kept: list[tuple[RequestCapture, RowViews, int, int, int]] = []
-        placed = {i: (first, count) for i, first, count in self._placed[0]}
+        placed = {i: (first, count) for i, first, count, _ in self._placed[0]}
         end = 0  # the host copy covers the rows of requests that keep them as captured
         known = self._joined
         for i, it in enumerate(lay.items):
@@ -292,9 +324,9 @@ class GraphStep:
                                    f"window holds {b - a}")
             joined = known[req]
             how = joined.delivery
-            if how is None or how[0] is not cap:
+            if how is None or how.capture is not cap:
                 how = joined.delivery = self._delivery(joined.layout, cap)
-            _, size, views = how
+            size, views = how.size, how.views
             if size:
                 end = max(end, first + (b - a) * size)
             if views is not None:
@@ -309,12 +341,16 @@ class GraphStep:
             cap.defer(views, host, first, a, b)
         return entries, host
 
-    def _delivery(self, layout: RecordLayout, cap: RequestCapture) -> tuple[RequestCapture, int, RowViews | None]:
-        """How a step hands ``cap`` its rows: ``(cap, numbers per position of the host copy it reads (0: none),
-        its views when it keeps its rows as captured)`` (see :meth:`deliver`)."""
+    def _delivery(self, layout: RecordLayout, cap: RequestCapture) -> _How:
+        """How a step hands ``cap`` its rows (see :meth:`deliver`)."""
+        fs = cap.sel.features
         host_rows = cap.takes_host_rows and bool(cap.sel.points)
-        views = self._views(layout, cap) if host_rows and cap.sel.features is None else None
-        return cap, layout.size if host_rows else 0, views
+        views = self._views(layout, cap) if host_rows and fs is None else None
+        only_features = None
+        if fs is not None and not cap.sel.points:
+            only_features = (id(fs.sae), fs, layout.at[(fs.point, fs.key)],
+                             layout.at[fs.out] if fs.out is not None else None)
+        return _How(cap, layout.size if host_rows else 0, views, only_features)
 
     def _views(self, layout: RecordLayout, cap: RequestCapture) -> RowViews:
         """``cap``'s :data:`RowViews` over a step's host block, by ``layout`` (cut when its result is read)."""
@@ -333,26 +369,21 @@ class GraphStep:
         layers = len(cap.sel.layer_keys(point))
         return block[:, start : start + layers * site.width].view(block.shape[0], layers, *row)
 
-    def _device_rows(self, e: _Delivery, point: str, key: int) -> torch.Tensor:
-        """``e``'s rows of ``point`` at layer ``key`` in the capture buffer: ``[b - a, width]``."""
-        n, size = e.b - e.a, e.layout.size
-        keys, start, width = e.layout.part(point)
-        each = width // len(keys)
-        first = start + keys.index(key) * each
-        return self.taps.cap_out[e.start : e.start + n * size].view(n, size)[:, first : first + each]
+    def _gather(self, entries: list[_Delivery], point: str, key: int) -> torch.Tensor:
+        """The entries' rows of ``point`` at layer ``key`` in the capture buffer, one after another:
+        ``[rows, width]``, in one gather whatever the number of entries (:data:`tapllm.sae.batch.Gather`)."""
+        starts: list[int] = []
+        for e in entries:
+            first = e.start + e.layout.at[(point, key)]
+            if e.b - e.a == 1:
+                starts.append(first)
+            else:
+                starts.extend(range(first, first + (e.b - e.a) * e.layout.size, e.layout.size))
+        return self._rows_at(starts, point, key)
 
-
-def graph_step_bytes(sizes: GraphSizes, hidden: int, vocab: int, slots: int, act_bytes: int, num_layers: int
-                     ) -> int:
-    """About what a graph step holds on the device besides a step's activations (counted out of the KV
-    cache's budget): the capture buffer, the steering pool, the sampled rows' logits, every graph's kept
-    hidden rows, and a drawing step's sort of its logits."""
-    rows = max(max(sizes.mixed, default=0), max(sizes.decode, default=0))
-    sampled = max(max(sizes.decode, default=0), min(rows, sizes.max_seqs))
-    capture = capture_numbers(hidden, rows, max(sizes.decode, default=0), num_layers) * act_bytes
-    pool = POOL_ROWS_PER_SEQ * slots * 4 * hidden * 4  # rows as wide as the widest point (about 4x hidden)
-    graphs_hidden = 2 * sum(s for s in (*sizes.decode, *sizes.mixed)) * hidden * act_bytes
-    return capture + pool + sampled * vocab * (act_bytes + 24) + graphs_hidden
+    def _rows_at(self, starts: Sequence[int], point: str, key: int) -> torch.Tensor:
+        """The rows of ``point`` at layer ``key`` that start at numbers ``starts`` of the capture buffer."""
+        return rows_at(self.taps.cap_out, self.sites.of(point, key).width, starts)
 
 
 def _to_host(t: torch.Tensor, sink: CopySink) -> torch.Tensor:

@@ -17,7 +17,8 @@ from tapllm.engine.sampler import RowFailure, graph_samples, read_tokens
 from tapllm.engine.scheduler import ScheduledItem
 from tapllm.engine.block_tables import BlockTables
 from tapllm.engine.cuda_graphs import GraphOutputs
-from tapllm.engine.graph_step import GraphStep, graph_step_bytes
+from tapllm.engine.graph_memory import graph_step_bytes
+from tapllm.engine.graph_step import GraphStep
 from tapllm.engine.launched_step import Deliver, LaunchedStep, StepResult
 from tapllm.engine.staging import Download, Staging
 from tapllm.engine.step_inputs import StepBatch, StepLayout, lay_out, upload, upload_graph

@@ -11,7 +11,7 @@ run eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ class RecordLayout:
 
     parts: tuple[tuple[str, tuple[int, ...], int, int], ...]
     size: int
+    at: dict[tuple[str, int], int] = field(default_factory=dict, compare=False)  # (point, layer key) -> first number
 
     def part(self, point: str) -> tuple[tuple[int, ...], int, int]:
         for name, keys, start, n in self.parts:
@@ -41,6 +42,7 @@ def slot_capture(capture: RequestCapture, sites: Sites) -> tuple[SlotCapture | N
     if "attn_pattern" in sel.points:
         return None, None, "attention patterns are captured"
     offsets: dict[int, int] = {}
+    at: dict[tuple[str, int], int] = {}
     parts = []
     size = 0
     for point in sel.tap_points():
@@ -48,11 +50,11 @@ def slot_capture(capture: RequestCapture, sites: Sites) -> tuple[SlotCapture | N
         start = size
         for key in keys:
             site = sites.of(point, key)
-            offsets[site.index] = size
+            offsets[site.index] = at[(point, key)] = size
             size += site.width
         parts.append((point, tuple(keys), start, size - start))
     lo = max(sel.lo, capture.next_pos)
-    return SlotCapture(offsets, size, lo, sel.hi, sel.last_only), RecordLayout(tuple(parts), size), None
+    return SlotCapture(offsets, size, lo, sel.hi, sel.last_only), RecordLayout(tuple(parts), size, at), None
 
 
 def slot_ops(steering: RequestSteering, sites: Sites) -> tuple[list[SlotOp], str | None]:

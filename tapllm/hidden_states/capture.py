@@ -142,6 +142,18 @@ class RequestCapture:
         if a >= self.next_pos:
             self.next_pos = a + 1
 
+    def take_features_one(self, pack: torch.Tensor, row: int, cols: dict, a: int) -> None:
+        """Keep row ``row`` of a step's SAE pack as the features of the one position ``a`` (a decode step's
+        row, :meth:`tapllm.sae.features.FeatureBuffers.take`), and record the position as captured."""
+        if self.sel.last_only:
+            self.features.take(pack, row, cols, a, a + 1)
+        else:  # FeatureBuffers.take, inlined: a decode step makes this call for every such request
+            self.features.chunks.append((a, pack, row, 1, cols))
+        if a >= self.next_pos:
+            self.next_pos = a + 1
+        if self.sel.last_only:
+            self.last_pos = a
+
     def _settle(self) -> None:
         """Cut the deferred host blocks into chunks (:meth:`defer`)."""
         deferred, self.deferred = self.deferred, []

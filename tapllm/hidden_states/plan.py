@@ -19,7 +19,7 @@ import torch
 from tapllm.hidden_states.capture import RequestCapture
 from tapllm.hidden_states.sink import CopySink
 from tapllm.layers.attention import AttentionOptions, attention_probs, gather_keys
-from tapllm.sae.batch import FeatureBatch
+from tapllm.sae.batch import FeatureBatch, gather_each
 from tapllm.tap import RowSpan, rows_tensor
 
 
@@ -159,7 +159,7 @@ class CapturePlan:
                 except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                     failed[e.capture] = f"hidden_states: capturing {pp.point!r} failed: {type(exc).__name__}: {exc}"
         if self.features:
-            failed.update(self.features.run(self._rows_of, self.sink, failed))
+            failed.update(self.features.run(gather_each(self._rows_of), self.sink, failed))
         self.sink.flush()
         for e in self.entries:
             if e.capture not in failed:

@@ -21,6 +21,7 @@ cast with ``b_dec``'s subtraction, one matmul with ``W_enc``, one kernel for the
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,14 +33,18 @@ from tapllm.sae.features import Columns, FeatureSelection
 from tapllm.sae.model import SAE
 
 RowsOf = Callable[[Any, str, int], torch.Tensor]  # (entry, point, layer key) -> that entry's rows [n, ...]
+# (entries, point, layer key) -> the entries' rows of that point, one entry after another: [rows, width]
+Gather = Callable[[list[Any], str, int], torch.Tensor]
 
 
 class FeatureBatch:
     """The step's SAE work (module docstring). ``entries`` have ``capture``, ``a`` and ``b`` (positions
-    ``[a, b)``); ``kernel``: the step runs Triton, so the fused kernel may serve a group."""
+    ``[a, b)``); ``kernel``: the step runs Triton, so the fused kernel may serve a group; ``layouts``: the
+    groups' layouts kept from step to step (None: made anew)."""
 
-    def __init__(self, entries: Sequence[Any], *, kernel: bool = False) -> None:
+    def __init__(self, entries: Sequence[Any], *, kernel: bool = False, layouts: PackLayouts | None = None) -> None:
         self.kernel = kernel
+        self.layouts = layouts
         self.groups: dict[int, list[Any]] = {}
         for e in entries:
             fs = e.capture.sel.features
@@ -49,22 +54,28 @@ class FeatureBatch:
     def __bool__(self) -> bool:
         return bool(self.groups)
 
-    def run(self, rows_of: RowsOf, sink: Any, skip: Any) -> dict[Any, str]:
-        """Encode each group, hand each entry its rows; returns ``{capture: error}`` for entries that failed."""
+    def run(self, gather: Gather, sink: Any, skip: Any) -> dict[Any, str]:
+        """Encode each group (its rows from ``gather``), hand each entry its rows; returns ``{capture: error}``
+        for entries that failed."""
         failed: dict[Any, str] = {}
         for entries in self.groups.values():
-            entries = [e for e in entries if e.capture not in skip]
+            if skip:
+                entries = [e for e in entries if e.capture not in skip]
             if not entries:
                 continue
             try:
-                pack, columns = self._encode(entries, rows_of)
-                host = sink.host_copy(pack)
+                sels: list[FeatureSelection] = [e.capture.sel.features for e in entries]
+                fs = sels[0]
+                x = gather(entries, fs.point, fs.key)
+                target = gather(entries, *fs.out) if fs.out is not None else None
+                layout = self.layouts.get(sels) if self.layouts is not None else PackLayout(sels)
+                host = sink.host_copy(group_pack(fs.sae, sels, x, target, layout, self.kernel))
             except Exception as exc:  # noqa: BLE001 - the group's requests fail, the others go on
                 for e in entries:
                     failed[e.capture] = f"hidden_states: computing SAE features failed: {type(exc).__name__}: {exc}"
                 continue
             row = 0
-            for e, cols in zip(entries, columns):
+            for e, cols in zip(entries, layout.columns):
                 try:
                     e.capture.features.take(host, row, cols, e.a, e.b)
                 except Exception as exc:  # noqa: BLE001 - belongs to this request alone
@@ -72,28 +83,38 @@ class FeatureBatch:
                 row += e.b - e.a
         return failed
 
-    def _encode(self, entries: list[Any], rows_of: RowsOf) -> tuple[torch.Tensor, list[Columns]]:
-        sels: list[FeatureSelection] = [e.capture.sel.features for e in entries]
-        fs = sels[0]
-        x = _gather(entries, rows_of, fs.point, fs.key)
-        target = _gather(entries, rows_of, *fs.out) if fs.out is not None else None
-        layout = PackLayout(sels)
-        k = kernel_k(fs.sae, sels) if self.kernel and triton_sae.available(x.device) else None
-        if k is not None:
-            return fused_pack(fs.sae, x, target, k), layout.columns
-        return eager_pack(fs.sae, x, target, layout), layout.columns
+
+def group_pack(sae: SAE, sels: list[FeatureSelection], x: torch.Tensor, target: torch.Tensor | None,
+               layout: PackLayout, kernel: bool) -> torch.Tensor:
+    """A group's pack of rows ``x`` (the device work): the fused kernel where it applies (``kernel``: the
+    step runs Triton), else the PyTorch encode."""
+    k = None
+    if kernel and triton_sae.available(x.device):
+        if layout.fused is _UNKNOWN:
+            layout.fused = kernel_k(sae, sels)
+        k = layout.fused
+    if k is not None:
+        return fused_pack(sae, x, target, k)
+    return eager_pack(sae, x, target, layout)
 
 
-def _gather(entries: list[Any], rows_of: RowsOf, point: str, key: int) -> torch.Tensor:
-    """The entries' rows of ``point`` at ``key``, one after another: ``[rows, width]``, in one op (a copy for
-    one entry too, so that a step's ops are the same at every batch size)."""
-    return torch.cat([rows_of(e, point, key).reshape(e.b - e.a, -1) for e in entries])
+def gather_each(rows_of: RowsOf) -> Gather:
+    """A :data:`Gather` from each entry's rows: joined in one op (a copy for one entry too, so that a step's
+    ops are the same at every batch size)."""
+    def gather(entries: list[Any], point: str, key: int) -> torch.Tensor:
+        return torch.cat([rows_of(e, point, key).reshape(e.b - e.a, -1) for e in entries])
+    return gather
+
+
+_UNKNOWN = object()
 
 
 class PackLayout:
     """The columns of a group's pack (module docstring) and where each request's fields are in them."""
 
     def __init__(self, sels: Sequence[FeatureSelection]) -> None:
+        self.sels = list(sels)
+        self.fused: int | None | object = _UNKNOWN  # kernel_k of the group, once asked (group_pack)
         self.k = max((s.k for s in sels if s.mode == "topk"), default=0)
         self.all = any(s.mode == "all" for s in sels)
         lists = [s.ids.tolist() if s.mode == "ids" else [] for s in sels]
@@ -110,6 +131,31 @@ class PackLayout:
             else:
                 cols["dense"] = [dense + i for i in ids] if self.all else [place[i] for i in ids]
             self.columns.append(cols)
+
+
+class PackLayouts:
+    """Each SAE's :class:`PackLayout` of the last step, reused while its group's selections are the same
+    objects (a decode loop meets the same group step after step); an SAE that a step did not use is
+    forgotten at :meth:`end_step`, so no finished request's selection is held longer than a step."""
+
+    def __init__(self) -> None:
+        self._by_sae: dict[int, PackLayout] = {}
+        self._used: set[int] = set()
+
+    def get(self, sels: list[FeatureSelection]) -> PackLayout:
+        """The layout of a group of ``sels`` (one SAE)."""
+        key = id(sels[0].sae)
+        self._used.add(key)
+        layout = self._by_sae.get(key)
+        if layout is None or len(layout.sels) != len(sels) or any(map(operator.is_not, layout.sels, sels)):
+            layout = self._by_sae[key] = PackLayout(sels)
+        return layout
+
+    def end_step(self) -> None:
+        """Forget the layouts of SAEs the step did not use."""
+        if len(self._used) != len(self._by_sae):
+            self._by_sae = {k: v for k, v in self._by_sae.items() if k in self._used}
+        self._used.clear()
 
 
 def kernel_k(sae: SAE, sels: Sequence[FeatureSelection]) -> int | None:

@@ -134,7 +134,8 @@ class TapTables:
         self.steered = np.zeros(n, dtype=np.bool_)
         # The same numbers as lists, for :meth:`chunk_places`' loop (a list's item costs a fraction of an
         # array's); written together with the arrays.
-        self._spans: list[tuple[int, int, int, bool] | None] = [None] * n  # (record, lo, hi, last only)
+        # each slot's capture span, read per step on the host: (record, lo, hi, last only), None: no capture
+        self.spans: list[tuple[int, int, int, bool] | None] = [None] * n
         self.capturing = 0  # slots that capture
         self.steering = 0  # slots that steer
         self._ops = RangeAllocator(max_ops)
@@ -161,7 +162,7 @@ class TapTables:
             self.cap_last[slot] = capture.last_only
             self.rec[slot], self.lo[slot], self.hi[slot] = capture.record, capture.lo, capture.hi
             self.last[slot] = capture.last_only
-            self._spans[slot] = (capture.record, capture.lo, capture.hi, capture.last_only)
+            self.spans[slot] = (capture.record, capture.lo, capture.hi, capture.last_only)
             self.capturing += 1
         if ops:
             problem = self._write_ops(slot, ops)
@@ -219,7 +220,7 @@ class TapTables:
             self.cap_off[slot].fill_(-1)
             self.cap_rec[slot] = 0
             self.rec[slot] = 0
-            self._spans[slot] = None
+            self.spans[slot] = None
             self.capturing -= 1
         if self.steered[slot]:
             self.st_count[slot].zero_()
@@ -272,16 +273,23 @@ class TapTables:
         ``slots[i]`` (``sizes`` None: one position each, a decode step). Returns ``(i, number of its first
         captured row, rows captured)`` for each chunk that captures, and the numbers captured in all. A
         chunk's captured rows are consecutive, and so are their places, one record apart."""
-        spans = self._spans
+        spans = self.spans
         out: list[tuple[int, int, int]] = []
         total = 0
+        if sizes is None:  # one position a chunk: it captures when it lies in the span (last_only too)
+            for i, slot in enumerate(slots):
+                span = spans[slot]
+                if span is not None and span[1] <= starts[i] < span[2]:
+                    out.append((i, total, 1))
+                    total += span[0]
+            return out, total
         for i, slot in enumerate(slots):
             span = spans[slot]
             if span is None:
                 continue
             rec, lo, hi, last_only = span
             start = starts[i]
-            end = start + (1 if sizes is None else sizes[i])
+            end = start + sizes[i]
             if last_only:
                 count = 1 if lo <= end - 1 < hi else 0
             else:
