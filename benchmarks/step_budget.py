@@ -275,7 +275,7 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
     # The SAE encoder runs after the replay (a matmul and a Triton kernel: device work on a GPU, issued
     # without a sync); its time is the device's, not the host's, so it is kept out of host_ms too. The host
     # work around it (gathering the rows, the pack's layout, handing each request its row) is measured.
-    from tapllm.engine import graph_features, graph_step
+    from tapllm.engine import graph_decode, graph_step
     from tapllm.sae import batch as sae_batch
 
     pack = sae_batch.group_pack
@@ -299,7 +299,7 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
             inside["s"] += time.perf_counter() - t0
 
     setattr(owner, name, hooked)
-    sae_batch.group_pack = graph_features.group_pack = pack_timed
+    sae_batch.group_pack = graph_decode.group_pack = pack_timed
     graph_step._to_host = to_host_timed
     try:
         sched = engine.scheduler.schedule()
@@ -318,7 +318,7 @@ def measure_step(llm: Any, make: Callable[[int], Any], batch: int, seed: int, ar
                                       stand_in=False)
     finally:
         setattr(owner, name, body)
-        sae_batch.group_pack = graph_features.group_pack = pack
+        sae_batch.group_pack = graph_decode.group_pack = pack
         graph_step._to_host = to_host
         TRITON.counter = None
     finish(engine, seed, batch)
@@ -337,7 +337,7 @@ def timed_steps(engine: Any, steps: int, inside: dict[str, Any], owner: Any, nam
     host, which only launches it. Interpreted Triton takes milliseconds and leaves the CPU's caches cold
     for the host code after it, a cost no GPU step has; with ``stand_in=False`` they run every step
     (``--interpreted-timing``)."""
-    from tapllm.engine import graph_features, graph_step
+    from tapllm.engine import graph_decode, graph_step
     from tapllm.sae import batch as sae_batch
 
     pack = sae_batch.group_pack
@@ -373,7 +373,7 @@ def timed_steps(engine: Any, steps: int, inside: dict[str, Any], owner: Any, nam
 
     if stand_in:
         setattr(owner, name, replay)
-        sae_batch.group_pack = graph_features.group_pack = packed
+        sae_batch.group_pack = graph_decode.group_pack = packed
         graph_step._to_host = to_reused
     times = []
     try:
@@ -387,7 +387,7 @@ def timed_steps(engine: Any, steps: int, inside: dict[str, Any], owner: Any, nam
             _advance(engine, sched, result)
     finally:
         setattr(owner, name, hooked)
-        sae_batch.group_pack = graph_features.group_pack = pack
+        sae_batch.group_pack = graph_decode.group_pack = pack
         graph_step._to_host = to_host
     return times
 

@@ -242,6 +242,43 @@ def test_a_step_that_fails_before_its_upload_leaves_the_others_unchanged(tiny_mo
     _same(_eager(folder).generate(prompts, params, use_tqdm=False), got)
 
 
+def test_a_kept_decode_placement_equals_placing_the_rows_again(tiny_models, monkeypatch):
+    """A decode step that keeps the step before's placement of captured rows (the same slots a position
+    further, no capture window's edge crossed) places them as the tables would again, windows opening and
+    closing mid-decode and requests finishing included; the states equal the eager path's."""
+    folder = tiny_models["llama"]
+    graphed = _graphed(folder)
+    gs = graphed.engine.runner.graph_step
+    shape = type(gs).shape
+    counts = {"kept": 0, "placed": 0}
+    wrong = []
+
+    def checked(self, lay):
+        out = shape(self, lay)
+        if lay.decode_only and self.taps.capturing and out.blocked is None:
+            rows, total = self.taps.chunk_places(lay.item_slots, lay.pos)
+            got = [] if self._placed is None else [(i, first, n) for i, first, n, _ in self._placed[0]]
+            if got != [tuple(r) for r in rows] or (self._placed is not None and self._placed[1] != total):
+                wrong.append((list(lay.pos), got, rows))  # (an assert here would fail the step, not the test)
+            kept = self._steady is not None and self._steady.steps > 0
+            counts["kept" if kept else "placed"] += 1
+        return out
+
+    monkeypatch.setattr(type(gs), "shape", checked)
+
+    def p(n: int, positions) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                              hidden_states=HiddenStatesSpec(layers=[1], points="resid_post", positions=positions))
+
+    params = [p(12, (3, 10)), p(14, "all"), p(9, "last"), SamplingParams(max_tokens=11, temperature=0,
+                                                                         ignore_eos=True), p(13, (5, 12)), p(12, (10, 14))]
+    prompts = random_prompts([7, 7, 5, 8, 6, 7], seed=4)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert not wrong
+    assert counts["kept"] >= 3 and counts["placed"] >= 3
+    _same(_eager(folder).generate(prompts, params, use_tqdm=False), got)
+
+
 def test_a_preempted_request_captures_each_position_once(tiny_models):
     """A cache too small for every request: preempted requests recompute their positions, and capture
     each one once (their slot tables are written anew when they run again)."""

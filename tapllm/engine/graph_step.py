@@ -18,6 +18,7 @@ an SAE at once, from their blocks on the device, and come back in one copy per S
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,14 +28,14 @@ import torch
 from tapllm.backends.policy import GraphKey, GraphSizes, StepShape
 from tapllm.engine.block_tables import BlockTables
 from tapllm.engine.cuda_graphs import GraphOutputs, GraphRunner
-from tapllm.engine.graph_features import FeatureRow, deliver_features, rows_at
+from tapllm.engine.graph_decode import FAR, DecodePlan, How, SteadyPlacement, decode_plan, deliver_groups, rows_at
 from tapllm.engine.graph_memory import OPS_PER_SEQ, POOL_ROWS_PER_SEQ, capture_numbers
 from tapllm.engine.graph_sampler import SlotSampling
 from tapllm.engine.input_buffers import InputBuffers
 from tapllm.engine.request import Request, RequestStatus
 from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
 from tapllm.engine.step_inputs import StepLayout
-from tapllm.hidden_states.capture import RequestCapture, RowViews
+from tapllm.hidden_states.capture import RequestCapture, RowViews, defer_rows
 from tapllm.hidden_states.sink import CopySink
 from tapllm.sae.batch import FeatureBatch, PackLayouts
 from tapllm.sae.features import FeatureSelection
@@ -43,18 +44,8 @@ from tapllm.tap.sites import Sites
 from tapllm.tap.tables import TapTables
 
 logger = logging.getLogger("tapllm")
-
-
-@dataclass(slots=True)
-class _How:
-    """How a step hands a request its rows (:meth:`GraphStep._delivery`)."""
-
-    capture: RequestCapture
-    size: int  # numbers per position of the step's host copy it reads (0: none)
-    views: RowViews | None  # it keeps its rows as captured: its views of the host copy
-    # it keeps SAE features only: (its SAE's id, its selection, its SAE input's and target's first numbers in
-    # its record)
-    features: tuple[int, FeatureSelection, int, int | None] | None
+_FINISHED = RequestStatus.FINISHED
+_status = operator.attrgetter("status")
 
 
 @dataclass(slots=True)
@@ -64,7 +55,7 @@ class _Joined:
     preemptions: int
     layout: RecordLayout | None = None
     blocked: str | None = None
-    delivery: _How | None = None  # GraphStep._delivery, made once
+    delivery: How | None = None  # GraphStep._delivery, made once
 
 
 @dataclass(slots=True)
@@ -106,6 +97,8 @@ class GraphStep:
         # _Joined on a decode step, else None) for each chunk that captures, and the numbers captured in all.
         self._placed: tuple[list[tuple[int, int, int, _Joined | None]], int] | None = None
         self._pack_layouts = PackLayouts()
+        self._plan: DecodePlan | None = None  # the last decode step's
+        self._steady: SteadyPlacement | None = None
 
     def warm_up(self) -> None:
         """Capture every graph (start-up)."""
@@ -120,9 +113,15 @@ class GraphStep:
         # A steady decode step places its captured rows in the same pass (what TapTables.chunk_places does,
         # with each row's _Joined for the delivery); a pass that joined a slot places them again after it.
         spans = self.taps.spans if decode and self.taps.capturing else None
+        steady = self._steady
+        if spans is not None and steady is not None and steady.holds(lay):
+            spans = None  # placed as the step before, unless a slot joins
+        else:
+            steady = None
         placed: list[tuple[int, int, int, _Joined]] = []
         total = 0
         joins = False
+        left = FAR  # steps until a row crosses its span's edge
         for i, (it, slot) in enumerate(zip(lay.items, lay.item_slots)):
             req = it.request
             joined = known.get(req)
@@ -133,14 +132,27 @@ class GraphStep:
                 blocked = joined.blocked
             if spans is not None:
                 span = spans[slot]
-                if span is not None and span[1] <= it.start < span[2]:  # one position: in the span or not
-                    placed.append((i, total, 1, joined))
-                    total += span[0]
+                if span is not None:
+                    p = it.start
+                    if span[1] <= p < span[2]:  # one position: in the span or not
+                        placed.append((i, total, 1, joined))
+                        total += span[0]
+                        left = min(left, span[2] - p)
+                    elif p < span[1]:
+                        left = min(left, span[1] - p)
+        self._steady = None
+        if joins:
+            steady = None
+        elif steady is not None:
+            placed, total = steady.next(lay)
+            self._steady = steady
+        elif spans is not None:
+            self._steady = SteadyPlacement(list(lay.item_slots), sum(lay.pos), left, placed, total)
         if self.block_tables.generation != self._generation:
             blocked = "the block table moved"
         self._placed = None
         if self.taps.capturing and blocked is None:
-            if decode and (joins or spans is None):
+            if decode and (joins or (spans is None and steady is None)):
                 rows, total = self.taps.chunk_places(lay.item_slots, lay.pos)
                 placed = [(i, first, n, known[lay.items[i].request]) for i, first, n in rows]
             elif not decode:
@@ -222,17 +234,14 @@ class GraphStep:
         captures that failed alone."""
         if self._placed is None:  # no row of the step captured
             return {}
-        groups: dict[int, list[FeatureRow]] = {}
-        if lay.decode_only:
-            entries, host = self._deliver_decode(lay, sink, stopped, groups)
-        else:
-            entries, host = self._deliver_chunks(lay, sink, stopped)
-        if not entries and not groups:
-            return {}
+        # The last step's copies land before this step's rows are handed out (a last-position capture keeps
+        # only the newest row), and before this step's copies start: settling after them would wait for them.
         sink.settle()
         failed: dict[RequestCapture, str] = {}
-        if groups:
-            deliver_features(groups, sink, failed, self._rows_at, self._pack_layouts)
+        if lay.decode_only:
+            entries, host = self._deliver_decode(lay, sink, stopped, failed)
+        else:
+            entries, host = self._deliver_chunks(lay, sink, stopped)
         for e in entries:
             cap = e.capture
             if not cap.sel.points:  # a request of SAE features only keeps no rows
@@ -261,44 +270,35 @@ class GraphStep:
         return failed
 
     def _deliver_decode(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset,
-                        groups: dict[int, list[FeatureRow]]) -> tuple[list[_Delivery], torch.Tensor | None]:
-        """:meth:`deliver` for a step of single-token decodes: the rows that captured are those the tables
-        placed (a slot's positions start where its capture goes on, see :func:`slot_capture`), so only
-        they are visited; a request that keeps its rows takes its place in the step's host copy at once,
-        one that keeps only SAE features joins its SAE's ``groups``. Returns the other requests (they take
-        their rows on the device), and the step's host copy (None: none made)."""
+                        failed: dict[RequestCapture, str]) -> tuple[list[_Delivery], torch.Tensor | None]:
+        """:meth:`deliver` for a step of single-token decodes, by the :class:`DecodePlan` of the step's
+        placement (made again only when it changed, or for this step alone when a request in it has
+        ended); the SAE feature groups are handed out here. Returns the requests that take their rows on
+        the device, and the step's host copy (None: none made)."""
         placed, total = self._placed
+        plan = self._plan
+        if plan is None or plan.placed != placed or plan.buffer is not self.taps.cap_out:
+            plan = self._plan = self._decode_plan(placed, frozenset())
+        if _FINISHED in map(_status, plan.requests) or (stopped and not stopped.isdisjoint(plan.requests)):
+            plan = self._decode_plan(placed, stopped)
         pos = lay.pos
-        entries: list[_Delivery] = []
         host = None
-        finished = RequestStatus.FINISHED
-        for r, first, _, joined in placed:
-            req = joined.request
-            if req.status is finished or (stopped and req in stopped):
-                continue
-            cap = req.capture
-            how = joined.delivery
-            if how is None or how.capture is not cap:
-                how = joined.delivery = self._delivery(joined.layout, cap)
-            a = pos[r]
-            views = how.views
-            if views is not None:  # rows kept as captured: cut from the step's host copy when the result is read
-                if host is None:
-                    sink.settle()
-                    host = _to_host(self.taps.cap_out[:total], sink)
-                cap.defer_one(views, host, first, a)
-            elif how.features is not None:
-                sae, fs, at_in, at_out = how.features
-                g = groups.get(sae)
-                if g is None:
-                    g = groups[sae] = []
-                g.append((cap, fs, a, first + at_in, 0 if at_out is None else first + at_out))
-            else:
-                entries.append(_Delivery(cap, joined.layout, a, a + 1, first, cap.sel.features is not None))
-        if host is None and any(e.capture.takes_host_rows and e.capture.sel.points for e in entries):
-            sink.settle()
+        if plan.host_copy:
             host = _to_host(self.taps.cap_out[:total], sink)
-        return entries, host
+            defer_rows(plan.kept, host, pos)
+        if plan.groups:
+            deliver_groups(plan, pos, sink, failed)
+        return [_Delivery(cap, layout, pos[r], pos[r] + 1, first, f) for cap, layout, r, first, f in plan.device], host
+
+    def _decode_plan(self, placed: list[tuple[int, int, int, _Joined]], ended: set[Request] | frozenset
+                     ) -> DecodePlan:
+        """:func:`decode_plan` of ``placed``, leaving out requests that ended (finished, or in ``ended``)."""
+        def how(joined: _Joined) -> How:
+            cap = joined.request.capture
+            if joined.delivery is None or joined.delivery.capture is not cap:
+                joined.delivery = self._delivery(joined.layout, cap)
+            return joined.delivery
+        return decode_plan(placed, ended, self.taps.cap_out, how, lambda point, key: self.sites.of(point, key).width)
 
     def _deliver_chunks(self, lay: StepLayout, sink: CopySink, stopped: set[Request] | frozenset
                         ) -> tuple[list[_Delivery], torch.Tensor | None]:
@@ -335,13 +335,12 @@ class GraphStep:
                 entries.append(_Delivery(cap, joined.layout, a, b, first, cap.sel.features is not None))
         host = None
         if end:
-            sink.settle()
             host = _to_host(self.taps.cap_out[:end], sink)
         for cap, views, first, a, b in kept:
             cap.defer(views, host, first, a, b)
         return entries, host
 
-    def _delivery(self, layout: RecordLayout, cap: RequestCapture) -> _How:
+    def _delivery(self, layout: RecordLayout, cap: RequestCapture) -> How:
         """How a step hands ``cap`` its rows (see :meth:`deliver`)."""
         fs = cap.sel.features
         host_rows = cap.takes_host_rows and bool(cap.sel.points)
@@ -350,7 +349,7 @@ class GraphStep:
         if fs is not None and not cap.sel.points:
             only_features = (id(fs.sae), fs, layout.at[(fs.point, fs.key)],
                              layout.at[fs.out] if fs.out is not None else None)
-        return _How(cap, layout.size if host_rows else 0, views, only_features)
+        return How(cap, layout.size if host_rows else 0, views, only_features)
 
     def _views(self, layout: RecordLayout, cap: RequestCapture) -> RowViews:
         """``cap``'s :data:`RowViews` over a step's host block, by ``layout`` (cut when its result is read)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import fields
 
 import torch
@@ -131,28 +131,6 @@ class RequestCapture:
             self.deferred.append((views, host, start, a, b))
         if b > self.next_pos:
             self.next_pos = b
-
-    def defer_one(self, views: RowViews, host: torch.Tensor, start: int, a: int) -> None:
-        """:meth:`defer` of the one position ``a`` (a decode step's row)."""
-        if self.sel.last_only:
-            self.deferred = [(views, host, start, a, a + 1)]
-            self.last_pos = a
-        else:
-            self.deferred.append((views, host, start, a, a + 1))
-        if a >= self.next_pos:
-            self.next_pos = a + 1
-
-    def take_features_one(self, pack: torch.Tensor, row: int, cols: dict, a: int) -> None:
-        """Keep row ``row`` of a step's SAE pack as the features of the one position ``a`` (a decode step's
-        row, :meth:`tapllm.sae.features.FeatureBuffers.take`), and record the position as captured."""
-        if self.sel.last_only:
-            self.features.take(pack, row, cols, a, a + 1)
-        else:  # FeatureBuffers.take, inlined: a decode step makes this call for every such request
-            self.features.chunks.append((a, pack, row, 1, cols))
-        if a >= self.next_pos:
-            self.next_pos = a + 1
-        if self.sel.last_only:
-            self.last_pos = a
 
     def _settle(self) -> None:
         """Cut the deferred host blocks into chunks (:meth:`defer`)."""
@@ -279,3 +257,34 @@ def project(rows: torch.Tensor, directions: torch.Tensor, row_exact: bool) -> to
            for block in padded.split(_PROJECT_BLOCK)]
     done = torch.cat(out) if out else padded.new_zeros(0, directions.shape[0])
     return done[:n].reshape(*x.shape[:-1], directions.shape[0])
+
+
+def defer_rows(rows: Iterable[tuple[RequestCapture, RowViews, int, int]], host: torch.Tensor,
+               pos: Sequence[int]) -> None:
+    """:meth:`RequestCapture.defer` of one position for each ``(capture, views, start, row)`` of a decode
+    step (position ``pos[row]``), in one loop: a decode step makes it for every such request."""
+    for cap, views, start, r in rows:
+        a = pos[r]
+        if cap.sel.last_only:
+            cap.deferred = [(views, host, start, a, a + 1)]
+            cap.last_pos = a
+        else:
+            cap.deferred.append((views, host, start, a, a + 1))
+        if a >= cap.next_pos:
+            cap.next_pos = a + 1
+
+
+def take_features_rows(caps: Iterable[RequestCapture], pack: torch.Tensor, columns: Iterable[dict],
+                       rows: Iterable[int], pos: Sequence[int]) -> None:
+    """Each capture keeps its row (the first capture row 0, and so on) of a decode step's SAE pack as the
+    features of its one position ``pos[row]`` (:meth:`tapllm.sae.features.FeatureBuffers.take`), and records
+    the position as captured; in one loop, as :func:`defer_rows`."""
+    for i, (cap, cols, r) in enumerate(zip(caps, columns, rows)):
+        a = pos[r]
+        if cap.sel.last_only:
+            cap.features.take(pack, i, cols, a, a + 1)
+            cap.last_pos = a
+        else:  # FeatureBuffers.take of one row, inlined
+            cap.features.chunks.append((a, pack, i, 1, cols))
+        if a >= cap.next_pos:
+            cap.next_pos = a + 1
