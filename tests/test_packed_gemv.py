@@ -18,10 +18,12 @@ from conftest import random_prompts
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 from tapllm.kernels import fused_kernels, gemv
 from tapllm.layers.linear import Linear
+from tapllm.utils.platform import cpu_support
 
 ops = fused_kernels()
 gemv_ops = gemv.packed_gemv_ops(ops)
 needs_gemv = pytest.mark.skipif(gemv_ops is None, reason="no AVX512-BF16 packed GEMV on this CPU")
+ROWS = gemv.pack_rows(ops, torch.bfloat16)  # the row count the engine packs bf16 weights for here
 
 
 @needs_gemv
@@ -29,15 +31,21 @@ needs_gemv = pytest.mark.skipif(gemv_ops is None, reason="no AVX512-BF16 packed 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 30, 64, 65, 301])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_onednn_on_the_same_packed_weight(n, k, rows, bias):
+    """Where the layout check says the kernel reads the packing (oneDNN's layout for a shape can change with
+    the thread count and the CPU), the GEMV equals oneDNN; where it says not, the GEMV's result is wrong."""
     g = torch.Generator().manual_seed(n * 1000 + k + rows)
     w = torch.randn(n, k, generator=g).to(torch.bfloat16)
     b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
-    got = gemv_ops.packed_linear(x, gemv_ops.packed_view(packed), b).float()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS)
+    view = gemv_ops.packed_view(packed)
+    got = gemv_ops.packed_linear(x, view, b).float()
     onednn = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [None], "").float()
     exact = x.float() @ w.float().T + (b.float() if bias else 0)
     assert got.shape == (rows, n)
+    if not gemv.reads(view, gemv.sample_entries(w)):
+        assert ((got - exact).norm() / exact.norm()).item() > 0.1  # another layout: the check was right
+        return
     # both round float32 sums to bf16: at most an ulp of bf16 (2^-8 relative) apart, plus summation order
     torch.testing.assert_close(got, exact, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
     torch.testing.assert_close(got, onednn, rtol=8e-3, atol=1e-3 * exact.abs().max().item())
@@ -65,7 +73,7 @@ def test_float32_gemv_equals_onednn_on_the_same_packed_weight(n, k, rows, bias):
 
 @needs_gemv
 def test_gemv_refuses_mismatched_inputs():
-    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 96).to(torch.bfloat16), 16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 96).to(torch.bfloat16), ROWS)
     view = gemv_ops.packed_view(packed)
     assert tuple(view.shape) == (64, 96)
     with pytest.raises(RuntimeError, match="inputs"):
@@ -87,7 +95,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_around_it(dtype, n, k):
     if g_ops is None:
         pytest.skip(f"no packed {dtype} GEMV on this CPU")
     g = torch.Generator().manual_seed(k)
-    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g).to(dtype), 16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g).to(dtype),
+                                                     gemv.pack_rows(ops, dtype))
     view, bias = g_ops.packed_view(packed), torch.randn(n, generator=g).to(dtype)
     x = torch.randn(700, k, generator=g).to(dtype)
     alone = torch.cat([g_ops.packed_linear(x[i : i + 1], view, bias) for i in range(x.shape[0])])
@@ -99,10 +108,35 @@ def test_a_rows_result_does_not_depend_on_the_rows_around_it(dtype, n, k):
 def test_the_view_keeps_the_packed_weight_alive():
     w = torch.randn(70, 64).to(torch.bfloat16)
     x = torch.randn(2, 64).to(torch.bfloat16)
-    view = gemv_ops.packed_view(torch.ops.mkldnn._reorder_linear_weight(w, 16))  # the packed tensor is dropped
+    view = gemv_ops.packed_view(torch.ops.mkldnn._reorder_linear_weight(w, ROWS))  # the packed tensor is dropped
     torch.randn(70, 64).to(torch.bfloat16)  # allocations that could reuse freed memory
     got = gemv_ops.packed_linear(x, view, None).float()
     torch.testing.assert_close(got, x.float() @ w.float().T, rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.skipif(ops is None or not ops.packed_gemv_supported() or
+                    torch.bfloat16 not in cpu_support().packable,
+                    reason="no AVX512-BF16 in this build or CPU, or no bf16 packing")
+def test_the_bf16_gemv_runs_wherever_the_cpu_has_avx512_bf16():
+    """Where oneDNN packs for 16 rows a layout the kernel does not read (an AMX CPU's tile layout), the
+    engine packs for one row, which it does: the probe passes either way, and a weight packed the
+    engine's way is read in place."""
+    assert gemv_ops is not None, gemv.packed_gemv_status(ops, torch.bfloat16)
+    w = torch.randn(130, 72).to(torch.bfloat16)
+    sixteen = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    try:
+        gemv_ops.packed_view(sixteen)
+        assert ROWS == 16  # the 16-row layout is read: kept (oneDNN's layout for prefill)
+    except RuntimeError as exc:
+        assert "blocked layout" in str(exc) and ROWS == 1
+    lin = Linear(72, 130, bias=False, dtype=torch.bfloat16)
+    lin.weight.data = w
+    lin.pack(ROWS)
+    lin.use_gemv(gemv_ops, gemv.MAX_ROWS)
+    assert lin.gemv is not None
+    for rows in (1, 7, 64, 65, 300):  # the GEMV, then oneDNN on the same packing
+        x = torch.randn(rows, 72).to(torch.bfloat16)
+        torch.testing.assert_close(lin(x).float(), x.float() @ w.float().T, rtol=8e-3, atol=3e-2)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -129,7 +163,9 @@ def _generate(folder, *, gemv_on: bool, monkeypatch, dtype: str = "bfloat16") ->
     monkeypatch.setattr(gemv, "_state", {})
     llm = LLM(folder, dtype=dtype)
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
-    assert linears and all((m.gemv is not None) == gemv_on for m in linears)
+    on = [m.gemv is not None for m in linears]
+    # on: every linear whose packing the kernel reads (oneDNN may lay some shapes out otherwise), at least one
+    assert linears and (any(on) if gemv_on else not any(on))
     spec = HiddenStatesSpec(layers="all", points=["resid_post", "attn_out"], positions="all")
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, hidden_states=spec),
               SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]

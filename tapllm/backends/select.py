@@ -35,6 +35,7 @@ class Backend:
     graphs: GraphSizes | None = None  # the buckets of whole steps replayed from CUDA graphs (None: none)
     graphs_emulated: bool = False  # the CUDA backend on a CPU: a graph's body runs each step, nothing is captured
     prepack: bool = False  # linear weights reordered once at load for oneDNN (CPU)
+    pack_rows: int = 16  # the step rows oneDNN packs them for (1 where only that layout is the GEMV's)
     batch_invariant: bool = False  # every row's result independent of the rest of its step (see invariance)
     notes: tuple[str, ...] = field(default=())  # why a faster path is off
 
@@ -54,11 +55,17 @@ class Backend:
                  f"  attention: {on(self.attention, 'paged kernels (KV read in place)')}",
                  f"  small linears: {on(self.gemv, f'packed GEMV up to {self.gemv_rows} rows')}",
                  f"  untapped decode blocks: {on(self.stack, 'one C++ call per run of blocks')}",
-                 f"  linear weights: {'prepacked for oneDNN' if self.prepack else 'as loaded'}",
+                 f"  linear weights: {self._packing()}",
                  f"  CUDA graphs: {self.describe_graphs()}",
                  f"  batch invariant: {self.describe_invariance()}"]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _packing(self) -> str:
+        if not self.prepack:
+            return "as loaded"
+        return "prepacked for oneDNN" + (f" (for {self.pack_rows}-row steps, the layout the GEMV reads)"
+                                         if self.pack_rows != 16 else "")
 
     def linear_path(self, dtype: torch.dtype) -> str:
         """How the linear layers of a ``dtype`` model run (unquantized), for the load log."""
@@ -154,7 +161,7 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _cpu(device: torch.device, dtype: torch.dtype, invariant: bool) -> Backend:
     from tapllm.kernels import fused_kernels, kernels_status
-    from tapllm.kernels.gemv import MAX_ROWS, packed_gemv_ops, packed_gemv_status
+    from tapllm.kernels.gemv import MAX_ROWS, pack_rows, packed_gemv_ops, packed_gemv_status
 
     prepack = prepack_available(device, dtype)
     ops = fused_kernels()
@@ -176,6 +183,7 @@ def _cpu(device: torch.device, dtype: torch.dtype, invariant: bool) -> Backend:
     return Backend("cpu", device, elementwise=ops, attention=CpuAttention(ops, invariant), quant=ops, gemv=gemv,
                    gemv_rows=MAX_ROWS if gemv is not None else 0,
                    stack=ops if hasattr(ops, "decoder_layers") else None, prepack=prepack,
+                   pack_rows=pack_rows(ops, dtype) if gemv is not None else 16,
                    batch_invariant=invariant, notes=notes)
 
 

@@ -179,7 +179,7 @@ class ModelRunner:
                                                backend=ec.backend,
                                                graphs=sizes if sizes.decode or sizes.mixed else None,
                                                batch_invariant=ec.batch_invariant)
-        self.model.prepare_for_inference(self.backend.prepack and self.quant is None)
+        self.model.prepare_for_inference(self.backend.prepack and self.quant is None, self.backend.pack_rows)
         if device.type == "cpu":
             trim_heap()  # the load's freed temporaries leave the resident set
         self.model.eval()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tapllm.kernels import build_folder
+from tapllm.kernels.gemv import pack_rows
 from tapllm.kernels.trials import recall, remember
 
 logger = logging.getLogger("tapllm")
@@ -65,7 +66,8 @@ def _run(trial: Any, ops: Any, dtype: torch.dtype) -> str | None:
 def _gemv_trial(ops: Any, dtype: torch.dtype) -> str | None:
     g = torch.Generator().manual_seed(0)
     for n, k in ((130, 72), (576, 1536)):  # padded N and K; K past a block of outputs' cache lines
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g).to(dtype), 16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g).to(dtype),
+                                                         pack_rows(ops, dtype))
         view = ops.packed_view(packed)
         bias = torch.randn(n, generator=g).to(dtype)
         x = torch.randn(130, k, generator=g).to(dtype)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapllm.backends.ops import GemvOps, LinearOps
+from tapllm.kernels.gemv import Sample, reads, sample_entries
 
 
 class Linear(nn.Module):
@@ -36,6 +37,7 @@ class Linear(nn.Module):
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self.packed: torch.Tensor | None = None
+        self.sample: Sample | None = None  # entries of the weight before packing
         # With the backend's GEMV: the packed buffer as a plain tensor, for steps of at most
         # ``gemv_rows`` rows; None keeps oneDNN's call at every size.
         self.gemv: torch.Tensor | None = None
@@ -44,9 +46,12 @@ class Linear(nn.Module):
         self.invariant = False  # batch_invariant: row results independent of the step's other rows
         self.linear_ops: LinearOps | None = None  # the backend's invariant linear (CUDA), used for every step
 
-    def pack(self) -> None:
-        """Replace the weight by a oneDNN-packed copy (call after loading, when available)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 16)
+    def pack(self, rows: int = 16) -> None:
+        """Replace the weight by a oneDNN-packed copy, packed for steps of ``rows`` rows (call after loading,
+        when available; ``Backend.pack_rows``)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, rows)
+        if self.packed.dtype in (torch.bfloat16, torch.float32):  # the GEMV checks its layout against these
+            self.sample = sample_entries(self.weight.data)
         self.weight = None  # the packed copy is the only one kept
 
     def use_gemv(self, ops: GemvOps | None, rows: int, invariant: bool = False) -> None:
@@ -61,6 +66,8 @@ class Linear(nn.Module):
                 view = ops.packed_view(self.packed)
             except RuntimeError:  # a layout the kernel does not read (oneDNN packs some shapes plainly): oneDNN's call
                 view = None
+            if view is not None and (self.sample is None or not reads(view, self.sample)):
+                view = None  # another layout of the same size (oneDNN's choice for this shape): oneDNN's call
         self.ops = ops if view is not None else None
         self.gemv = view
         self.gemv_rows = rows if view is not None else 0
@@ -98,8 +105,9 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return torch.cat([fn(flat[i : i + 1]) for i in range(flat.shape[0])]).view(*x.shape[:-1], -1)
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Prepack every :class:`Linear` of ``model`` (the backend decided it: ``Backend.prepack``)."""
+def pack_linears(model: nn.Module, rows: int = 16) -> None:
+    """Prepack every :class:`Linear` of ``model`` for steps of ``rows`` rows (the backend decided both:
+    ``Backend.prepack``, ``Backend.pack_rows``)."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.pack()
+            module.pack(rows)

@@ -351,8 +351,9 @@ class CausalLM(nn.Module):
                                         self.stack_block, Attention, GatedMLP, invariant)
 
     # ---- weights -----------------------------------------------------------------------
-    def prepare_for_inference(self, prepack: bool) -> None:
-        """After loading: prepack linear weights when the backend says so (see layers/linear.py);
+    def prepare_for_inference(self, prepack: bool, pack_rows: int = 16) -> None:
+        """After loading: prepack linear weights when the backend says so, for steps of ``pack_rows`` rows
+        (see layers/linear.py);
         a quantized model's tied LM head shares the quantized embedding's blocks (or, with the
         embedding kept in float, is quantized from it)."""
         quant: Quantization | None = getattr(self, "quant", None)
@@ -370,7 +371,7 @@ class CausalLM(nn.Module):
             self.lm_head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, False, self.cfg.dtype)
             self.lm_head.weight.data = self.embed_tokens.weight.data
         if prepack:
-            pack_linears(self)
+            pack_linears(self, pack_rows)
 
     def checkpoint_names(self, name: str, tensor: torch.Tensor) -> Placement:
         """Where a checkpoint tensor goes: ``[(parameter, first row or None, tensor)]``; ``[]`` skips it.
