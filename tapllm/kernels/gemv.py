@@ -62,6 +62,20 @@ def packed_gemv_status(ops: Any, dtype: torch.dtype) -> str:
     return _state[(id(ops), dtype)][1]
 
 
+# Where weights are packed for one row (an AMX CPU), oneDNN's calls run on AMX tiles and beat the kernel
+# from 4 rows (measured on a 2-core Xeon, one linear of the default model: 1 row 11-16 us against 26-32, 2
+# rows 16-23 against 26-33, 4 rows even, 16 rows 90-284 against 30-78): the kernel takes steps of 2 rows.
+ONE_ROW_PACKING_MAX_ROWS = 2
+
+
+def gemv_rows(ops: Any, dtype: torch.dtype) -> int:
+    """The most rows a step's linears take the GEMV for (:data:`MAX_ROWS`, fewer where weights are packed
+    for one row: :data:`ONE_ROW_PACKING_MAX_ROWS`); 0 when it is off."""
+    if packed_gemv_ops(ops, dtype) is None:
+        return 0
+    return MAX_ROWS if pack_rows(ops, dtype) == PACK_ROWS else ONE_ROW_PACKING_MAX_ROWS
+
+
 def pack_rows(ops: Any, dtype: torch.dtype) -> int:
     """The row count to pack ``dtype`` linear weights for (``torch.ops.mkldnn._reorder_linear_weight``):
     :data:`PACK_ROWS`, or 1 where only that layout is one the GEMV reads (module docstring)."""

@@ -47,8 +47,13 @@ class DecoderStack:
         self.act_bits = 0  # the quantized linears' activation rounding (QuantLinear.act_bits)
         # per block: whether the runner takes it (a block with a SplitQuantLinear runs in Python)
         self.runs = [all(type(m) is not SplitQuantLinear for m in _linears(layer)) for layer in layers]
+        # the most rows its linears take the packed GEMV for (Linear.gemv_rows; the runner's own cut is
+        # GEMV_MAX_ROWS): a step of more is given no GEMV views
+        self.gemv_rows = min((m.gemv_rows for layer in layers for m in _linears(layer) if type(m) is Linear),
+                             default=0)
         self._kv: list | None = None
         self._params: list[list[torch.Tensor | None]] = []
+        self._plain: list[list[torch.Tensor | None]] = []  # the same without GEMV views
 
     @classmethod
     def maybe(cls, ops: Any, layers: nn.ModuleList, block: type | None, attention: type,
@@ -101,15 +106,20 @@ class DecoderStack:
                 for name, m in zip(("qkv", "o", "gate_up", "down"), _linears(layer)):
                     slots.update({name: _weight(m), f"{name}_bias": m.bias, f"{name}_gemv": getattr(m, "gemv", None)})
                 params.append([slots[name] for name in DECODER_SLOTS])
-            self._kv, self._params = kv_caches, params
+            plain = [[None if name.endswith("_gemv") else p for name, p in zip(DECODER_SLOTS, layer)]
+                     for layer in params]
+            self._kv, self._params, self._plain = kv_caches, params, plain
         return self._params
 
     def run(self, x: torch.Tensor, start: int, stop: int, ctx: Any, kv_caches: list,
             meta: AttentionMetadata) -> torch.Tensor:
         """Blocks ``[start, stop)`` on ``x`` [T, hidden] (updated in place); ``ctx`` is the rotary (cos, sin)."""
-        params = [p for layer in self._layer_params(kv_caches)[start:stop] for p in layer]
-        cos, sin = ctx
         t = x.shape[0]
+        layers = self._layer_params(kv_caches)
+        if not self.invariant and t > self.gemv_rows:
+            layers = self._plain
+        params = [p for layer in layers[start:stop] for p in layer]
+        cos, sin = ctx
         x = x.contiguous()
         return self.ops.decoder_layers(x, params, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping,
                                        meta.decode_block_tables, meta.decode_lens, self.heads, self.kv_heads,
