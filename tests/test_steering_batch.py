@@ -118,9 +118,13 @@ def test_steered_requests_batch_like_unsteered_ones(default_model_folder):
 
     unsteered = [r for name, rs in results.items() if TARGETS[name] is None for r in rs]
     floor = max(err for err, _ in unsteered)  # how close batching leaves an unsteered request's states
+    # Where the GEMV takes fewer rows than these steps hold (an AMX CPU: 2), oneDNN's calls round each row
+    # by the step's shape, so a request's states may move one bf16 rounding more or less than another's.
+    slack = 0.0 if llm.engine.runner.backend.gemv_rows >= 48 else 2.0**-8
     for name, rs in results.items():
         for k, (err, same_tokens) in enumerate(rs):
-            assert err <= floor, f"{name} (its batch {k}): states {err:.3g} from alone, unsteered ones {floor:.3g}"
+            assert err <= floor + slack, \
+                f"{name} (its batch {k}): states {err:.3g} from alone, unsteered ones {floor:.3g}"
             if all(same for _, same in unsteered):
                 assert same_tokens, f"{name} (its batch {k}): tokens differ from alone"
     if llm.engine.runner.model.stack is not None:  # the fused CPU path: both routes were taken
