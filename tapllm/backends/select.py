@@ -161,7 +161,7 @@ def prepack_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _cpu(device: torch.device, dtype: torch.dtype, invariant: bool) -> Backend:
     from tapllm.kernels import fused_kernels, kernels_status
-    from tapllm.kernels.gemv import gemv_rows, pack_rows, packed_gemv_ops, packed_gemv_status
+    from tapllm.kernels.gemv import PACK_ROWS, gemv_rows, pack_rows, packed_gemv_ops, packed_gemv_status
 
     prepack = prepack_available(device, dtype)
     ops = fused_kernels()
@@ -183,7 +183,7 @@ def _cpu(device: torch.device, dtype: torch.dtype, invariant: bool) -> Backend:
     return Backend("cpu", device, elementwise=ops, attention=CpuAttention(ops, invariant), quant=ops, gemv=gemv,
                    gemv_rows=gemv_rows(ops, dtype) if gemv is not None else 0,
                    stack=ops if hasattr(ops, "decoder_layers") else None, prepack=prepack,
-                   pack_rows=pack_rows(ops, dtype) if gemv is not None else 16,
+                   pack_rows=pack_rows(ops, dtype) if gemv is not None else PACK_ROWS,
                    batch_invariant=invariant, notes=notes)
 
 

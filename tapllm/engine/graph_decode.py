@@ -47,8 +47,8 @@ class SteadyPlacement:
         return self.steps + 1 < self.left and lay.item_slots == self.slots and \
             sum(lay.pos) == self.pos_sum + len(lay.pos) * (self.steps + 1)
 
-    def next(self, lay: Any) -> tuple[list, int]:
-        """The placement for ``lay`` (:meth:`holds`)."""
+    def next(self) -> tuple[list, int]:
+        """The placement for the step :meth:`holds` accepted."""
         self.steps += 1
         return self.placed, self.total
 
@@ -125,6 +125,11 @@ class DecodePlan:
     # requests that take their block on the device: (capture, record layout, row, first number, features)
     device: list[tuple[RequestCapture, Any, int, int, bool]] = field(default_factory=list)
     host_copy: bool = False  # some request reads the step's host copy
+
+    def has_ended(self, stopped: set | frozenset) -> bool:
+        """Whether a request it delivers to has finished or is in ``stopped`` since it was made."""
+        return any(req.status is _FINISHED for req in self.requests) or \
+            bool(stopped and not stopped.isdisjoint(self.requests))
 
 
 def deliver_groups(plan: DecodePlan, pos: Sequence[int], sink: CopySink, failed: dict[RequestCapture, str]

@@ -18,7 +18,6 @@ an SAE at once, from their blocks on the device, and come back in one copy per S
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ from tapllm.engine.graph_decode import FAR, DecodePlan, How, SteadyPlacement, de
 from tapllm.engine.graph_memory import OPS_PER_SEQ, POOL_ROWS_PER_SEQ, capture_numbers
 from tapllm.engine.graph_sampler import SlotSampling
 from tapllm.engine.input_buffers import InputBuffers
-from tapllm.engine.request import Request, RequestStatus
+from tapllm.engine.request import Request
 from tapllm.engine.slot_taps import RecordLayout, slot_capture, slot_ops
 from tapllm.engine.step_inputs import StepLayout
 from tapllm.hidden_states.capture import RequestCapture, RowViews, defer_rows
@@ -44,8 +43,6 @@ from tapllm.tap.sites import Sites
 from tapllm.tap.tables import TapTables
 
 logger = logging.getLogger("tapllm")
-_FINISHED = RequestStatus.FINISHED
-_status = operator.attrgetter("status")
 
 
 @dataclass(slots=True)
@@ -144,7 +141,7 @@ class GraphStep:
         if joins:
             steady = None
         elif steady is not None:
-            placed, total = steady.next(lay)
+            placed, total = steady.next()
             self._steady = steady
         elif spans is not None:
             self._steady = SteadyPlacement(list(lay.item_slots), sum(lay.pos), left, placed, total)
@@ -279,7 +276,7 @@ class GraphStep:
         plan = self._plan
         if plan is None or plan.placed != placed or plan.buffer is not self.taps.cap_out:
             plan = self._plan = self._decode_plan(placed, frozenset())
-        if _FINISHED in map(_status, plan.requests) or (stopped and not stopped.isdisjoint(plan.requests)):
+        if plan.has_ended(stopped):
             plan = self._decode_plan(placed, stopped)
         pos = lay.pos
         host = None

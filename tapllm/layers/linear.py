@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapllm.backends.ops import GemvOps, LinearOps
-from tapllm.kernels.gemv import Sample, reads, sample_entries
+from tapllm.kernels.gemv import PACK_ROWS, Sample, reads, sample_entries
 
 
 class Linear(nn.Module):
@@ -46,7 +46,7 @@ class Linear(nn.Module):
         self.invariant = False  # batch_invariant: row results independent of the step's other rows
         self.linear_ops: LinearOps | None = None  # the backend's invariant linear (CUDA), used for every step
 
-    def pack(self, rows: int = 16) -> None:
+    def pack(self, rows: int = PACK_ROWS) -> None:
         """Replace the weight by a oneDNN-packed copy, packed for steps of ``rows`` rows (call after loading,
         when available; ``Backend.pack_rows``)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, rows)
@@ -105,7 +105,7 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     return torch.cat([fn(flat[i : i + 1]) for i in range(flat.shape[0])]).view(*x.shape[:-1], -1)
 
 
-def pack_linears(model: nn.Module, rows: int = 16) -> None:
+def pack_linears(model: nn.Module, rows: int = PACK_ROWS) -> None:
     """Prepack every :class:`Linear` of ``model`` for steps of ``rows`` rows (the backend decided both:
     ``Backend.prepack``, ``Backend.pack_rows``)."""
     for module in model.modules():
