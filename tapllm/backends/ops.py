@@ -101,7 +101,8 @@ class CpuAttention:
     """:class:`AttentionOps` over the C++ ops namespace (which takes no ``max_len``).
 
     ``invariant`` (batch_invariant): decode rows take ``row_attention``, the prefill kernel's
-    arithmetic for one row, so a token's attention does not depend on how its step was made.
+    arithmetic for one row, so a token's attention does not depend on how its step was made; prefill
+    keeps the AVX512 task that it repeats (no AMX tiles).
     """
 
     __slots__ = ("invariant", "ops")
@@ -109,6 +110,11 @@ class CpuAttention:
     def __init__(self, ops: object, invariant: bool = False) -> None:
         self.ops = ops
         self.invariant = invariant
+
+    @property
+    def tiles(self) -> bool:
+        """Whether bfloat16 prefill attention runs on AMX tiles (this CPU and process run them, not invariant)."""
+        return not self.invariant and bool(getattr(self.ops, "amx_supported", lambda: False)())
 
     def kv_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -124,4 +130,4 @@ class CpuAttention:
                           starts: torch.Tensor, lens: torch.Tensor, contexts: torch.Tensor, tables: torch.Tensor,
                           scale: float, window: int, softcap: float, max_len: int) -> torch.Tensor:
         return self.ops.prefill_attention(q, k_cache, v_cache, starts, lens, contexts, tables, scale, window,
-                                          softcap)
+                                          softcap, not self.invariant)

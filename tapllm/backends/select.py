@@ -52,7 +52,7 @@ class Backend:
 
         lines = [f"forward backend: {self.name} on {self.device}",
                  f"  norms/rotary/activations: {on(self.elementwise, 'fused kernels')}",
-                 f"  attention: {on(self.attention, 'paged kernels (KV read in place)')}",
+                 f"  attention: {on(self.attention, 'paged kernels (KV read in place)' + self._tiles())}",
                  f"  small linears: {on(self.gemv, f'packed GEMV up to {self.gemv_rows} rows')}",
                  f"  untapped decode blocks: {on(self.stack, 'one C++ call per run of blocks')}",
                  f"  linear weights: {self._packing()}",
@@ -61,11 +61,16 @@ class Backend:
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def _tiles(self) -> str:
+        return ", bf16 prefill on AMX tiles" if getattr(self.attention, "tiles", False) else ""
+
     def _packing(self) -> str:
         if not self.prepack:
             return "as loaded"
-        return "prepacked for oneDNN" + (f" (for {self.pack_rows}-row steps, the layout the GEMV reads)"
+        text = "prepacked for oneDNN" + (f" (for {self.pack_rows}-row steps, the layout the GEMV reads)"
                                          if self.pack_rows != 16 else "")
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+        return text + ("; oneDNN runs bf16 GEMMs on AMX tiles" if amx and self.device.type == "cpu" else "")
 
     def linear_path(self, dtype: torch.dtype) -> str:
         """How the linear layers of a ``dtype`` model run (unquantized), for the load log."""

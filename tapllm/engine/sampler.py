@@ -109,7 +109,6 @@ class SamplingPlan:
         v = self.views
         values = logits.float()
         picks = values if token_mask is None else token_mask.apply(values)
-        ok = torch.isfinite(values.amax(dim=-1)) & torch.isfinite(values.amin(dim=-1))
         processed = picks
         if self.controlled:
             idx = v["controlled"]
@@ -122,7 +121,12 @@ class SamplingPlan:
             ok_codes = torch.zeros(self.rows, dtype=torch.bool, device=values.device).index_copy_(0, idx, ~has_token)
         else:
             ok_codes = None
-        tokens = processed.argmax(dim=-1)
+        # max's indices are argmax's (the first maximal one, NaN counting as maximal) in one pass over the
+        # row where CPU argmax takes 2.5x as long; its values stand for values.amax when nothing was masked
+        top, tokens = processed.max(dim=-1)
+        if processed is not values:
+            top = values.amax(dim=-1)
+        ok = torch.isfinite(top) & torch.isfinite(values.amin(dim=-1))
         if self.draw:
             tokens = tokens.index_copy(0, v["draw"], self._draw(processed.index_select(0, v["draw"])))
         tokens = tokens.double()

@@ -94,7 +94,8 @@ def _attention_trial(ops: Any, dtype: torch.dtype) -> str | None:
             def chunks(cuts: list[int]) -> torch.Tensor:
                 return torch.cat([ops.prefill_attention(q[a:b], k_cache, v_cache, torch.tensor([0]),
                                                         torch.tensor([b - a]), torch.tensor([a]), table,
-                                                        d**-0.5, window, cap) for a, b in zip(cuts, cuts[1:])])
+                                                        d**-0.5, window, cap, False)
+                                  for a, b in zip(cuts, cuts[1:])])
 
             whole = chunks([0, n])
             if not torch.equal(whole, chunks([0, 37, 100, 101, 515, n])):

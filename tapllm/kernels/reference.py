@@ -181,6 +181,16 @@ def check_all(ops: Any) -> str | None:
             want = prefill_attention(qp, kc, vc, starts, plens, ctxs, tables, 0.25, window, cap)
             if not _close(got, want, tol):
                 return f"prefill_attention window={window} softcap={cap} ({dtype})"
+        # head size 64 over several 64-key tiles: the bfloat16 dot-product and AMX tile tasks
+        kc64, vc64 = rand(2, 12, 16, 64), rand(2, 12, 16, 64)
+        q64 = rand(50, 4, 64)
+        tables64 = torch.tensor([[3, 0, 7, 1, 9, 2, 5], [11, 4, 8, 6, 10, 0, 0]])
+        starts, plens, ctxs = torch.tensor([0, 30]), torch.tensor([30, 20]), torch.tensor([70, 0])
+        for window in (0, 40):
+            got = ops.prefill_attention(q64, kc64, vc64, starts, plens, ctxs, tables64, 0.125, window, 0.0)
+            want = prefill_attention(q64, kc64, vc64, starts, plens, ctxs, tables64, 0.125, window, 0.0)
+            if not _close(got, want, tol):
+                return f"prefill_attention head size 64 window={window} ({dtype})"
         problem = _check_quant(ops, rand, dtype, tol)
         if problem:
             return problem

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 # Environment variables the compiled kernels read at run time (they change what a trial sees).
-_KERNEL_ENV = ("TAPLLM_NO_AVX512BF16",)
+_KERNEL_ENV = ("TAPLLM_NO_AVX512BF16", "TAPLLM_AMX", "TAPLLM_BF16_DOT")
 
 
 def cpu_identity() -> str:

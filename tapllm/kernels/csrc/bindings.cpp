@@ -21,7 +21,7 @@ TORCH_LIBRARY_FRAGMENT(TAPLLM_NS, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "
         "int window, float softcap) -> Tensor");
   m.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor starts, Tensor lens, Tensor contexts, "
-        "Tensor block_tables, float scale, int window, float softcap) -> Tensor");
+        "Tensor block_tables, float scale, int window, float softcap, bool tiles=True) -> Tensor");
   // row_attention.cpp
   m.def("row_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "
         "int window, float softcap) -> Tensor");
@@ -30,6 +30,8 @@ TORCH_LIBRARY_FRAGMENT(TAPLLM_NS, m) {
   m.def("packed_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("packed_gemv_supported() -> bool", &tapllm::packed_gemv_supported);
   m.def("packed_gemv_f32_supported() -> bool", &tapllm::packed_gemv_f32_supported);
+  // amx_attention.cpp
+  m.def("amx_supported() -> bool", &tapllm::amx_supported);
   // quant.cpp, quant_a8.cpp
   m.def("quant_linear(Tensor x, Tensor w, Tensor? bias, int act_bits=0) -> Tensor");
   m.def("quant_dequantize(Tensor w, int k, ScalarType dtype) -> Tensor");

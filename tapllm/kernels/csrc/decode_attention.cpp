@@ -100,7 +100,7 @@ void decode_scores16(const T* q, const T* kh, const T* vh, const int64_t* table,
     const float* rows[16];
     for (int64_t j = 0; j < 16; ++j) {
       const int64_t p = p0 + std::min<int64_t>(j, nk - 1);  // past the end: repeat the last key, not stored
-      const T* krow = kh + (table[p / block_size] * block_size + p % block_size) * D;
+      const T* krow = kh + (paged_slot(table, p, block_size)) * D;
       if constexpr (std::is_same_v<T, float>) {
         rows[j] = krow;
       } else {
@@ -149,7 +149,7 @@ void decode_task16(const T* q, const T* kh, const T* vh, T* out, const int64_t* 
     if (g0 == 0) prefetch_rows(vh, table, first, std::min<int64_t>(len, first + 48), block_size, D);
     for (int64_t p = first; p < len; ++p) {
       if (g0 == 0 && (p - first) % 16 == 0) prefetch_rows(vh, table, p + 48, std::min<int64_t>(len, p + 64), block_size, D);
-      const T* vrow = vh + (table[p / block_size] * block_size + p % block_size) * D;
+      const T* vrow = vh + (paged_slot(table, p, block_size)) * D;
       __m512 vv[NV];
       for (int v = 0; v < NV; ++v) vv[v] = loadf<T>(vrow + v * 16);
       for (int h = 0; h < HPN; ++h) {
@@ -192,7 +192,7 @@ void decode_scores_dot(const uint16_t* q, const uint16_t* kh, const uint16_t* vh
     const uint16_t* rows[16];
     for (int64_t j = 0; j < 16; ++j) {
       const int64_t p = p0 + std::min<int64_t>(j, nk - 1);  // past the end: repeat the last key, not stored
-      rows[j] = kh + (table[p / block_size] * block_size + p % block_size) * D;
+      rows[j] = kh + (paged_slot(table, p, block_size)) * D;
     }
     const __mmask16 keep = static_cast<__mmask16>((1u << nk) - 1);
     for (int64_t g = 0; g < group; ++g) {
@@ -223,8 +223,8 @@ void dot_values(const uint16_t* vh, uint16_t* out, const int64_t* table, int64_t
   for (int64_t i = 0; i < np; ++i) {
     const int64_t p = first + 2 * i, p1 = std::min(p + 1, len - 1);
     if (g0 == 0 && i % 8 == 0) prefetch_rows(vh, table, p + 48, std::min<int64_t>(len, p + 64), block_size, D);
-    const uint16_t* a = vh + (table[p / block_size] * block_size + p % block_size) * D;
-    const uint16_t* b = vh + (table[p1 / block_size] * block_size + p1 % block_size) * D;
+    const uint16_t* a = vh + (paged_slot(table, p, block_size)) * D;
+    const uint16_t* b = vh + (paged_slot(table, p1, block_size)) * D;
     __m512i vl[DP], vu[DP];
     for (int v = 0; v < DP; ++v) {
       const __m512i x = _mm512_loadu_si512(a + v * 32), y = _mm512_loadu_si512(b + v * 32);
@@ -305,7 +305,7 @@ void decode_task(const T* q, const T* kh, const T* vh, T* out, const int64_t* ta
     if constexpr (NV > 0)
       for (int v = 0; v < NV; ++v) qv[v] = Vec::loadu(qf + v * W);
     for (int64_t p = first; p < len; ++p) {
-      const T* krow = kh + (table[p / block_size] * block_size + p % block_size) * d;
+      const T* krow = kh + (paged_slot(table, p, block_size)) * d;
       Vec a(0.f);
       for (int64_t v = 0; v < nv; ++v)
         a = at::vec::fmadd(loadf<T>(krow + v * W), NV > 0 ? qv[NV > 0 ? v : 0] : Vec::loadu(qf + v * W), a);
@@ -322,7 +322,7 @@ void decode_task(const T* q, const T* kh, const T* vh, T* out, const int64_t* ta
       std::fill(acc, acc + d, 0.f);
     }
     for (int64_t p = first; p < len; ++p) {
-      const T* vrow = vh + (table[p / block_size] * block_size + p % block_size) * d;
+      const T* vrow = vh + (paged_slot(table, p, block_size)) * d;
       const float w = sg[p - first];
       const Vec vw(w);
       if constexpr (NV > 0) {

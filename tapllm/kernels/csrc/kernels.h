@@ -30,9 +30,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             double softcap);
 
 // ---- prefill_attention.cpp: causal attention of prefill chunks over the paged cache ---------------
+// tiles: bfloat16 products may run on AMX tiles (where amx_supported()); false keeps the AVX512 task,
+// whose arithmetic row_attention repeats for one row (batch_invariant).
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& contexts,
-                             const at::Tensor& block_tables, double scale, int64_t window, double softcap);
+                             const at::Tensor& block_tables, double scale, int64_t window, double softcap,
+                             bool tiles);
 
 // ---- row_attention.cpp: one query per sequence in the prefill kernel's arithmetic (batch_invariant) ---
 at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -46,6 +49,8 @@ at::Tensor packed_view(const at::Tensor& packed);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 // Whether this build and CPU run packed_linear on bfloat16 (AVX512-BF16) or float32 (AVX512) weights.
 bool packed_gemv_supported();
+// amx_attention.cpp: whether this process may run AMX bfloat16 tiles (CPU, OS permission, TAPLLM_AMX)
+bool amx_supported();
 bool packed_gemv_f32_supported();
 
 // ---- quant.cpp, quant_a8.cpp: weights in quantized blocks, uint8 [N, blocks, bytes per block] ----

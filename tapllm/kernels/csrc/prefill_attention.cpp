@@ -122,7 +122,7 @@ void f32_task(const T* q, const T* kh, const T* vh, T* out, const int64_t* table
       float* vrow = b.vt.data() + j * dp;
       if (j < nk) {
         const int64_t p = k0 + j;
-        const int64_t slot = table[p / block_size] * block_size + p % block_size;
+        const int64_t slot = paged_slot(table, p, block_size);
         const T* kr = kh + slot * d;
         const T* vr = vh + slot * d;
         int64_t e = 0;
@@ -175,24 +175,27 @@ template <typename T>
 void prefill_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* starts, const int64_t* lens,
                   const int64_t* contexts, const int64_t* tables, int64_t table_width, int64_t heads,
                   int64_t kv_heads, int64_t d, int64_t block_size, int64_t head_slots, int64_t q_row, int64_t q_head,
-                  float scale, int64_t window, float softcap, const std::vector<Task>& tasks) {
+                  float scale, int64_t window, float softcap, bool tiles, const std::vector<Task>& tasks) {
   const int64_t group = heads / kv_heads;
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (d % 32 == 0 && q_row % 2 == 0 && q_head % 2 == 0 && bf16_dot_supported()) {
+      const bool amx = tiles && amx_supported();
       at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
         Scratch b;
         std::vector<uint32_t> qt, kt, vt;
+        if (amx) amx_begin();
         for (int64_t ti = begin; ti < end; ++ti) {
           const Task& task = tasks[ti];
           const int64_t c = task.chunk;
           const Rows rows{contexts[c], task.first, std::min(QB, lens[c] - task.first), group};
-          bf16_dot_task(reinterpret_cast<const uint16_t*>(q),
+          (amx ? amx_task : bf16_dot_task)(reinterpret_cast<const uint16_t*>(q),
                         reinterpret_cast<const uint16_t*>(kc) + task.head * head_slots * d,
                         reinterpret_cast<const uint16_t*>(vc) + task.head * head_slots * d,
                         reinterpret_cast<uint16_t*>(out), tables + c * table_width, starts[c], rows, heads, task.head,
                         d, block_size, q_row, q_head, scale, window, softcap, b, qt, kt, vt);
         }
+        if (amx) amx_end();
       });
       return;
     }
@@ -215,7 +218,8 @@ void prefill_rows(const T* q, const T* kc, const T* vc, T* out, const int64_t* s
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& starts, const at::Tensor& lens, const at::Tensor& contexts,
-                             const at::Tensor& block_tables, double scale, int64_t window, double softcap) {
+                             const at::Tensor& block_tables, double scale, int64_t window, double softcap,
+                             bool tiles) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, heads, head_dim] with contiguous heads");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes(), "caches must be contiguous [Hkv, blocks, block_size, D]");
@@ -247,7 +251,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, con
     prefill::prefill_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                                      out.data_ptr<scalar_t>(), st, ln, cx, block_tables.data_ptr<int64_t>(),
                                      block_tables.size(1), q.size(1), kv_heads, d, bs, head_slots, q.stride(0),
-                                     q.stride(1), scale, window, softcap, tasks);
+                                     q.stride(1), scale, window, softcap, tiles, tasks);
   });
   return out;
 }

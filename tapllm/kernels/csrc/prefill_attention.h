@@ -124,6 +124,32 @@ inline Vec rescale(const TileRows& tr, int r, float* m, float* alpha) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// The probabilities of keys [js, je) as bfloat16 pairs pp[r][j / 2][rows]; m, l and alpha updated (the
+// AVX512-BF16 and the AMX task).
+template <bool Masked>
+TAPLLM_TARGET_AVX512BF16
+inline void softmax_bf16(const float* s, uint32_t* pp, int R, int64_t rv0, const TileRows& tr, int64_t js, int64_t je,
+                         float* m, float* l, float* alpha) {
+  // word 2i of a pair from lane i of the first key, word 2i + 1 from the second key
+  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int r = 0; r < R; ++r) {
+    const float* sr = s + r * KT * 16;
+    const Vec mc = rescale(tr, r, m + (rv0 + r) * 16, alpha + r * 16);
+    Vec sum0(0.f), sum1(0.f);
+    for (int64_t j = js; j < je; j += 2) {
+      const Vec e0 = exp2_neg<Masked>(at::vec::fmsub(Vec::loadu(sr + j * 16), Vec(tr.cscale), mc));
+      const Vec e1 = exp2_neg<Masked>(at::vec::fmsub(Vec::loadu(sr + (j + 1) * 16), Vec(tr.cscale), mc));
+      sum0 = sum0 + e0;
+      sum1 = sum1 + e1;
+      const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+      _mm512_storeu_si512(pp + (r * KT / 2 + j / 2) * 16, _mm512_permutexvar_epi16(inter, two));
+    }
+    float* lr = l + (rv0 + r) * 16;
+    at::vec::fmadd(Vec::loadu(lr), Vec::loadu(alpha + r * 16), sum0 + sum1).store(lr);
+  }
+}
+
 // r[i] lane j -> r[j] lane i, for 16 x 16 32-bit elements (bits moved, never rounded).
 inline void transpose16(__m512 r[16]) {
   __m512 t[16];
@@ -224,6 +250,16 @@ void bf16_dot_task(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, ui
                    int64_t qstart, const Rows& rows, int64_t heads, int64_t hk, int64_t d, int64_t block_size,
                    int64_t q_row, int64_t q_head, float scale, int64_t window, float softcap, Scratch& b,
                    std::vector<uint32_t>& qt, std::vector<uint32_t>& kt, std::vector<uint32_t>& vt);
+
+// The same task with AMX tile products (amx_attention.cpp); call only where amx_supported(), for head
+// sizes of a multiple of 32, between amx_begin() and amx_end() on the calling thread (its tile
+// configuration, then the tiles handed back).
+void amx_task(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, uint16_t* out, const int64_t* table,
+              int64_t qstart, const Rows& rows, int64_t heads, int64_t hk, int64_t d, int64_t block_size,
+              int64_t q_row, int64_t q_head, float scale, int64_t window, float softcap, Scratch& b,
+              std::vector<uint32_t>& qt, std::vector<uint32_t>& kt, std::vector<uint32_t>& vt);
+void amx_begin();
+void amx_end();
 #endif
 
 }  // namespace prefill

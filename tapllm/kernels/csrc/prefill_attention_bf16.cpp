@@ -46,31 +46,6 @@ inline void scores_bf16(const uint32_t* qt, int64_t dh, const uint32_t* kt, floa
   }
 }
 
-// The probabilities of keys [js, je) as bfloat16 pairs pp[r][j / 2][rows]; m, l and alpha updated.
-template <bool Masked>
-TAPLLM_TARGET_AVX512BF16
-inline void softmax_bf16(const float* s, uint32_t* pp, int R, int64_t rv0, const TileRows& tr, int64_t js, int64_t je,
-                         float* m, float* l, float* alpha) {
-  // word 2i of a pair from lane i of the first key, word 2i + 1 from the second key
-  const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (int r = 0; r < R; ++r) {
-    const float* sr = s + r * KT * 16;
-    const Vec mc = rescale(tr, r, m + (rv0 + r) * 16, alpha + r * 16);
-    Vec sum0(0.f), sum1(0.f);
-    for (int64_t j = js; j < je; j += 2) {
-      const Vec e0 = exp2_neg<Masked>(at::vec::fmsub(Vec::loadu(sr + j * 16), Vec(tr.cscale), mc));
-      const Vec e1 = exp2_neg<Masked>(at::vec::fmsub(Vec::loadu(sr + (j + 1) * 16), Vec(tr.cscale), mc));
-      sum0 = sum0 + e0;
-      sum1 = sum1 + e1;
-      const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-      _mm512_storeu_si512(pp + (r * KT / 2 + j / 2) * 16, _mm512_permutexvar_epi16(inter, two));
-    }
-    float* lr = l + (rv0 + r) * 16;
-    at::vec::fmadd(Vec::loadu(lr), Vec::loadu(alpha + r * 16), sum0 + sum1).store(lr);
-  }
-}
-
 template <int R>
 TAPLLM_TARGET_AVX512BF16
 inline void values_bf16(const uint32_t* pp, const uint32_t* vt, int64_t d, int64_t jps, int64_t jpe, const float* alpha,
@@ -143,7 +118,7 @@ void bf16_dot_task(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, ui
       for (int u = 0; u < 2; ++u) {
         if (j + u < nk) {
           const int64_t p = k0 + j + u;
-          const int64_t slot = table[p / block_size] * block_size + p % block_size;
+          const int64_t slot = paged_slot(table, p, block_size);
           std::memcpy(kt.data() + (j + u) * dh, kh + slot * d, d * 2);
           vr[u] = vh + slot * d;
         } else {

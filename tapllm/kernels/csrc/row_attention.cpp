@@ -168,7 +168,7 @@ struct Ahead {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if (k == nullptr) return;
     for (int64_t p = from + i * KT / steps, end = std::min(to, from + (i + 1) * KT / steps); p < end; ++p) {
-      const int64_t off = (table[p / block_size] * block_size + p % block_size) * row_bytes;
+      const int64_t off = paged_slot(table, p, block_size) * row_bytes;
       for (int64_t b = 0; b < row_bytes; b += 64) {
         _mm_prefetch(k + off + b, _MM_HINT_T1);
         _mm_prefetch(v + off + b, _MM_HINT_T1);

@@ -260,6 +260,23 @@ inline Vec exp_fast(const Vec& v) {
 }
 
 // ---- paged rows ----------------------------------------------------------------------------
+// The cache slot of position p (its row in the cache): block table[p / block_size], row p % block_size
+// of it. A power-of-two block size (the default 16) takes shifts: a 64-bit division costs more than
+// a key's dot products, and every key row is found this way.
+inline int64_t paged_slot(const int64_t* table, int64_t p, int64_t block_size) {
+  if ((block_size & (block_size - 1)) == 0) {
+    const int shift = __builtin_ctzll(static_cast<uint64_t>(block_size));
+    return (table[p >> shift] << shift) + (p & (block_size - 1));
+  }
+  return table[p / block_size] * block_size + p % block_size;
+}
+
+// The first position of position p's block.
+inline int64_t block_start(int64_t p, int64_t block_size) {
+  if ((block_size & (block_size - 1)) == 0) return p & ~(block_size - 1);
+  return p / block_size * block_size;
+}
+
 // Asks for the rows [begin, end) of a paged cache ahead of use (row p lives in block table[p /
 // block_size]): a sequence's blocks lie anywhere in the cache, so the hardware prefetcher, which
 // follows strides, does not find them.
@@ -267,9 +284,13 @@ inline Vec exp_fast(const Vec& v) {
 template <typename T, int HINT = _MM_HINT_T0>
 inline void prefetch_rows(const T* base, const int64_t* table, int64_t begin, int64_t end, int64_t block_size,
                           int64_t d) {
-  for (int64_t p = begin; p < end; ++p) {
-    const char* row = reinterpret_cast<const char*>(base + (table[p / block_size] * block_size + p % block_size) * d);
-    for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(row + b, static_cast<_mm_hint>(HINT));
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  for (int64_t p = begin; p < end;) {  // a block's rows at a time: one address, then one run of lines
+    const int64_t slot = paged_slot(table, p, block_size);
+    const int64_t rows = std::min(end - p, block_size - (p - block_start(p, block_size)));
+    const char* run = reinterpret_cast<const char*>(base + slot * d);
+    for (int64_t b = 0; b < rows * row_bytes; b += 64) _mm_prefetch(run + b, static_cast<_mm_hint>(HINT));
+    p += rows;
   }
 }
 #endif
