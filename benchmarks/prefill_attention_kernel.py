@@ -1,10 +1,11 @@
-"""1-thread CPU time of the fused prefill_attention op on the shapes chunked prefill gives it.
+"""Wall time of the fused prefill_attention op (1 thread unless --threads) on the shapes chunked prefill gives it.
 
 Each call is laid out as the model's prefill batch: q [T, H, D] a view of the fused projection,
 head-major paged caches [Hkv, blocks, 16, D] with shuffled block tables. GFLOP/s counts only the
-causal half (2 * 2 * D per visible query-key pair and head).
+causal half (2 * 2 * D per visible query-key pair and head). In bfloat16 on a CPU that runs AMX
+tiles each shape runs twice, on the tiles and on the AVX512 task (``tiles=False``), side by side.
 
-    python benchmarks/prefill_attention_kernel.py [--reps 5] [--check]
+    python benchmarks/prefill_attention_kernel.py [--reps 5] [--check] [--threads 1]
 """
 
 from __future__ import annotations
@@ -45,19 +46,30 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--check", action="store_true", help="also compare with the float32 reference")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     ops = fused_kernels()
+    amx = bool(ops.amx_supported())
+    print(f"{args.threads} thread(s); AMX tiles: {'yes' if amx else 'no (this CPU, or TAPLLM_AMX=0)'}")
+
+    def best_of(call: tuple) -> tuple[float, torch.Tensor]:
+        ops.prefill_attention(*call)
+        best, out = float("inf"), None
+        for _ in range(args.reps):
+            t0 = time.perf_counter()  # wall time: with several threads, CPU time would add theirs up
+            out = ops.prefill_attention(*call)
+            best = min(best, time.perf_counter() - t0)
+        return best, out
+
     for dtype in (torch.bfloat16, torch.float32):
         for name, chunks, n, ctx, heads, kv_heads, d in SHAPES:
             call, flops = make(chunks, n, ctx, heads, kv_heads, d, dtype)
-            ops.prefill_attention(*call)
-            best = float("inf")
-            for _ in range(args.reps):
-                t0 = time.process_time()
-                out = ops.prefill_attention(*call)
-                best = min(best, time.process_time() - t0)
+            best, out = best_of(call)
             line = f"{str(dtype)[6:]:9s} {name:24s} {best * 1e3:8.2f} ms {flops / best / 1e9:7.1f} GFLOP/s"
+            if amx and dtype == torch.bfloat16:
+                avx512, _ = best_of((*call, False))
+                line += f"  | AVX512 task {avx512 * 1e3:8.2f} ms  tiles {avx512 / best:4.2f}x"
             if args.check:
                 want = reference.prefill_attention(*call)
                 line += f"  max err {(out.float() - want.float()).abs().max().item():.2e}"
