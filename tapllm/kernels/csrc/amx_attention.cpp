@@ -107,32 +107,20 @@ inline void tile_values(const uint32_t* pp, const uint32_t* vtt, int64_t i0, int
   constexpr int64_t stride = KT * 2;
   _tile_loadd(4, pp, 64);
   _tile_loadd(5, pp + 256, 64);
-  _tile_loadd(0, o, 64);
-  _tile_loadd(6, v, stride);
-  _tile_dpbf16ps(0, 6, 4);
-  _tile_loadd(7, v + 16, stride);
-  _tile_dpbf16ps(0, 7, 5);
-  if (nb > 1) {
-    _tile_loadd(1, o + 256, 64);
-    _tile_loadd(6, v + 512, stride);
-    _tile_dpbf16ps(1, 6, 4);
-    _tile_loadd(7, v + 528, stride);
-    _tile_dpbf16ps(1, 7, 5);
-  }
-  if (nb > 2) {
-    _tile_loadd(2, o + 512, 64);
-    _tile_loadd(6, v + 1024, stride);
-    _tile_dpbf16ps(2, 6, 4);
-    _tile_loadd(7, v + 1040, stride);
-    _tile_dpbf16ps(2, 7, 5);
-  }
-  if (nb > 3) {
-    _tile_loadd(3, o + 768, 64);
-    _tile_loadd(6, v + 1536, stride);
-    _tile_dpbf16ps(3, 6, 4);
-    _tile_loadd(7, v + 1552, stride);
-    _tile_dpbf16ps(3, 7, 5);
-  }
+// Dimension block T (a tile number: the instructions take it as a literal) against both key halves.
+#define TAPLLM_VALUE_BLOCK(T)                   \
+  do {                                          \
+    _tile_loadd(T, o + (T) * 256, 64);          \
+    _tile_loadd(6, v + (T) * 512, stride);      \
+    _tile_dpbf16ps(T, 6, 4);                    \
+    _tile_loadd(7, v + (T) * 512 + 16, stride); \
+    _tile_dpbf16ps(T, 7, 5);                    \
+  } while (0)
+  TAPLLM_VALUE_BLOCK(0);
+  if (nb > 1) TAPLLM_VALUE_BLOCK(1);
+  if (nb > 2) TAPLLM_VALUE_BLOCK(2);
+  if (nb > 3) TAPLLM_VALUE_BLOCK(3);
+#undef TAPLLM_VALUE_BLOCK
   _tile_stored(0, o, 64);
   if (nb > 1) _tile_stored(1, o + 256, 64);
   if (nb > 2) _tile_stored(2, o + 512, 64);
