@@ -25,7 +25,12 @@
 #include "prefill_attention.h"
 #include "vec_math.h"
 
-#if defined(CPU_CAPABILITY_AVX512)
+// A compiler without AMX intrinsics (GCC before 11) builds the forwarding stubs at the end instead.
+#if defined(CPU_CAPABILITY_AVX512) && __has_include(<amxtileintrin.h>)
+#define TAPLLM_AMX_BUILD 1
+#endif
+
+#if defined(TAPLLM_AMX_BUILD)
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -37,7 +42,7 @@
 namespace tapllm {
 
 bool amx_supported() {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(TAPLLM_AMX_BUILD)
   static const bool ok = [] {
     const char* env = std::getenv("TAPLLM_AMX");
     if ((env != nullptr && std::string(env) == "0") || !bf16_dot_supported()) return false;
@@ -55,7 +60,7 @@ bool amx_supported() {
 #endif
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(TAPLLM_AMX_BUILD)
 namespace prefill {
 namespace {
 
@@ -242,6 +247,20 @@ TAPLLM_TARGET_AMX
 void amx_end() {
   _tile_release();
 }
+
+}  // namespace prefill
+#elif defined(CPU_CAPABILITY_AVX512)
+namespace prefill {  // never called: amx_supported() is false in this build
+
+void amx_task(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, uint16_t* out, const int64_t* table,
+              int64_t qstart, const Rows& rows, int64_t heads, int64_t hk, int64_t d, int64_t block_size,
+              int64_t q_row, int64_t q_head, float scale, int64_t window, float softcap, Scratch& b,
+              std::vector<uint32_t>& qt, std::vector<uint32_t>& kt, std::vector<uint32_t>& vt) {
+  bf16_dot_task(q, kh, vh, out, table, qstart, rows, heads, hk, d, block_size, q_row, q_head, scale, window, softcap,
+                b, qt, kt, vt);
+}
+void amx_begin() {}
+void amx_end() {}
 
 }  // namespace prefill
 #endif
