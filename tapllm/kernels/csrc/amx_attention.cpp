@@ -149,21 +149,8 @@ void key_tile(const uint16_t* kh, const uint16_t* vh, const int64_t* table, int6
       vrows[j] = nullptr;
     }
   }
-  // value pairs vp[jp][e]: word 2i from key 2jp, word 2i + 1 from key 2jp + 1; then vtt = vp^T
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  for (int64_t jp = 0; jp < KT / 2; ++jp) {
-    const uint16_t* a = vrows[2 * jp];
-    const uint16_t* c = vrows[2 * jp + 1];
-    uint32_t* row = vp + jp * d;
-    for (int64_t e = 0; e < d; e += 32) {
-      const __m512i x = a ? _mm512_loadu_si512(a + e) : _mm512_setzero_si512();
-      const __m512i y = c ? _mm512_loadu_si512(c + e) : _mm512_setzero_si512();
-      _mm512_storeu_si512(row + e, _mm512_permutex2var_epi16(x, lo_idx, y));
-      _mm512_storeu_si512(row + e + 16, _mm512_permutex2var_epi16(x, hi_idx, y));
-    }
-  }
+  // value pairs vp[jp][e], then vtt = vp^T
+  for (int64_t jp = 0; jp < KT / 2; ++jp) pair_value_rows(vrows[2 * jp], vrows[2 * jp + 1], vp + jp * d, d);
   for (int64_t jb = 0; jb < KT / 2; jb += 16) {
     for (int64_t e0 = 0; e0 < d; e0 += 16) {
       __m512 r[16];

@@ -150,6 +150,20 @@ inline void softmax_bf16(const float* s, uint32_t* pp, int R, int64_t rv0, const
   }
 }
 
+// The value rows of keys 2jp and 2jp + 1 as one row of pairs (word 2i from a, word 2i + 1 from c, for
+// each of the d dimensions): the B operand of P.V by key pairs. A null row reads as zeros.
+inline void pair_value_rows(const uint16_t* a, const uint16_t* c, uint32_t* row, int64_t d) {
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t e = 0; e < d; e += 32) {
+    const __m512i x = a ? _mm512_loadu_si512(a + e) : _mm512_setzero_si512();
+    const __m512i y = c ? _mm512_loadu_si512(c + e) : _mm512_setzero_si512();
+    _mm512_storeu_si512(row + e, _mm512_permutex2var_epi16(x, lo_idx, y));
+    _mm512_storeu_si512(row + e + 16, _mm512_permutex2var_epi16(x, hi_idx, y));
+  }
+}
+
 // r[i] lane j -> r[j] lane i, for 16 x 16 32-bit elements (bits moved, never rounded).
 inline void transpose16(__m512 r[16]) {
   __m512 t[16];

@@ -104,10 +104,6 @@ void bf16_dot_task(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, ui
     rows_to_lanes(reinterpret_cast<const float*>(q + (qstart + rows.first + rv / group * 16) * q_row +
                                                  (hk * group + rv % group) * q_head),
                   q_row / 2, rows.count(rv), dh, reinterpret_cast<float*>(qt.data()) + rv * dh * 16);
-  // value pairs: word 2i of a pair row from key 2jp, word 2i + 1 from key 2jp + 1
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   const int64_t last_pos = rows.ctx + rows.first + rows.n - 1;
   const int64_t first_key = first_tile(rows.ctx + rows.first, window);
   TileRows tr;
@@ -126,13 +122,7 @@ void bf16_dot_task(const uint16_t* q, const uint16_t* kh, const uint16_t* vh, ui
           vr[u] = nullptr;
         }
       }
-      uint32_t* vp = vt.data() + (j / 2) * d;
-      for (int64_t e = 0; e < d; e += 32) {
-        const __m512i a = vr[0] ? _mm512_loadu_si512(vr[0] + e) : _mm512_setzero_si512();
-        const __m512i c = vr[1] ? _mm512_loadu_si512(vr[1] + e) : _mm512_setzero_si512();
-        _mm512_storeu_si512(vp + e, _mm512_permutex2var_epi16(a, lo_idx, c));
-        _mm512_storeu_si512(vp + e + 16, _mm512_permutex2var_epi16(a, hi_idx, c));
-      }
+      pair_value_rows(vr[0], vr[1], vt.data() + (j / 2) * d, d);
     }
     for (int64_t rv0 = 0, R; rv0 < nrv; rv0 += R) {
       R = row_block(nrv - rv0);
