@@ -108,7 +108,8 @@ def connect(address: str, workers: int) -> Any:
 
     if not ray.is_initialized():
         if address == "local":
-            ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
+            # address="local" starts a new instance even where RAY_ADDRESS or /tmp/ray names a running one.
+            ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=False, configure_logging=False)
         else:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
