@@ -4,16 +4,19 @@ process, two threads), output tokens/s and the cost of capture, plus what the co
 Models: Llama shapes with random weights (``load_format="dummy"``, the default model's tokenizer):
 ``1b`` is Llama-3.2-1B's block shape (hidden 2048, 32 heads, 8 KV heads, 8192 neurons), ``small``
 a 135M-sized Llama with 8 heads (SmolLM2-135M itself has 9 heads, which 2 ranks cannot split).
-``--layers`` cuts the depth for a quicker run. TP 1 runs the eager step too (``enforce_eager``), so
-the ratio measures the split, not the fused kernels (which TP does not use yet); ``tp1_fused`` is
-given for reference.
+``--layers`` cuts the depth for a quicker run. ``tp1`` and ``tp2`` are what a user gets by default
+(the fused CPU kernels; TP 1 also runs untapped decode blocks in one C++ call, which a split model
+cannot); ``tp1_eager`` (the plain PyTorch step) is given for reference.
 
 What it prints (and writes with ``--json FILE``), per model
-    tok_s[config]        output tokens/s at batch ``--batch`` (configs: tp1, tp1_fused, tp2), plain
+    tok_s[config]        output tokens/s at batch ``--batch`` (configs: tp1, tp1_eager, tp2), plain
     tok_s_capture[...]   the same with 3 blocks' ``resid_post`` captured at every position
     tp2_over_tp1         tok_s[tp2] / tok_s[tp1]
     capture_cost_tp1/2   1 - tok_s_capture / tok_s: the share of throughput capture costs
-    collectives          per forward at TP 2: calls, bytes rank 0 sent, seconds rank 0 waited in them
+    collectives          per forward at TP 2: calls, bytes rank 0 sent, seconds rank 0 waited in them,
+                         and the transport (shared memory or gloo)
+    bound_ms             a decode step's floor: the model's weight bytes over the bandwidth measured in
+                         the same run (``bandwidth_gbs``, a GEMV over 1.6 GB with both threads)
 
 How to run
     python benchmarks/parallel.py --json parallel.json
@@ -85,7 +88,7 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     layers = args.layers or SHAPES[name]["num_hidden_layers"]
     common = dict(dtype="float32", load_format="dummy", max_num_seqs=args.batch, kv_cache_memory_gb=0.5)
     out: dict[str, Any] = {"tok_s": {}, "tok_s_capture": {}}
-    for config, options, threads in (("tp1", dict(enforce_eager=True), 2), ("tp1_fused", {}, 2),
+    for config, options, threads in (("tp1", {}, 2), ("tp1_eager", dict(enforce_eager=True), 2),
                                      ("tp2", dict(tensor_parallel_size=2), 1)):
         torch.set_num_threads(threads)
         llm = LLM(folder, **common, **options)
@@ -100,12 +103,20 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 n = max(1, model.forwards - forwards)
                 out["collectives"] = {"calls_per_forward": (group.calls - calls) / n,
                                       "bytes_per_forward": (group.bytes_moved - sent) / n,
-                                      "wait_s_per_forward": (group.wait_s - waited) / n}
+                                      "wait_s_per_forward": (group.wait_s - waited) / n,
+                                      "transport": group.transport}
         finally:
             llm.close()
         print(f"{name} {config}: {out['tok_s'][config]:.1f} tok/s plain, "
               f"{out['tok_s_capture'][config]:.1f} tok/s capturing", flush=True)
     tok, cap = out["tok_s"], out["tok_s_capture"]
+    from _bandwidth import stream_bandwidth_gbs, streamed_weight_bytes
+
+    torch.set_num_threads(2)
+    out["weight_bytes"] = streamed_weight_bytes(folder, torch.float32)
+    out["bandwidth_gbs"] = stream_bandwidth_gbs(torch.float32)
+    out["bound_ms"] = out["weight_bytes"] / (out["bandwidth_gbs"] * 1e9) * 1e3
+    out["step_ms"] = {c: args.batch / t * 1e3 for c, t in tok.items()}
     out["tp2_over_tp1"] = tok["tp2"] / tok["tp1"]
     out["capture_cost_tp1"] = 1 - cap["tp1"] / tok["tp1"]
     out["capture_cost_tp2"] = 1 - cap["tp2"] / tok["tp2"]
@@ -128,6 +139,9 @@ def main() -> None:
             r = results[name]
             print(f"{name}: tp2_over_tp1 {r['tp2_over_tp1']:.2f}, capture cost tp1 {r['capture_cost_tp1']:.1%}, "
                   f"tp2 {r['capture_cost_tp2']:.1%}; collectives per forward {r.get('collectives')}", flush=True)
+            steps = ", ".join(f"{c} {ms:.1f}" for c, ms in r["step_ms"].items())
+            print(f"{name}: ms per step (prefill included) {steps}; weight-streaming floor {r['bound_ms']:.1f} ms "
+                  f"at {r['bandwidth_gbs']:.1f} GB/s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -77,19 +77,24 @@ class Linear(nn.Module):
         self.linear_ops = ops if ops is not None and self.packed is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` by whichever path the layer was set up for (a row-parallel layer passes None,
+        adding its bias after the all-reduce)."""
         if self.linear_ops is not None:
-            return self.linear_ops.linear(x, self.weight, self.bias)
+            return self.linear_ops.linear(x, self.weight, bias)
         gemv = self.gemv is not None and x.dim() == 2 and x.dtype == self.gemv.dtype
         if gemv and (self.invariant or x.shape[0] <= self.gemv_rows):
-            return self.ops.packed_linear(x, self.gemv, self.bias)
+            return self.ops.packed_linear(x, self.gemv, bias)
         if self.invariant:
-            return rowwise(self._library, x)
-        return self._library(x)
+            return rowwise(lambda rows: self._library(rows, bias), x)
+        return self._library(x, bias)
 
-    def _library(self, x: torch.Tensor) -> torch.Tensor:
+    def _library(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [None], "")
+        return F.linear(x, self.weight, bias)
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

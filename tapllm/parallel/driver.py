@@ -15,6 +15,7 @@ are stopped, never left behind.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ import torch.multiprocessing as mp
 from tapllm.backends import Backend
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.models.base import CausalLM, KVCache
+from tapllm.parallel.backend import prepare_shard, shard_backend
 from tapllm.parallel.group import TensorParallelError, TPGroup, collective_timeout_s
 from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
@@ -68,7 +70,7 @@ def _stop(procs: list[Any], conns: list[Any], grace_s: float = 5.0) -> None:
 class TensorParallel:
     """The ranks of one engine: rank 0's shard and group, the worker processes, their pipes."""
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, backend: Backend,
                  timeout_s: float | None = None) -> None:
         timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
         self.timeout_s = timeout_s
@@ -82,13 +84,16 @@ class TensorParallel:
                                            wait_for_workers=False)
         ctx = mp.get_context("spawn")
         threads = max(1, (os.cpu_count() or 1) // size)
+        if torch.get_num_threads() > threads:  # rank 0 shares the CPUs with the workers like any rank
+            torch.set_num_threads(threads)
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         try:
             for rank in range(1, size):
                 parent, child = ctx.Pipe()
-                args = WorkerArgs(rank, size, store.port, model_config, dummy, timeout_s, threads, os.getpid())
+                args = WorkerArgs(rank, size, store.port, model_config, dummy, timeout_s, threads, os.getpid(),
+                                  engine_config.enforce_eager, engine_config.backend)
                 proc = ctx.Process(target=run_worker, args=(args, child), name=f"tapllm-tp-rank{rank}", daemon=True)
                 proc.start()
                 child.close()
@@ -97,8 +102,16 @@ class TensorParallel:
             self._wait_for("hello", START_TIMEOUT_S)
             self.group = TPGroup(store, 0, size, timeout_s)
             self.group.explain = self._explain
+            self.group.gone = self._gone
             self.model: CausalLM = load_shard(model_config, self.layout, self.group, dummy)
-            self.weight_bytes = [weight_bytes(self.model), *self._wait_for("ready", None)]
+            own = weight_bytes(self.model)  # before packing: the packed copies are not parameters
+            prepare_shard(self.model, backend)
+            ready = self._wait_for("ready", None)
+            for rank, (_, path) in enumerate(ready, start=1):
+                if path != backend.describe():
+                    raise TensorParallelError(f"tensor parallel rank {rank} chose another forward path than rank 0:\n"
+                                              f"{path}\nrank 0:\n{backend.describe()}")
+            self.weight_bytes = [own, *(b for b, _ in ready)]
         except BaseException:
             self.close()
             raise
@@ -161,6 +174,13 @@ class TensorParallel:
             f"(a hung rank?): {type(exc).__name__}: {exc}")
         return f"{found}; the engine cannot continue and its workers were stopped"
 
+    def _gone(self) -> str | None:
+        """Why a worker cannot join a collective any more (it exited), or None."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
     def close(self) -> None:
         """Stop the workers (idempotent; also run when this object is collected and at exit)."""
         self._finalizer()
@@ -187,7 +207,8 @@ class TensorParallel:
         lay = self.layout
         per_rank = ", ".join(f"{b / 1e6:.1f} MB" for b in self.weight_bytes)
         kv = "split" if lay.kv_replicas == 1 else f"each held by {lay.kv_replicas} ranks"
-        return (f"tensor parallel: {self.size} ranks (gloo, one process each); per rank {lay.heads} of "
+        return (f"tensor parallel: {self.size} ranks, one process each, collectives through "
+                f"{self.group.transport}; per rank {lay.heads} of "
                 f"{lay.num_heads} query heads, {lay.kv_heads} of {lay.num_kv_heads} KV heads ({kv}), "
                 f"{lay.neurons} of {lay.intermediate_size} MLP neurons, {lay.vocab} of {lay.vocab_size} vocabulary "
                 f"rows; weights per rank: {per_rank}; a step runs 2 all-reduces per block, one for the "
@@ -228,8 +249,10 @@ class DriverModel:
         pattern_layers = frozenset(i for i in range(self.num_layers) if inner.wants_pattern(i))
         gathered = {k: _rows_asked(tap, k, input_ids.shape[0]) for k in keys if k[0] in SHARDED_DIMS}
         layers = frozenset(layer for _, layer in keys)
-        self.tp.send(Forward(input_ids, positions, meta, num_layers, steer_ops, gathered, layers, pattern_layers,
-                             from_rank0))
+        sent = copy.copy(meta)
+        sent.attn = None  # a handle of this process's kernels: each rank attaches its own
+        self.tp.send(Forward(input_ids, positions, sent, num_layers, steer_ops, gathered, layers, pattern_layers,
+                             from_rank0, kernels=meta.attn is not None))
         shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers, from_rank0)
         with self._joined("the forward"):
             hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)
@@ -283,14 +306,14 @@ def _rows_asked(tap: Any, key: tuple[str, int], num_rows: int) -> torch.Tensor |
 def start_tensor_parallel(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device
                           ) -> tuple[TensorParallel, DriverModel, Backend]:
     """Start the ranks of ``engine_config.tensor_parallel_size`` with this process as rank 0: the group,
-    rank 0's model as the runner sees it, and the backend (the plain PyTorch step: the fused CPU
-    kernels are not sharded yet)."""
+    rank 0's model as the runner sees it, and the backend every rank runs (:func:`shard_backend`)."""
     if device.type != "cpu":
         raise ValueError(f"tensor_parallel_size > 1 runs on the CPU (gloo) only so far, not on {device.type}")
     if engine_config.quantization is not None:
         raise ValueError("tensor_parallel_size > 1 cannot be combined with quantization yet")
-    tp = TensorParallel(model_config, engine_config)
-    backend = Backend("eager", device, notes=(
-        f"tensor_parallel_size={tp.size}: the plain PyTorch step on every rank (the fused CPU kernels are not "
-        "sharded yet)",))
+    if engine_config.backend == "cuda":
+        raise ValueError("tensor_parallel_size > 1 runs the CPU backend (gloo) only so far, not backend='cuda'")
+    size = engine_config.tensor_parallel_size
+    backend = shard_backend(device, model_config.dtype, size, engine_config.enforce_eager, engine_config.backend)
+    tp = TensorParallel(model_config, engine_config, backend)
     return tp, DriverModel(tp), backend

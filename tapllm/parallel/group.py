@@ -17,8 +17,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tapllm.parallel.shm import SLOT_BYTES, WAIT_SLICE_S, open_region
+
 DEFAULT_TIMEOUT_S = 30.0  # a collective that waits longer than this means a rank is dead or hung
 TIMEOUT_ENV = "TAPLLM_TP_TIMEOUT_S"  # overrides DEFAULT_TIMEOUT_S (seconds)
+SHM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the shared-memory all-reduce sums
 
 
 def collective_timeout_s() -> float:
@@ -40,7 +43,8 @@ class TensorParallelError(RuntimeError):
 
 
 class TPGroup:
-    """All-reduce and all-gather among ``size`` ranks on one machine (CPU tensors, gloo)."""
+    """All-reduce and all-gather among ``size`` ranks (CPU tensors): in shared memory where every rank is
+    on one machine (:mod:`tapllm.parallel.shm`), else gloo. Constructing it is collective."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.rank, self.size = rank, size
@@ -50,14 +54,38 @@ class TPGroup:
         # Called with the exception when a collective fails, before TensorParallelError is raised:
         # rank 0 uses it to say which worker died and why.
         self.explain: Callable[[BaseException], str] | None = None
+        # Asked while a shared-memory collective waits: why a rank it waits for cannot come (or None).
+        self.gone: Callable[[], str | None] | None = None
         self.bytes_moved = 0  # what this rank's collectives sent, for describe() and benchmarks
         self.calls = 0
         self.wait_s = 0.0  # time this rank spent waiting in collectives
+        self.seq = 1  # the last shared-memory round (round 1 was open_region's trial)
+        self.ops, found = open_region(store, self.pg, rank, size) if size > 1 else (None, "none (one rank)")
+        self.region: torch.Tensor | None = found if self.ops is not None else None
+        self.transport = "shared memory" if self.ops is not None else found
 
     def _wait(self, work: dist.Work, what: str) -> None:
+        self._guard(what, work.wait)
+
+    def _meet(self, what: str, call: Callable[[float], bool]) -> None:
+        """One shared-memory round: ``call(wait_s)`` until every rank arrived, asking ``gone`` between tries."""
+        self.seq += 1
+        deadline = time.perf_counter() + self.timeout_s
+
+        def run() -> None:
+            while not call(WAIT_SLICE_S):
+                why = self.gone() if self.gone is not None else None
+                if why is not None:
+                    raise RuntimeError(why)
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"timeout: the other ranks did not arrive within {self.timeout_s:g} s")
+
+        self._guard(what, run)
+
+    def _guard(self, what: str, run: Callable[[], object]) -> None:
         start = time.perf_counter()
         try:
-            work.wait()
+            run()
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError and its own kinds
             detail = self.explain(exc) if self.explain is not None else f"{type(exc).__name__}: {exc}"
             self.broken = f"{what} failed on rank {self.rank}: {detail}"
@@ -76,7 +104,14 @@ class TPGroup:
             return x
         self.calls += 1
         self.bytes_moved += x.numel() * x.element_size()
-        self._wait(self.pg.allreduce([x]), "all_reduce")
+        if self.ops is None or x.dtype not in SHM_DTYPES:
+            self._wait(self.pg.allreduce([x]), "all_reduce")
+            return x
+        flat, step = x.view(-1), SLOT_BYTES // x.element_size()
+        for a in range(0, flat.numel(), step):
+            part = flat[a:a + step]
+            self._meet("all_reduce", lambda wait_s: self.ops.shm_all_reduce(part, self.region, self.rank, self.size,
+                                                                            self.seq, wait_s))
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -85,11 +120,19 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
         self.calls += 1
         self.bytes_moved += x.numel() * x.element_size() * (self.size - 1)
-        self._wait(self.pg.allgather([parts], [x]), "all_gather")
-        return torch.cat(parts, dim=dim)
+        if self.ops is None:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self._wait(self.pg.allgather([parts], [x]), "all_gather")
+            return torch.cat(parts, dim=dim)
+        flat, step = x.view(-1), SLOT_BYTES // x.element_size()
+        out = torch.empty(self.size, flat.numel(), dtype=x.dtype)
+        for a in range(0, flat.numel(), step):
+            part = flat[a:a + step]
+            self._meet("all_gather", lambda wait_s: self.ops.shm_all_gather(part, out, a, self.region, self.rank,
+                                                                            self.size, self.seq, wait_s))
+        return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` on every rank, written into ``x`` in place; returns ``x``."""

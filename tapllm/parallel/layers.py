@@ -23,7 +23,7 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.group.all_reduce(F.linear(x, self.weight).contiguous())
+        y = self.group.all_reduce(self.project(x, None).contiguous())
         return y if self.bias is None else y + self.bias
 
 
@@ -35,7 +35,7 @@ class GatheredHead(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(F.linear(x, self.weight, self.bias), dim=-1)
+        return self.group.all_gather(self.project(x, self.bias), dim=-1)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -50,13 +50,14 @@ class Forward:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: Any  # AttentionMetadata
+    meta: Any  # AttentionMetadata, without its ``attn`` (the kernels' handle: each rank sets its own)
     num_layers: int | None
     steer_ops: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
     gathered: dict[tuple[str, int], torch.Tensor | None] = field(default_factory=dict)  # point -> rows (None: all)
     layers: frozenset[int] = frozenset()
     pattern_layers: frozenset[int] = frozenset()
     from_rank0: frozenset[tuple[str, int]] = frozenset()  # points rank 0 steers alone, then broadcasts
+    kernels: bool = False  # rank 0's step attends with the backend's kernels (meta.attn was set)
 
 
 @dataclass(slots=True)

@@ -132,7 +132,8 @@ class ShardTap:
 
     # ---- the rest of the Tap protocol ------------------------------------------------------
     def steers(self, point: str, layer: int) -> bool:
-        return self.inner.steers(point, layer)
+        # Every rank alike: a point rank 0 alone steers is steered on the others too (by the broadcast).
+        return (point, layer) in self.from_rank0 or self.inner.steers(point, layer)
 
     def touches(self, layer: int) -> bool:
         return layer in self.layers

@@ -21,7 +21,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from tapllm.backends import Backend
 from tapllm.config import ModelConfig
+from tapllm.parallel.backend import prepare_shard, shard_backend
 from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown
@@ -41,6 +43,8 @@ class WorkerArgs:
     timeout_s: float
     threads: int
     parent_pid: int
+    enforce_eager: bool  # with ``backend``: the engine's choice of forward path (shard_backend)
+    backend: str
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -61,10 +65,15 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
         conn.send(("hello", os.getpid()))
         store = dist.TCPStore("127.0.0.1", args.port, None, False, timeout=timedelta(seconds=args.timeout_s))
         group = TPGroup(store, args.rank, args.size, args.timeout_s)
+        group.gone = lambda: "rank 0 exited" if os.getppid() != args.parent_pid else None
         layout = layout_for(args.model_config, args.rank, args.size)
         model = load_shard(args.model_config, layout, group, args.dummy_seed)
-        conn.send(("ready", weight_bytes(model)))
-        _serve(conn, args, model, layout, group)
+        own = weight_bytes(model)  # before packing: the packed copies are not parameters
+        backend = shard_backend(torch.device("cpu"), args.model_config.dtype, args.size, args.enforce_eager,
+                                args.backend)
+        prepare_shard(model, backend)
+        conn.send(("ready", (own, backend.describe())))
+        _serve(conn, args, model, layout, group, backend)
     except BaseException:  # noqa: BLE001 - whatever it was, rank 0 hears it before this rank exits
         try:
             conn.send(("error", traceback.format_exc()))
@@ -74,7 +83,8 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
     os._exit(0)
 
 
-def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: ShardLayout, group: TPGroup) -> None:
+def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: ShardLayout, group: TPGroup,
+           backend: Backend) -> None:
     """Join rank 0's calls until it says to stop, closes the pipe, or dies."""
     kv: list[tuple[torch.Tensor, torch.Tensor]] = []
     while True:
@@ -90,6 +100,8 @@ def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: S
             return
         with torch.inference_mode():
             if isinstance(msg, Forward):
+                if msg.kernels:
+                    msg.meta.attn = backend.attention
                 tap = ShardTap(StepSteering(msg.steer_ops, msg.pattern_layers), layout, group, msg.gathered,
                                msg.layers, msg.pattern_layers, msg.from_rank0)
                 model(msg.input_ids, msg.positions, kv, msg.meta, tap, num_layers=msg.num_layers)

@@ -36,6 +36,10 @@ TORCH_LIBRARY_FRAGMENT(TAPLLM_NS, m) {
   m.def("quant_linear(Tensor x, Tensor w, Tensor? bias, int act_bits=0) -> Tensor");
   m.def("quant_dequantize(Tensor w, int k, ScalarType dtype) -> Tensor");
   m.def("round_activations(Tensor x) -> Tensor");
+  // shm_collectives.cpp
+  m.def("shm_all_reduce(Tensor(a!) x, Tensor region, int rank, int size, int seq, float wait_s) -> bool");
+  m.def("shm_all_gather(Tensor x, Tensor(a!) out, int offset, Tensor region, int rank, int size, int seq, "
+        "float wait_s) -> bool");
   // decoder.cpp
   m.def("decoder_layers(Tensor(a!) x, Tensor?[] params, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
         "Tensor lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int[] windows, int act, "
@@ -57,6 +61,8 @@ TORCH_LIBRARY_IMPL(TAPLLM_NS, CPU, m) {
   m.impl("quant_dequantize", &tapllm::quant_dequantize);
   m.impl("round_activations", &tapllm::round_activations);
   m.impl("decoder_layers", &tapllm::decoder_layers);
+  m.impl("shm_all_reduce", &tapllm::shm_all_reduce);
+  m.impl("shm_all_gather", &tapllm::shm_all_gather);
 }
 
 // oneDNN-packed weights are tensors of the MkldnnCPU key: the ops that take one answer it too.

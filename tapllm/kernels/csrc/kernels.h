@@ -72,4 +72,12 @@ at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor
                           double eps, double scale, at::IntArrayRef windows, int64_t act, bool packed,
                           int64_t act_bits, bool invariant);
 
+// ---- shm_collectives.cpp: the tensor-parallel ranks of one machine meeting in shared memory -------
+// Round `seq` of an all-reduce (x summed over the ranks in place, in rank order) or an all-gather (x
+// into out[rank, offset:]) through `region`; false: not every rank arrived within wait_s (call again:
+// the same call is idempotent until it returns true).
+bool shm_all_reduce(at::Tensor x, const at::Tensor& region, int64_t rank, int64_t size, int64_t seq, double wait_s);
+bool shm_all_gather(const at::Tensor& x, at::Tensor out, int64_t offset, const at::Tensor& region, int64_t rank,
+                    int64_t size, int64_t seq, double wait_s);
+
 }  // namespace tapllm

@@ -1,0 +1,30 @@
+"""The forward path of every rank of a tensor-parallel engine: one decision, made alike on each rank.
+
+A rank runs the CPU backend's kernels (prepacked oneDNN linears, the packed GEMV, fused norms,
+rotary and activations, paged attention on its own KV heads) block by block: the whole-block C++
+runner (``Backend.stack``) is left out, since a block of a split model meets the other ranks in
+two all-reduces inside it. CUDA graphs are not captured under tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tapllm.backends import Backend, select_backend
+from tapllm.models.base import CausalLM
+
+
+def shard_backend(device: torch.device, dtype: torch.dtype, size: int, enforce_eager: bool, backend: str) -> Backend:
+    """The backend of each of ``size`` ranks (every rank calls this with the same arguments)."""
+    chosen = select_backend(device, dtype, enforce_eager=enforce_eager, backend=backend)
+    note = (f"tensor_parallel_size={size}: blocks run op by op on every rank (a block's two all-reduces sit "
+            "inside it, so the whole-block C++ runner is not used)")
+    return replace(chosen, stack=None, graphs=None, notes=(*chosen.notes, note))
+
+
+def prepare_shard(model: CausalLM, backend: Backend) -> None:
+    """After loading a rank's weights: pack its linears and hand its modules the backend's ops."""
+    model.prepare_for_inference(backend.prepack, backend.pack_rows)
+    model.use_backend(backend)
