@@ -205,9 +205,9 @@ class EngineConfig:
         trust_remote_code: accepted as ``False`` only (vLLM's option): tapllm runs its own
             implementation of each supported architecture, never a checkpoint's code.
         tensor_parallel_size: ranks the model is split over (vLLM's option): with more than 1,
-            Megatron-style tensor parallelism in that many processes on this machine (gloo, CPU,
-            the Llama family so far; see docs/parallel.md). The sizes must divide the model's
-            heads, KV heads (or be a multiple of them), MLP neurons and vocabulary.
+            Megatron-style tensor parallelism in that many processes (gloo, CPU; see
+            docs/parallel.md). The sizes must divide the model's heads, KV heads (or be a
+            multiple of them), MLP neurons and vocabulary.
         distributed_executor_backend: how ranks 1..N-1 of ``tensor_parallel_size > 1`` are
             started (vLLM's option): ``"mp"`` (default) as processes on this machine
             (``multiprocessing`` spawn), ``"ray"`` as Ray actors in a placement group (one CPU

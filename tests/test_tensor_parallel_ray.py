@@ -3,9 +3,10 @@ local 2-node Ray cluster: a head node with no CPU (the driver) and a worker node
 rank-1 actor is placed on the other node.
 
 Checked here: TP 2 on Ray gives exactly what TP 2 with spawned processes gives (greedy tokens,
-states at residual and per-head points, a steer at a residual and a per-head point); a killed actor
-and an actor that raises give the same TensorParallelError naming the rank; close() leaves no
-actor and no placement group; the option is validated where it enters.
+states at residual and per-head points, a steer at a residual and a per-head point); a killed actor,
+an actor that raises and a hung one give the same TensorParallelError as with processes (naming the
+rank, or the timeout); close() leaves no actor and no placement group; the option is validated where
+it enters; the command line's flag starts a local Ray instance where none runs.
 """
 
 from __future__ import annotations
@@ -126,6 +127,23 @@ def test_an_actor_that_raises_is_reported_with_its_rank(cluster, tiny_models):
     _gone(llm)
 
 
+def test_a_hung_actor_times_out(cluster, tiny_models, monkeypatch):
+    import os
+    import signal
+
+    monkeypatch.setenv("TAPLLM_TP_TIMEOUT_S", "3")
+    llm = LLM(tiny_models["llama"], distributed_executor_backend="ray", **ENGINE)
+    try:
+        os.kill(llm.engine.runner.tp.procs[0].pid, signal.SIGSTOP)  # the actor runs on this machine
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="timeout"):
+            llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
+        assert time.monotonic() - start < 20
+    finally:
+        llm.close()
+    _gone(llm)
+
+
 def test_the_option_is_checked_where_it_enters(tiny_models):
     with pytest.raises(ValueError, match=r"distributed_executor_backend must be one of \['mp', 'ray'\]"):
         EngineConfig(distributed_executor_backend="dask").validate()
@@ -133,3 +151,27 @@ def test_the_option_is_checked_where_it_enters(tiny_models):
         LLM(tiny_models["llama"], distributed_executor_backend="dask", **ENGINE)
     one = LLM(tiny_models["llama"], distributed_executor_backend="ray", dtype="float32")  # TP 1: ignored
     assert one.engine.runner.tp is None
+
+
+def test_command_line_flag_starts_a_local_ray(tiny_models, tmp_path):
+    """``--distributed-executor-backend ray`` in a process with no Ray: it starts a local instance."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tapllm.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--distributed-executor-backend", "dask"])
+    ids = random_prompts([7], seed=30)[0]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": ids}) + "\n")
+    args = ["generate", "--model", str(tiny_models["llama"]), "--dtype", "float32", "--max-tokens", "5",
+            "--ignore-eos", "--quiet", "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
+            "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "tapllm", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = LLM(tiny_models["llama"], dtype="float32", enforce_eager=True).generate([ids], greedy(5), use_tqdm=False)[0]
+    assert json.loads((tmp_path / "out.jsonl").read_text())["token_ids"] == one.outputs[0].token_ids

@@ -147,10 +147,10 @@ class RayWorkers:
                 deliver_challenge(conn, authkey)
                 answer_challenge(conn, authkey)
                 _, rank, pid, node_ip = conn.recv()
+                ray_rank = self.ranks[ranks.index(rank)]
             except Exception:  # noqa: BLE001 - not one of ours (wrong key, stray client): drop it
                 conn.close()
                 continue
-            ray_rank = self.ranks[ranks.index(rank)]
             ray_rank.pid, ray_rank.node_ip = pid, node_ip
             conns[rank] = conn
         return conns
