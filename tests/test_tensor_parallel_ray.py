@@ -46,8 +46,12 @@ def cluster():
 def _gone(llm: LLM, timeout_s: float = 20.0) -> None:
     """Every actor of ``llm``'s ranks is dead, its placement group released and the CPUs free again."""
     tp = llm.engine.runner.tp
-    assert tp.ray_workers.pg is None and tp.ray_workers.ranks == []
-    for rank in tp.procs:
+    _released(tp.ray_workers, tp.procs, timeout_s)
+
+
+def _released(workers, ranks, timeout_s: float = 20.0) -> None:
+    assert workers.pg is None and workers.ranks == []
+    for rank in ranks:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(rank.actor.__ray_ready__.remote(), timeout=timeout_s)
     deadline = time.monotonic() + timeout_s
@@ -125,6 +129,18 @@ def test_an_actor_that_raises_is_reported_with_its_rank(cluster, tiny_models):
     finally:
         llm.close()
     _gone(llm)
+
+
+def test_an_engine_dropped_without_close_releases_its_actors(cluster, tiny_models):
+    import gc
+
+    llm = LLM(tiny_models["llama"], distributed_executor_backend="ray", **ENGINE)
+    workers, ranks = llm.engine.runner.tp.ray_workers, list(llm.engine.runner.tp.procs)
+    pg = workers.pg
+    del llm
+    gc.collect()
+    _released(workers, ranks)
+    assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
 
 
 def test_a_hung_actor_times_out(cluster, tiny_models, monkeypatch):

@@ -2,11 +2,11 @@
 
 Rank 0 lives in the engine's process and holds its own shard; ranks 1..N-1 are processes started
 with ``multiprocessing``'s spawn (:mod:`tapllm.parallel.worker`), or Ray actors running the same
-loop (``distributed_executor_backend="ray"``, :mod:`tapllm.parallel.ray_workers`). The engine's scheduler, block
-manager and sampler run on rank 0 alone; each call of the model that needs the other ranks (a
-step's forward, the LM head, the logit lens, block copies) is first announced to them with its
-inputs (:mod:`tapllm.parallel.messages`), then every rank runs it, meeting in the collectives;
-results stay on rank 0. :class:`DriverModel` is what the model runner sees as its model.
+loop (``distributed_executor_backend="ray"``, :mod:`tapllm.parallel.ray_workers`). The engine's
+scheduler, block manager and sampler run on rank 0 alone; each call of the model that needs the
+other ranks (a step's forward, the LM head, the logit lens, block copies) is first announced to them
+with its inputs (:mod:`tapllm.parallel.messages`), then every rank runs it, meeting in the
+collectives; results stay on rank 0. :class:`DriverModel` is what the model runner sees as its model.
 
 Failure is one error: a worker that raises tells rank 0 why and exits; one that dies or hangs makes
 rank 0's next collective fail or time out; either way the engine raises
@@ -77,7 +77,7 @@ def _ended(proc: Any) -> str:
 
 
 class TensorParallel:
-    """The ranks of one engine: rank 0's shard and group, the worker processes, their pipes."""
+    """The ranks of one engine: rank 0's shard and group, the workers (processes or Ray actors), their connections."""
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  timeout_s: float | None = None) -> None:
@@ -87,7 +87,7 @@ class TensorParallel:
         self.size = size
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the sizes divide first
         self.mcfg = model_config
-        self.backend = engine_config.distributed_executor_backend
+        self.executor = engine_config.distributed_executor_backend  # "mp" or "ray"
         dummy = engine_config.seed if engine_config.load_format == "dummy" else None
         threads = max(1, (os.cpu_count() or 1) // size)
         self.procs: list[Any] = []
@@ -97,7 +97,7 @@ class TensorParallel:
         try:
             host, ray_workers = "127.0.0.1", None
             self.ray_workers: Any = None  # the actors and placement group of the ray backend
-            if self.backend == "ray":
+            if self.executor == "ray":
                 from tapllm.parallel.ray_workers import RayWorkers
 
                 self.ray_workers = ray_workers = RayWorkers(size - 1)
@@ -226,7 +226,7 @@ class TensorParallel:
         lay = self.layout
         per_rank = ", ".join(f"{b / 1e6:.1f} MB" for b in self.weight_bytes)
         kv = "split" if lay.kv_replicas == 1 else f"each held by {lay.kv_replicas} ranks"
-        workers = "one process each" if self.backend == "mp" else "ranks 1.. as Ray actors"
+        workers = "one process each" if self.executor == "mp" else "ranks 1.. as Ray actors"
         return (f"tensor parallel: {self.size} ranks (gloo, {workers}); per rank {lay.heads} of "
                 f"{lay.num_heads} query heads, {lay.kv_heads} of {lay.num_kv_heads} KV heads ({kv}), "
                 f"{lay.neurons} of {lay.intermediate_size} MLP neurons, {lay.vocab} of {lay.vocab_size} vocabulary "
