@@ -16,6 +16,9 @@ from tapllm.utils.hf_config import read_hf_config
 
 logger = logging.getLogger("tapllm")
 
+# What ``distributed_executor_backend`` takes (vLLM's names): how ranks 1..N-1 are started.
+EXECUTOR_BACKENDS = ("mp", "ray")
+
 # The ``architectures`` entries of a checkpoint's config.json tapllm runs -> the class that
 # implements each ("module:class"). Plain data, so reading a config imports no model code;
 # ``tapllm.models.registry`` imports a family's module only when its model is built.
@@ -202,9 +205,15 @@ class EngineConfig:
         trust_remote_code: accepted as ``False`` only (vLLM's option): tapllm runs its own
             implementation of each supported architecture, never a checkpoint's code.
         tensor_parallel_size: ranks the model is split over (vLLM's option): with more than 1,
-            Megatron-style tensor parallelism in that many processes on this machine (gloo, CPU,
-            the Llama family so far; see docs/parallel.md). The sizes must divide the model's
-            heads, KV heads (or be a multiple of them), MLP neurons and vocabulary.
+            Megatron-style tensor parallelism in that many processes (gloo, CPU; see
+            docs/parallel.md). The sizes must divide the model's heads, KV heads (or be a
+            multiple of them), MLP neurons and vocabulary.
+        distributed_executor_backend: how ranks 1..N-1 of ``tensor_parallel_size > 1`` are
+            started (vLLM's option): ``"mp"`` (default) as processes on this machine
+            (``multiprocessing`` spawn), ``"ray"`` as Ray actors in a placement group (one CPU
+            per rank, packed onto as few nodes as fit), which may span machines. Ray is the
+            one already initialised in this process, else the cluster at ``$RAY_ADDRESS``, else
+            a Ray instance started on this machine. Ignored with ``tensor_parallel_size`` 1.
         gpu_memory_utilization: on CUDA, the share of the device's memory the engine may use
             (weights, activations and a KV cache sized to fill the rest); ignored on CPU,
             where ``kv_cache_memory_gb`` sizes the cache.
@@ -288,6 +297,7 @@ class EngineConfig:
     max_model_len: int | None = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -343,6 +353,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, got "
+                             f"{self.distributed_executor_backend!r}")
         if tp > 1 and self.quantization is not None:
             raise ValueError("tensor_parallel_size > 1 cannot be combined with quantization yet")
         if tp > 1 and self.batch_invariant is True:

@@ -34,8 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the plain PyTorch step instead of the fused C++ kernels (the reference path)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="split the model over N processes on this CPU (tensor parallelism, the Llama family; "
-                        "default 1)")
+                   help="split the model over N processes on this CPU (tensor parallelism; default 1)")
+    p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
+                   help="how the ranks beyond the first start with --tensor-parallel-size > 1: mp, processes on "
+                        "this machine (default); ray, Ray actors in a placement group (the Ray initialised here, "
+                        "else $RAY_ADDRESS's cluster, else a local Ray instance)")
     p.add_argument("--backend", default="auto", choices=["auto", "eager", "cpu", "cuda"],
                    help="the forward path (default auto: CUDA's on a GPU, the fused C++ kernels on a CPU)")
     p.add_argument("--cuda-graph-sizes", type=int, nargs="*", default=None, metavar="N",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from tapllm.collect.recipes import part_runner
 from tapllm.collect.prompt_records import Item
 from tapllm.collect.sources import DatasetSource, ItemSource
 from tapllm.collect.writer import Manifest
+from tapllm.utils.ray_connect import connect
 
 logger = logging.getLogger("tapllm")
 MAX_RESTARTS = 2
@@ -100,20 +100,6 @@ def _show(bar: tqdm, out: Path, parts: int, t0: float, rows0: int) -> int:
     bar.set_postfix_str(f"{(rows - rows0) / max(time.perf_counter() - t0, 1e-9):.0f} rows/s", refresh=False)
     bar.refresh()
     return rows
-
-
-def connect(address: str, workers: int) -> Any:
-    """Ray, initialised (``local``: a Ray instance on this machine) unless it already is."""
-    import ray
-
-    if not ray.is_initialized():
-        if address == "local":
-            # address="local" starts a new instance even where RAY_ADDRESS or /tmp/ray names a running one.
-            ray.init(address="local", num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False)
-        else:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
-    return ray
 
 
 def run_with_ray(cfg: CollectConfig, run: dict[str, Any], items: list[Item], parts: list[tuple[int, int]],

@@ -3,7 +3,8 @@
 ``layout`` (how dimensions split), ``group`` (gloo collectives with timeouts), ``layers``
 (row-parallel and vocabulary-parallel layers), ``sharding`` (a rank's model and checkpoint slices),
 ``shard_tap`` (taps that keep each point's meaning), ``messages`` (what rank 0 announces),
-``worker`` (ranks 1..N-1), ``driver`` (rank 0). See docs/parallel.md.
+``worker`` (ranks 1..N-1), ``ray_workers`` (those ranks as Ray actors), ``driver`` (rank 0).
+See docs/parallel.md.
 """
 
 from tapllm.parallel.driver import DriverModel, TensorParallel, start_tensor_parallel

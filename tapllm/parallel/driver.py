@@ -1,11 +1,12 @@
 """Rank 0 of a tensor-parallel engine: starts the other ranks and drives them.
 
 Rank 0 lives in the engine's process and holds its own shard; ranks 1..N-1 are processes started
-with ``multiprocessing``'s spawn (:mod:`tapllm.parallel.worker`). The engine's scheduler, block
-manager and sampler run on rank 0 alone; each call of the model that needs the other ranks (a
-step's forward, the LM head, the logit lens, block copies) is first announced to them with its
-inputs (:mod:`tapllm.parallel.messages`), then every rank runs it, meeting in the collectives;
-results stay on rank 0. :class:`DriverModel` is what the model runner sees as its model.
+with ``multiprocessing``'s spawn (:mod:`tapllm.parallel.worker`), or Ray actors running the same
+loop (``distributed_executor_backend="ray"``, :mod:`tapllm.parallel.ray_workers`). The engine's
+scheduler, block manager and sampler run on rank 0 alone; each call of the model that needs the
+other ranks (a step's forward, the LM head, the logit lens, block copies) is first announced to them
+with its inputs (:mod:`tapllm.parallel.messages`), then every rank runs it, meeting in the
+collectives; results stay on rank 0. :class:`DriverModel` is what the model runner sees as its model.
 
 Failure is one error: a worker that raises tells rank 0 why and exits; one that dies or hangs makes
 rank 0's next collective fail or time out; either way the engine raises
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 import pickle
 import time
@@ -46,8 +47,9 @@ from tapllm.tap import Tap, no_tap
 START_TIMEOUT_S = 120.0  # a worker that has not said hello by then is taken for dead
 
 
-def _stop(procs: list[Any], conns: list[Any], grace_s: float = 5.0) -> None:
-    """Ask the workers to exit, wait up to ``grace_s`` for them, then make sure they have (terminate, kill)."""
+def _stop(procs: list[Any], conns: list[Any], releases: list[Callable[[], None]], grace_s: float = 5.0) -> None:
+    """Ask the workers to exit, wait up to ``grace_s`` for them, then make sure they have (terminate, kill);
+    then free what started them (``releases``: a Ray backend's actors and placement group)."""
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(Shutdown()))
@@ -65,10 +67,19 @@ def _stop(procs: list[Any], conns: list[Any], grace_s: float = 5.0) -> None:
             p.join(2.0)
     for conn in conns:
         conn.close()
+    for release in releases:
+        release()
+
+
+def _ended(proc: Any) -> str:
+    """How a worker that no longer runs ended, for an error message (a Ray rank tells it itself)."""
+    if hasattr(proc, "ended"):
+        return proc.ended()
+    return f"(pid {proc.pid}) exited with code {proc.exitcode}"
 
 
 class TensorParallel:
-    """The ranks of one engine: rank 0's shard and group, the worker processes, their pipes."""
+    """The ranks of one engine: rank 0's shard and group, the workers (processes or Ray actors), their connections."""
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, backend: Backend,
                  timeout_s: float | None = None) -> None:
@@ -78,27 +89,37 @@ class TensorParallel:
         self.size = size
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the sizes divide first
         self.mcfg = model_config
+        self.executor = engine_config.distributed_executor_backend  # "mp" or "ray"
         dummy = engine_config.seed if engine_config.load_format == "dummy" else None
-        # The rendezvous of the group: rank 0 serves it on a free local port; it lives as long as the group.
-        self.store = store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
-                                           wait_for_workers=False)
-        ctx = mp.get_context("spawn")
         threads = max(1, (os.cpu_count() or 1) // size)
         if torch.get_num_threads() > threads:  # rank 0 shares the CPUs with the workers like any rank
             torch.set_num_threads(threads)
         self.procs: list[Any] = []
         self.conns: list[Any] = []
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        self._releases: list[Callable[[], None]] = []
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns, self._releases)
         try:
-            for rank in range(1, size):
-                parent, child = ctx.Pipe()
-                args = WorkerArgs(rank, size, store.port, model_config, dummy, timeout_s, threads, os.getpid(),
-                                  engine_config.enforce_eager, engine_config.backend)
-                proc = ctx.Process(target=run_worker, args=(args, child), name=f"tapllm-tp-rank{rank}", daemon=True)
-                proc.start()
-                child.close()
-                self.procs.append(proc)
-                self.conns.append(parent)
+            host, ray_workers = "127.0.0.1", None
+            self.ray_workers: Any = None  # the actors and placement group of the ray backend
+            if self.executor == "ray":
+                from tapllm.parallel.ray_workers import RayWorkers
+
+                self.ray_workers = ray_workers = RayWorkers(size - 1)
+                self._releases.append(ray_workers.release)
+                host = ray_workers.host
+            # The rendezvous of the group: rank 0 serves it on a free port; it lives as long as the group.
+            self.store = store = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=timeout_s),
+                                               wait_for_workers=False)
+            parent_pid = os.getpid() if ray_workers is None else None
+            args = [WorkerArgs(rank, size, store.port, model_config, dummy, timeout_s, threads, parent_pid,
+                               engine_config.enforce_eager, engine_config.backend, host)
+                    for rank in range(1, size)]
+            if ray_workers is not None:
+                procs, conns = ray_workers.start(args, START_TIMEOUT_S)
+                self.procs.extend(procs)
+                self.conns.extend(conns)
+            else:
+                self._spawn(args)
             self._wait_for("hello", START_TIMEOUT_S)
             self.group = TPGroup(store, 0, size, timeout_s)
             self.group.explain = self._explain
@@ -115,6 +136,16 @@ class TensorParallel:
         except BaseException:
             self.close()
             raise
+
+    def _spawn(self, args: list[WorkerArgs]) -> None:
+        ctx = mp.get_context("spawn")
+        for a in args:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=run_worker, args=(a, child), name=f"tapllm-tp-rank{a.rank}", daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
 
     # ---- talking to the workers ------------------------------------------------------------
     def _wait_for(self, kind: str, timeout_s: float | None) -> list[Any]:
@@ -133,8 +164,7 @@ class TensorParallel:
                     out.append(value)
                     break
                 if not proc.is_alive():
-                    raise TensorParallelError(f"tensor parallel rank {rank} (pid {proc.pid}) exited with code "
-                                              f"{proc.exitcode} while starting")
+                    raise TensorParallelError(f"tensor parallel rank {rank} {_ended(proc)} while starting")
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
                     raise TensorParallelError(f"tensor parallel rank {rank} did not start within {timeout_s:.0f} s")
         return out
@@ -154,6 +184,19 @@ class TensorParallel:
     def _explain(self, exc: BaseException) -> str:
         """Why a collective or a send failed: which workers died or raised (then all are stopped)."""
         time.sleep(0.2)  # a worker that raised is writing its traceback and exiting
+        reasons = self._reasons()
+        deadline = time.monotonic() + 2.0
+        while not reasons and time.monotonic() < deadline:  # a Ray actor's death reaches rank 0 a little later
+            time.sleep(0.2)
+            reasons = self._reasons()
+        self.abort()
+        found = "; ".join(reasons) if reasons else (
+            f"a call failed or waited past the {self.timeout_s:g} s timeout while every worker was alive "
+            f"(a hung rank?): {type(exc).__name__}: {exc}")
+        return f"{found}; the engine cannot continue and its workers were stopped"
+
+    def _reasons(self) -> list[str]:
+        """The workers that raised (their error's last line) or are gone (how they ended)."""
         reasons = []
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             error = None
@@ -167,18 +210,14 @@ class TensorParallel:
             if error is not None:
                 reasons.append(f"rank {rank} raised {error}")
             elif not proc.is_alive():
-                reasons.append(f"rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}")
-        self.abort()
-        found = "; ".join(reasons) if reasons else (
-            f"a call failed or waited past the {self.timeout_s:g} s timeout while every worker was alive "
-            f"(a hung rank?): {type(exc).__name__}: {exc}")
-        return f"{found}; the engine cannot continue and its workers were stopped"
+                reasons.append(f"rank {rank} {_ended(proc)}")
+        return reasons
 
     def _gone(self) -> str | None:
         """Why a worker cannot join a collective any more (it exited), or None."""
         for rank, proc in enumerate(self.procs, start=1):
             if not proc.is_alive():
-                return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                return f"rank {rank} {_ended(proc)}"
         return None
 
     def close(self) -> None:
@@ -188,7 +227,7 @@ class TensorParallel:
     def abort(self) -> None:
         """Stop the workers of a broken group: no worker has anything left to finish, so little grace."""
         if self._finalizer.alive:
-            _stop(self.procs, self.conns, grace_s=0.5)
+            _stop(self.procs, self.conns, self._releases, grace_s=0.5)
         self.close()
 
     @property
@@ -207,9 +246,9 @@ class TensorParallel:
         lay = self.layout
         per_rank = ", ".join(f"{b / 1e6:.1f} MB" for b in self.weight_bytes)
         kv = "split" if lay.kv_replicas == 1 else f"each held by {lay.kv_replicas} ranks"
-        return (f"tensor parallel: {self.size} ranks, one process each, collectives through "
-                f"{self.group.transport}; per rank {lay.heads} of "
-                f"{lay.num_heads} query heads, {lay.kv_heads} of {lay.num_kv_heads} KV heads ({kv}), "
+        workers = "one process each" if self.executor == "mp" else "ranks 1.. as Ray actors"
+        return (f"tensor parallel: {self.size} ranks ({workers}), collectives through {self.group.transport}; "
+                f"per rank {lay.heads} of {lay.num_heads} query heads, {lay.kv_heads} of {lay.num_kv_heads} KV heads ({kv}), "
                 f"{lay.neurons} of {lay.intermediate_size} MLP neurons, {lay.vocab} of {lay.vocab_size} vocabulary "
                 f"rows; weights per rank: {per_rank}; a step runs 2 all-reduces per block, one for the "
                 f"embedding, one all-gather for the logits, and one all-gather per tapped head or neuron point")

@@ -1,9 +1,13 @@
 """A non-zero rank: one process that holds its shard of the model and KV cache, and joins each
 call rank 0 makes (see :mod:`tapllm.parallel.messages`).
 
-The process dies with its parent (``PR_SET_PDEATHSIG`` on Linux, and a check of the parent while
+:func:`serve_rank` is the rank's whole life, the same for both ways of starting it: a process
+spawned by rank 0 (:func:`run_worker`, talking over a pipe) or a Ray actor
+(:mod:`tapllm.parallel.ray_workers`, talking over a TCP connection back to rank 0). A spawned
+process dies with its parent (``PR_SET_PDEATHSIG`` on Linux, and a check of the parent while
 idle), so a killed engine leaves no orphan; it exits when a collective fails, after telling rank 0
-why over its pipe.
+why over its connection. A Ray actor's loop ends when rank 0's connection closes; its actor is
+then killed by rank 0, or by Ray with the job.
 """
 
 from __future__ import annotations
@@ -42,9 +46,10 @@ class WorkerArgs:
     dummy_seed: int | None  # load_format="dummy": random weights from this seed
     timeout_s: float
     threads: int
-    parent_pid: int
+    parent_pid: int | None  # a spawned process exits when this process is gone (None: no such check)
     enforce_eager: bool  # with ``backend``: the engine's choice of forward path (shard_backend)
     backend: str
+    host: str = "127.0.0.1"  # where rank 0 serves the group's TCPStore
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -59,13 +64,21 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def run_worker(args: WorkerArgs, conn: Connection) -> None:
     """The worker process's entry point (``multiprocessing`` spawn target)."""
-    _die_with_parent(args.parent_pid)
+    if args.parent_pid is not None:
+        _die_with_parent(args.parent_pid)
+    os._exit(serve_rank(args, conn))
+
+
+def serve_rank(args: WorkerArgs, conn: Connection) -> int:
+    """Build this rank's shard, join the group, then join rank 0's calls until it says to stop or goes
+    away; returns 0, or 1 after sending rank 0 the traceback of whatever failed."""
     torch.set_num_threads(args.threads)
     try:
         conn.send(("hello", os.getpid()))
-        store = dist.TCPStore("127.0.0.1", args.port, None, False, timeout=timedelta(seconds=args.timeout_s))
+        store = dist.TCPStore(args.host, args.port, None, False, timeout=timedelta(seconds=args.timeout_s))
         group = TPGroup(store, args.rank, args.size, args.timeout_s)
-        group.gone = lambda: "rank 0 exited" if os.getppid() != args.parent_pid else None
+        if args.parent_pid is not None:
+            group.gone = lambda: "rank 0 exited" if os.getppid() != args.parent_pid else None
         layout = layout_for(args.model_config, args.rank, args.size)
         model = load_shard(args.model_config, layout, group, args.dummy_seed)
         own = weight_bytes(model)  # before packing: the packed copies are not parameters
@@ -79,8 +92,8 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
             conn.send(("error", traceback.format_exc()))
         except OSError:
             pass
-        os._exit(1)
-    os._exit(0)
+        return 1
+    return 0
 
 
 def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: ShardLayout, group: TPGroup,
@@ -89,12 +102,12 @@ def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: S
     kv: list[tuple[torch.Tensor, torch.Tensor]] = []
     while True:
         if not conn.poll(1.0):
-            if os.getppid() != args.parent_pid:
+            if args.parent_pid is not None and os.getppid() != args.parent_pid:
                 return
             continue
         try:
             msg = pickle.loads(conn.recv_bytes())
-        except EOFError:  # rank 0 closed the pipe: the engine is gone
+        except (EOFError, ConnectionError):  # rank 0 closed the connection: the engine is gone
             return
         if isinstance(msg, Shutdown):
             return
