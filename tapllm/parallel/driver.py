@@ -35,7 +35,7 @@ from tapllm.parallel.group import TensorParallelError, TPGroup, collective_timeo
 from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
 from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
-from tapllm.parallel.sharding import layout_for, load_shard, weight_bytes
+from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, load_shard, weight_bytes
 from tapllm.parallel.worker import WorkerArgs, run_worker
 from tapllm.steering.plan import PLAIN_OPS
 from tapllm.tap import Tap, no_tap
@@ -76,6 +76,7 @@ class TensorParallel:
         self.size = size
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the sizes divide first
         self.mcfg = model_config
+        self.kv_bytes_per_token = kv_bytes_per_token(model_config, self.layout)  # each rank's, every block
         dummy = engine_config.seed if engine_config.load_format == "dummy" else None
         # The rendezvous of the group: rank 0 serves it on a free local port; it lives as long as the group.
         self.store = store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
@@ -181,6 +182,10 @@ class TensorParallel:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.send(CopyBlocks(copies))
+
+    def kv_bytes(self, num_blocks: int, block_size: int) -> int:
+        """Bytes of each rank's KV cache of ``num_blocks`` blocks (the padding block counts as one)."""
+        return num_blocks * block_size * self.kv_bytes_per_token
 
     def describe(self) -> str:
         """What each rank holds and what a step costs in collectives."""
