@@ -35,7 +35,7 @@ GB = 10**9
 
 
 def test_70b_at_tp8_fits_80gb_gpus_planned_on_meta(monkeypatch):
-    plan_split(LLAMA_70B, 1)  # transformers' config modules imported once, outside the timing
+    plan_split({**LLAMA_70B, "num_hidden_layers": 1}, 1)  # transformers' config and rotary modules imported untimed
     shards = []
     build = plan_module.build_shard
 
@@ -52,7 +52,7 @@ def test_70b_at_tp8_fits_80gb_gpus_planned_on_meta(monkeypatch):
     assert seconds < 3, seconds
     assert shards and all(p.is_meta for s in shards for p in [*s.parameters(), *s.buffers()])
     assert grown < 1 << 20, f"the peak resident set grew by {grown} KiB"  # a rank's weights would be 17.6 GB
-    print(f"\n{plan}")
+    print(f"\n{plan}\nplanned in {seconds:.2f} s")
 
     assert plan.model_weight_bytes == 2 * PARAMS_70B  # the whole model in bf16: 141.1 GB
     assert plan.tensor_parallel_size == 8
@@ -170,3 +170,12 @@ def test_plan_is_a_split_plan_with_readable_text():
     assert isinstance(plan, SplitPlan) and plan.kv_tokens == 8192 and plan.fits is None
     text = str(plan)
     assert "16 of 64 query heads, 2 of 8 KV heads (split)" in text and "fits" not in text.splitlines()[3]
+
+
+def test_kv_heads_fewer_than_ranks_are_replicated_in_the_plan():
+    plan = plan_split(LLAMA_70B, 16, "bfloat16")
+    lay = plan.ranks[0].layout
+    assert (lay.heads, lay.kv_heads, lay.kv_replicas) == (4, 1, 2)
+    assert [r.layout.kv_head_start for r in plan.ranks[:4]] == [0, 0, 1, 1]
+    assert plan.ranks[0].kv_bytes_per_token == 40960  # one KV head a rank, as at TP 8
+    assert "1 of 8 KV heads (each held by 2 ranks)" in str(plan)
