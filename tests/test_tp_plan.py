@@ -98,6 +98,8 @@ def test_sizes_that_do_not_divide_name_the_field():
     assert "num_key_value_heads=8" in str(e.value) and "intermediate_size=28672" in str(e.value)
     with pytest.raises(ValueError, match="vocab_size=128256 is not a multiple of 7"):
         plan_split(LLAMA_70B, 7)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        plan_split(LLAMA_70B, 0)
 
 
 def test_command_line(tmp_path, capsys):

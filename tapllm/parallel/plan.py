@@ -23,7 +23,7 @@ import torch
 from tapllm.config import ModelConfig, resolve_dtype
 from tapllm.models import build_model
 from tapllm.parallel.layout import ShardLayout
-from tapllm.parallel.sharding import build_shard, kv_bytes_per_token, layout_for, weight_bytes_by_dtype
+from tapllm.parallel.sharding import build_shard, kv_bytes_per_token, layout_for, weight_bytes, weight_bytes_by_dtype
 from tapllm.utils.dtypes import dtype_name
 
 DEFAULT_MEMORY_UTILIZATION = 0.9  # the engine's (and vLLM's) default share of a GPU's memory
@@ -151,12 +151,17 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
         gpu_memory_gib, gpu_memory_utilization: a rank's device memory and the share of it weights,
             buffers and the KV cache may fill; ``fits`` says whether every rank's do.
     """
-    cfg = _model_config(config, dtype)
     size = tensor_parallel_size
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    cfg = _model_config(config, dtype)
     layouts = [layout_for(cfg, r, size) for r in range(size)]  # checks the sizes divide first
+    ranks: list[RankPlan] = []
+    built: dict[tuple[int, int, int, int], tuple[dict[torch.dtype, int], int]] = {}
     with torch.device("meta"):
-        whole = sum(weight_bytes_by_dtype(build_model(cfg)).values())
-        ranks, built = [], {}
+        whole = weight_bytes(build_model(cfg))
         for layout in layouts:
             # A shard's modules depend only on its local sizes, equal on every rank of an even split:
             # ranks with the same sizes share one build's counts.
@@ -168,6 +173,8 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
             ranks.append(RankPlan(layout, by_dtype, buffers, kv_bytes_per_token(cfg, layout)))
     if kv_tokens is None:
         kv_tokens = max_num_seqs * (max_model_len or cfg.max_model_len)
+    if kv_tokens < 0:
+        raise ValueError(f"kv_tokens must be >= 0, got {kv_tokens}")
     return SplitPlan(
         model=cfg.path.name or str(cfg.path), architecture=cfg.architecture, dtype=cfg.dtype,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ranks=tuple(ranks), model_weight_bytes=whole,
