@@ -12,7 +12,7 @@ import torch
 
 from tapllm.quant.schemes import Quantization, parse_quantization
 from tapllm.utils.dtypes import DTYPES, dtype_from_name, dtype_name, is_supported
-from tapllm.utils.hf_config import read_hf_config
+from tapllm.utils.hf_config import HFConfig, read_hf_config
 
 logger = logging.getLogger("tapllm")
 
@@ -68,14 +68,31 @@ class ModelConfig:
             raw = json.loads((path / "config.json").read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"corrupt config file {path / 'config.json'}: {exc}") from exc
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"architectures {archs!r} in {path / 'config.json'} are not supported; "
-                f"supported: {', '.join(sorted(ARCHITECTURES))}"
-            )
-        hf = read_hf_config(path)
+        return cls._from_hf(path, _architecture(raw, str(path / "config.json")), raw, read_hf_config(path),
+                            dtype, device)
+
+    @classmethod
+    def from_transformers(
+        cls, config: Any, dtype: str | torch.dtype = "auto", device: torch.device | str | None = None
+    ) -> ModelConfig:
+        """The config of a transformers config object (``LlamaConfig(...)``), nothing read from disk.
+
+        A config without ``architectures`` (one not saved from a model) is taken for its model type's
+        causal LM, as ``AutoModelForCausalLM`` would build it.
+        """
+        raw = json.loads(config.to_json_string(use_diff=False))
+        if not raw.get("architectures"):
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(raw.get("model_type"))
+            raw["architectures"] = [causal_lm] if causal_lm else []
+        hf = HFConfig(raw, dict(getattr(type(config), "attribute_map", {})), config)
+        path = Path(raw.get("_name_or_path") or raw.get("model_type") or "config")
+        return cls._from_hf(path, _architecture(raw, f"the {type(config).__name__}"), raw, hf, dtype, device)
+
+    @classmethod
+    def _from_hf(cls, path: Path, arch: str, raw: dict[str, Any], hf: Any, dtype: str | torch.dtype,
+                 device: torch.device | str | None) -> ModelConfig:
         max_len = int(hf.max_position_embeddings)
         heads = int(hf.num_attention_heads)
         return cls(
@@ -99,6 +116,16 @@ class ModelConfig:
         """Bytes of K and V cache per token across all layers."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _architecture(raw: dict[str, Any], where: str) -> str:
+    """The first of ``raw``'s ``architectures`` that tapllm runs (``ValueError`` naming them otherwise)."""
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"architectures {archs!r} in {where} are not supported; "
+                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    return arch
 
 
 def resolve_dtype(

@@ -7,11 +7,11 @@ import gc
 import logging
 import sys
 
-from tapllm.cli import collect, features, generate, lens, prepare, serve
+from tapllm.cli import collect, features, generate, lens, plan, prepare, serve
 
 # What runs each subcommand (generate and encode share one module).
 _RUN = {"generate": generate.run, "encode": generate.run, "lens": lens.run, "features": features.run,
-        "serve": serve.run, "collect": collect.run, "prepare": prepare.run}
+        "serve": serve.run, "collect": collect.run, "prepare": prepare.run, "plan": plan.run}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     collect.add_parser(sub)
     prepare.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

@@ -196,7 +196,7 @@ class ModelRunner:
             f"linear layers: {linear}",
             f"KV cache: {self.num_blocks} blocks of {ec.block_size} tokens "
             f"({self.num_blocks * ec.block_size * mc.kv_bytes_per_token / 1e9:.2f} GB"
-            f"{f'; {sum(c.nbytes for p in self.kv_caches for c in p) / 1e9:.3f} GB per rank' if self.tp else ''})"
+            f"{f'; {self.tp.kv_bytes(self.num_blocks + 1, ec.block_size) / 1e9:.3f} GB per rank' if self.tp else ''})"
             f" on {self.device}",
             *([self.tp.describe()] if self.tp is not None else []),
         ])

@@ -3,13 +3,14 @@
 ``layout`` (how dimensions split), ``group`` (gloo collectives with timeouts), ``layers``
 (row-parallel and vocabulary-parallel layers), ``sharding`` (a rank's model and checkpoint slices),
 ``shard_tap`` (taps that keep each point's meaning), ``messages`` (what rank 0 announces),
-``worker`` (ranks 1..N-1), ``ray_workers`` (those ranks as Ray actors), ``driver`` (rank 0).
-See docs/parallel.md.
+``worker`` (ranks 1..N-1), ``ray_workers`` (those ranks as Ray actors), ``driver`` (rank 0),
+``plan`` (a split's bytes per rank, planned on the meta device). See docs/parallel.md.
 """
 
 from tapllm.parallel.driver import DriverModel, TensorParallel, start_tensor_parallel
 from tapllm.parallel.group import TensorParallelError
 from tapllm.parallel.layout import ShardLayout, divisibility_problems
+from tapllm.parallel.plan import RankPlan, SplitPlan, plan_split
 
-__all__ = ["DriverModel", "ShardLayout", "TensorParallel", "TensorParallelError", "divisibility_problems",
-           "start_tensor_parallel"]
+__all__ = ["DriverModel", "RankPlan", "ShardLayout", "SplitPlan", "TensorParallel", "TensorParallelError",
+           "divisibility_problems", "plan_split", "start_tensor_parallel"]

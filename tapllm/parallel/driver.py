@@ -38,7 +38,7 @@ from tapllm.parallel.group import TensorParallelError, TPGroup, collective_timeo
 from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
 from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
-from tapllm.parallel.sharding import layout_for, load_shard, weight_bytes
+from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, load_shard, weight_bytes
 from tapllm.parallel.worker import WorkerArgs, run_worker
 from tapllm.steering.plan import PLAIN_OPS
 from tapllm.tap import Tap, no_tap
@@ -90,6 +90,7 @@ class TensorParallel:
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the sizes divide first
         self.mcfg = model_config
         self.executor = engine_config.distributed_executor_backend  # "mp" or "ray"
+        self.kv_bytes_per_token = kv_bytes_per_token(model_config, self.layout)  # each rank's, every block
         dummy = engine_config.seed if engine_config.load_format == "dummy" else None
         threads = max(1, (os.cpu_count() or 1) // size)
         if torch.get_num_threads() > threads:  # rank 0 shares the CPUs with the workers like any rank
@@ -240,6 +241,10 @@ class TensorParallel:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.send(CopyBlocks(copies))
+
+    def kv_bytes(self, num_blocks: int, block_size: int) -> int:
+        """Bytes of each rank's KV cache of ``num_blocks`` blocks (the padding block counts as one)."""
+        return num_blocks * block_size * self.kv_bytes_per_token
 
     def describe(self) -> str:
         """What each rank holds and what a step costs in collectives."""

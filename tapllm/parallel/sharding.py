@@ -82,21 +82,22 @@ def layout_for(cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
 def local_config(cfg: ModelConfig, layout: ShardLayout) -> ModelConfig:
     """``cfg`` with this rank's heads, KV heads, MLP neurons and vocabulary rows.
 
-    The modules read their head counts from the :class:`ModelConfig`; the transformers config keeps the
-    model's own (rotary embeddings derive the head size from it: Phi-3's as hidden size / heads)."""
+    The modules read their head counts and vocabulary from the :class:`ModelConfig`; the transformers config
+    keeps the model's own (rotary embeddings derive the head size from it: Phi-3's as hidden size / heads;
+    transformers checks the special token ids against its vocabulary size)."""
     hf = cfg.hf_config
     values = hf.to_dict()
     aliases = dict(hf._aliases) if isinstance(hf, HFConfig) else dict(getattr(type(hf), "attribute_map", {}))
-    for name, value in (("intermediate_size", layout.neurons), ("vocab_size", layout.vocab)):
-        values[aliases.get(name, name)] = value
+    values[aliases.get("intermediate_size", "intermediate_size")] = layout.neurons
     if "n_inner" in values:  # GPT-2's MLP width (None: 4 x hidden)
         values["n_inner"] = layout.neurons
     return dataclasses.replace(cfg, hf_config=HFConfig(values, aliases), num_heads=layout.heads,
                                num_kv_heads=layout.kv_heads, vocab_size=layout.vocab)
 
 
-def build_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup) -> CausalLM:
-    """This rank's model, on the CPU, weights not yet loaded."""
+def build_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup | None) -> CausalLM:
+    """This rank's model on the current default device (the CPU; ``torch.device("meta")`` for a plan), weights
+    not yet loaded. ``group`` None: a shard that is only measured, never run (its collectives have no group)."""
     local = local_config(cfg, layout)
     model = build_model(local)
     for module in model.modules():
@@ -194,6 +195,20 @@ def load_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup, dummy_seed
     return model
 
 
+def weight_bytes_by_dtype(model: torch.nn.Module) -> dict[torch.dtype, int]:
+    """Bytes of ``model``'s parameters by dtype (a tied head counted once), from the parameters themselves:
+    a shard on the meta device counts as its loaded twin does. What ``describe()`` and a plan both report."""
+    out: dict[torch.dtype, int] = {}
+    for p in model.parameters():  # parameters() yields a shared (tied) tensor once
+        out[p.dtype] = out.get(p.dtype, 0) + p.numel() * p.element_size()
+    return out
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of this rank's parameters (a tied head counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of ``model``'s parameters (a tied head counted once)."""
+    return sum(weight_bytes_by_dtype(model).values())
+
+
+def kv_bytes_per_token(cfg: ModelConfig, layout: ShardLayout) -> int:
+    """Bytes of K and V cache one token takes on this rank, every block (its KV heads only)."""
+    return local_config(cfg, layout).kv_bytes_per_token
