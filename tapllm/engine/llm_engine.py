@@ -92,6 +92,12 @@ class LLMEngine:
         """Stop the model runner's other processes (tensor-parallel ranks), if any; idempotent."""
         self.runner.close()
 
+    def check_alive(self) -> None:
+        """Raise ``tapllm.parallel.TensorParallelError`` if a tensor-parallel rank has died or the group is
+        broken: such an engine can never step again (a server checks this while idle)."""
+        if self.runner.tp is not None:
+            self.runner.tp.check_workers()
+
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Resolve ``config``'s model, device and dtype, then load the engine."""

@@ -235,6 +235,23 @@ class TensorParallel:
     def alive(self) -> bool:
         return self._finalizer.alive
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of ranks 1..N-1, in rank order."""
+        return [p.pid for p in self.procs]
+
+    def check_workers(self) -> None:
+        """Raise :class:`TensorParallelError` if the group is broken or a worker has exited (then the others
+        are stopped): what an idle engine checks, as a step would find it."""
+        if self.group.broken is not None:
+            raise TensorParallelError(f"tensor parallel group broken earlier: {self.group.broken}")
+        dead = [f"rank {rank} (pid {p.pid}) died with exit code {p.exitcode}"
+                for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        if dead:
+            self.group.broken = f"{'; '.join(dead)}; the engine cannot continue and its workers were stopped"
+            self.abort()
+            raise TensorParallelError(f"tensor parallel group broken: {self.group.broken}")
+
     # ---- calls every rank joins ------------------------------------------------------------
     def init_cache(self, num_blocks: int, block_size: int) -> None:
         self.send(InitCache(num_blocks, block_size))
