@@ -302,12 +302,15 @@ def collect(cfg: CollectConfig, ray_address: str | None = None, show_progress: b
         parts = split_parts(len(items), cfg.workers) if by_items else [(0, 0)] * cfg.workers
         if ray_address is None:
             engine = build_engine(cfg)
-            check_engine(engine, run)
-            source = (DatasetSource(ds, cfg.dataset, settings) if not by_items and settings is not None
-                      else ItemSource(items, 0, len(items)))
-            t0 = time.perf_counter()
-            part_runner(cfg)(engine, cfg, source, 0, show_progress)
-            seconds = time.perf_counter() - t0
+            try:
+                check_engine(engine, run)
+                source = (DatasetSource(ds, cfg.dataset, settings) if not by_items and settings is not None
+                          else ItemSource(items, 0, len(items)))
+                t0 = time.perf_counter()
+                part_runner(cfg)(engine, cfg, source, 0, show_progress)
+                seconds = time.perf_counter() - t0
+            finally:
+                engine.close()  # the tensor-parallel ranks, if any, stop with the run
         else:  # a recipe's input travels as items, like --input records
             seconds = run_with_ray(replace(cfg, dataset=None) if cfg.recipe is not None else cfg, run, items, parts,
                                    ray_address, show_progress, settings)
