@@ -48,8 +48,7 @@ def create_app(engine: LLMEngine | CoreClient, served_model_name: str, api_key: 
     metrics = ServerMetrics(runner)
     lifecycle = lifecycle or Lifecycle()
     lifecycle.abort_inflight = runner.abort_all
-    if isinstance(runner, CoreClient):
-        runner.on_core_death = lambda why: lifecycle.fail(why)
+    runner.on_fatal = lambda why: lifecycle.fail(why)  # the engine died for good: 503s, then the server exits
     admission = Admission(runner.engine.input_processor, served_model_name, max_prompts_per_request)
 
     @asynccontextmanager

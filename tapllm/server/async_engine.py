@@ -7,9 +7,11 @@ queue (``call_soon_threadsafe``). Aborts (a client gone) travel the same queue.
 
 A request that fails alone in the engine (``Request.error``) finishes with that error and
 its type; the others go on. An exception of a whole step (rare: the engine isolates what
-it can) fails the requests in flight instead of killing the thread. At shutdown,
-``abort_all`` ends every request in flight at once from the event loop, without waiting
-for the engine's current step.
+it can) fails the requests in flight instead of killing the thread; one that leaves the engine
+dead for good (``runner.fatal_reason``: a tensor-parallel rank died, found by a step or while
+idle) ends the thread, every request in flight gets a 503 naming it, and ``on_fatal`` has the
+server exit. At shutdown, ``abort_all`` ends every request in flight at once from the event loop,
+without waiting for the engine's current step.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
-from tapllm.server.runner import LoopStats, Publisher, RequestObserver, Update, failed
+from tapllm.server.runner import LoopStats, Publisher, RequestObserver, Update, failed, fatal_reason
 
 logger = logging.getLogger("tapllm")
 
@@ -59,6 +61,9 @@ class AsyncEngine:
         self._active: dict[str, _Stream] = {}
         self._closed: str | None = None  # set by abort_all: new requests fail with this message
         self.observer: RequestObserver | None = None  # set before start()
+        self.on_fatal: Callable[[str], None] = lambda why: None  # set by the server: exit
+        self.fatal: str | None = None  # why the engine died for good
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def alive(self) -> bool:
@@ -71,7 +76,11 @@ class AsyncEngine:
         return self.engine.blocks.num_blocks
 
     def start(self) -> None:
-        """Start the engine thread."""
+        """Start the engine thread (on the running event loop, if any: a fatal error is reported there)."""
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self._thread.start()
 
     def shutdown(self) -> None:
@@ -137,11 +146,19 @@ class AsyncEngine:
             if not engine.has_unfinished_requests():
                 self.stats.engine = engine.stats()
                 engine.release_memory_if_idle()
+                try:
+                    engine.check_alive()
+                except Exception as exc:
+                    if (why := fatal_reason(exc)) is None:
+                        raise
+                    return self._die(why)
                 self._wake.wait(timeout=0.5)
                 continue
             try:
                 engine.step()
             except Exception as exc:  # keep serving: fail what was in flight, free its memory
+                if (why := fatal_reason(exc)) is not None:
+                    return self._die(why)
                 logger.exception("engine step failed")
                 self.stats.step_errors += 1
                 for rid in list(self._streams):
@@ -153,6 +170,26 @@ class AsyncEngine:
             for stream in list(self._streams.values()):
                 self._publish(stream)
             self.stats.engine = engine.stats()
+
+    def _die(self, why: str) -> None:
+        """The engine can never step again (engine thread): the thread ends; the event loop fails what is
+        in flight and has the server exit."""
+        logger.error("%s: failing the requests in flight and exiting", why)
+        self.fatal = why
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail, why)
+            return
+        self._closed = f"{why}; the server is exiting"  # no event loop to tell: fail what the thread holds
+        for stream in self._streams.values():
+            self._push(stream, failed(self._closed, "service_unavailable"))
+
+    def _fail(self, why: str) -> None:
+        """Every request in flight, and every later one, ends with a 503 naming ``why`` (event loop)."""
+        self._closed = f"{why}; the server is exiting"
+        for stream in self._active.values():
+            stream.queue.put_nowait(failed(self._closed, "service_unavailable"))
+        self._active.clear()
+        self.on_fatal(why)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -5,7 +5,8 @@ address and stops it. :func:`connect` makes a DEALER socket, says hello and wait
 to be ready (or to die while loading: an error, not a hang). :class:`CoreClient` is the routes'
 ``EngineRunner`` over that socket: one task reads the core's messages and hands each update to
 its request's queue; a watchdog notices a dead core, ends every request in flight with a 503
-and has the server exit.
+and has the server exit. A core whose engine died for good says why before it exits
+(``ipc.Fatal``): the same 503s and exit, with that reason.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class CoreClient:
         self.engine = frontend
         self.stats = LoopStats(EngineStats(0, 0, 0.0, 0, 0, 0))
         self.observer: RequestObserver | None = None
-        self.on_core_death: Callable[[str], None] = lambda why: None  # set by the server: exit
+        self.on_fatal: Callable[[str], None] = lambda why: None  # set by the server: exit
         self.replicas = replicas
         self.router = PrefixRouter(len(replicas), frontend.config.block_size)
         self._ctx = ctx
@@ -263,6 +264,9 @@ class CoreClient:
 
     def _dispatch(self, replica: int, frames: list[Any]) -> None:
         msg = ipc.decode_outbound(frames[0].buffer)
+        if isinstance(msg, ipc.Fatal):
+            self._fail(msg.reason)
+            return
         if not isinstance(msg, ipc.Outputs):
             return
         r = self.replicas[replica]
@@ -310,8 +314,15 @@ class CoreClient:
             if dead:
                 break
             await asyncio.sleep(_WATCH_S)
+        await asyncio.sleep(_WATCH_S)  # a core that exited on purpose said why just before: read that first
+        self._fail(f"the engine core process (pid {dead[0]}) died")
+
+    def _fail(self, why: str) -> None:
+        """The engine is gone: end every request in flight with a 503 naming ``why``, refuse later ones, and
+        have the server exit (once)."""
+        if self._dead:
+            return
         self._dead = True
-        why = f"the engine core process (pid {dead[0]}) died"
         logger.error("%s: failing the requests in flight and exiting", why)
-        self.abort_all(f"{why}: request aborted")
-        self.on_core_death(why)
+        self.abort_all(f"{why}; the server is exiting")
+        self.on_fatal(why)

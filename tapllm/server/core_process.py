@@ -12,7 +12,10 @@ strings are checked where tokens are sampled, so the text of each update is made
 API server encodes everything else (states, logprobs, JSON, SSE).
 
 The core ignores SIGINT and SIGTERM: the API server drains its requests on a signal and then
-sends :class:`~tapllm.server.ipc.Shutdown`. It also exits when its parent process is gone.
+sends :class:`~tapllm.server.ipc.Shutdown`. It also exits when its parent process is gone, and
+when its engine died for good (a tensor-parallel rank died: ``runner.fatal_reason``, found by a
+step or while idle): it then tells every API server why (:class:`~tapllm.server.ipc.Fatal`; they
+answer 503 and exit) and exits with status 1.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tapllm.engine.llm_engine import LLMEngine
 from tapllm.engine.request import Request
 from tapllm.server import ipc
 from tapllm.server.records import FinishedRecord
-from tapllm.server.runner import Publisher, Update
+from tapllm.server.runner import Publisher, Update, fatal_reason
 
 logger = logging.getLogger("tapllm")
 
@@ -76,6 +79,7 @@ class EngineCore:
         self.streams: dict[str, _Stream] = {}
         self.clients: set[bytes] = set()
         self.step_errors = 0
+        self.fatal: str | None = None  # why the engine died for good (the process then exits with 1)
         self._stop = False
         self._last_sent = 0.0
 
@@ -93,6 +97,9 @@ class EngineCore:
                     self._step()
                     continue
                 if time.monotonic() - self._last_sent > _IDLE_POLL_MS / 1000:
+                    self._check_alive()
+                    if self._stop:
+                        break
                     self._send_figures()
                 engine.release_memory_if_idle()
         finally:
@@ -147,6 +154,10 @@ class EngineCore:
         try:
             engine.step()
         except Exception as exc:  # keep serving: fail what was in flight, free its memory
+            why = fatal_reason(exc)
+            if why is not None:
+                self._die(why)
+                return
             logger.exception("engine step failed")
             self.step_errors += 1
             out: dict[bytes, list[tuple[str, Update]]] = {}
@@ -162,6 +173,25 @@ class EngineCore:
         if engine.last_step_tokens and streams:  # counted once, by the server of the first request
             observers.setdefault(streams[0].identity, _Observer()).step(engine.last_step_tokens)
         self._publish(streams, observers)
+
+    def _check_alive(self) -> None:
+        try:
+            self.engine.check_alive()
+        except Exception as exc:
+            why = fatal_reason(exc)
+            if why is None:
+                raise
+            self._die(why)
+
+    def _die(self, why: str) -> None:
+        """The engine can never step again: tell every API server (each fails its requests with a 503 and
+        exits) and stop."""
+        logger.error("%s: the engine core is exiting", why)
+        self.fatal = why
+        self._stop = True
+        for identity in self.clients | {s.identity for s in self.streams.values()}:
+            self._send(identity, ipc.Fatal(why))
+        self.streams.clear()
 
     def _publish(self, streams: list[_Stream], observers: dict[bytes, _Observer] | None = None) -> None:
         observers = {} if observers is None else observers
@@ -226,4 +256,10 @@ def run_core(config: Any, sae_entries: list[str], address: str, parent_pid: int,
         register_sae(name, path)
     engine = LLMEngine.from_config(config)
     engine.input_processor.grammars.warm_in_background()
-    EngineCore(engine, address, parent_pid).run()
+    core = EngineCore(engine, address, parent_pid)
+    try:
+        core.run()
+    finally:
+        engine.close()  # the tensor-parallel ranks, if any
+    if core.fatal is not None:
+        raise SystemExit(1)

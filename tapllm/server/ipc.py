@@ -98,8 +98,14 @@ class Outputs(msgspec.Struct, tag=True):
     observed: Observed | None = None
 
 
+class Fatal(msgspec.Struct, tag=True):
+    """The engine died for good (a broken tensor-parallel group): the core exits after sending this."""
+
+    reason: str
+
+
 Inbound = AddRequest | Abort | Shutdown | Hello
-Outbound = Ready | Outputs
+Outbound = Ready | Outputs | Fatal
 
 _encoder = msgspec.msgpack.Encoder()
 _in_decoder = msgspec.msgpack.Decoder(Inbound)

@@ -3,13 +3,15 @@
 Two runners implement :class:`EngineRunner`: ``AsyncEngine`` (the engine on a thread of the
 server's process, ``--no-engine-process``) and ``CoreClient`` (the engine in its own process,
 over ZMQ: the default of ``tapllm serve``). Both turn a step's progress into :class:`Update`
-objects with :func:`publish`, so a stream reads the same either way.
+objects with :func:`publish`, so a stream reads the same either way. An engine that died for good
+(:func:`fatal_reason`) makes either runner end its requests with a 503 and call ``on_fatal``: the
+server then exits.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,6 +20,7 @@ from tapllm.engine.llm_engine import EngineStats, LLMEngine
 from tapllm.engine.output_processor import StreamCursor
 from tapllm.engine.request import Request
 from tapllm.outputs import Logprob, RequestOutput
+from tapllm.parallel import TensorParallelError
 from tapllm.server.records import FinishedRecord, record_of
 
 logger = logging.getLogger("tapllm")
@@ -40,6 +43,15 @@ class Update:
 def failed(message: str, error_type: str) -> Update:
     """The final update of a request that failed with ``message``."""
     return Update("", [], None, True, error=message, error_type=error_type)
+
+
+def fatal_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` leaves the engine dead for good, or None when it can go on (the step's requests fail,
+    the next step runs). A broken tensor-parallel group is fatal: its ranks can never meet again, so the
+    server answers 503 and exits rather than fail every later request."""
+    if isinstance(exc, TensorParallelError):
+        return str(exc)  # names the rank and how it failed
+    return None
 
 
 class RequestObserver(Protocol):
@@ -80,6 +92,8 @@ class EngineRunner(Protocol):
     @property
     def num_kv_blocks(self) -> int:
         """Blocks of the KV cache."""
+
+    on_fatal: Callable[[str], None]  # called once (from any thread) when the engine died for good, with why
 
     def abort_all(self, message: str) -> int:
         """End every request in flight with a 503 error and refuse later ones; how many were ended."""
