@@ -110,14 +110,17 @@ def test_collect_at_tp2_writes_the_tp1_dataset(tiny_models, tmp_path):
     _assert_same_dataset(one, tapllm.datasets.open(tmp_path / "api"))
 
 
-@pytest.mark.parametrize("mode", ["core", "no-engine-process"])
+MODES = {"core": (), "no-engine-process": ("--no-engine-process",), "two-api-servers": ("--api-server-count", "2")}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_a_killed_rank_is_a_503_and_the_server_exits_leaving_no_process(tiny_models, mode):
-    extra = ("--no-engine-process",) if mode == "no-engine-process" else ()
-    server = Server(tiny_models["llama"], "--tensor-parallel-size", "2", *extra, env={"TAPLLM_TP_TIMEOUT_S": "10"})
+    server = Server(tiny_models["llama"], "--tensor-parallel-size", "2", *MODES[mode],
+                    env={"TAPLLM_TP_TIMEOUT_S": "10"})
     try:
         engine = psutil.Process(server.proc.pid)
-        if mode == "core":
-            (engine,) = _spawned_children(engine)  # the engine-core process is rank 0
+        if mode != "no-engine-process":  # rank 0 is the engine-core process (among the API servers, if any)
+            (engine,) = [p for p in _spawned_children(engine) if _spawned_children(p)]
         (rank1,) = _spawned_children(engine)
         tree = _tree(server.proc.pid)
         assert rank1 in tree and len(tree) >= 3
