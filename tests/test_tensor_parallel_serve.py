@@ -176,7 +176,7 @@ def test_an_idle_engine_finds_a_dead_rank(tiny_models):
         (pid,) = llm.engine.runner.tp.worker_pids
         psutil.Process(pid).kill()
         llm.engine.runner.tp.procs[0].join(10)  # (reaped by its parent's own handle, as the engine would)
-        with pytest.raises(TensorParallelError, match=f"rank 1 \\(pid {pid}\\) died with exit code -9"):
+        with pytest.raises(TensorParallelError, match=f"rank 1 \\(pid {pid}\\) exited with code -9"):
             llm.engine.check_alive()
         with pytest.raises(TensorParallelError, match="broken earlier"):
             llm.engine.check_alive()

@@ -236,8 +236,8 @@ class TensorParallel:
         return self._finalizer.alive
 
     @property
-    def worker_pids(self) -> list[int]:
-        """The process ids of ranks 1..N-1, in rank order."""
+    def worker_pids(self) -> list[int | None]:
+        """The process ids of ranks 1..N-1, in rank order (a Ray rank's is on its node)."""
         return [p.pid for p in self.procs]
 
     def check_workers(self) -> None:
@@ -245,8 +245,7 @@ class TensorParallel:
         are stopped): what an idle engine checks, as a step would find it."""
         if self.group.broken is not None:
             raise TensorParallelError(f"tensor parallel group broken earlier: {self.group.broken}")
-        dead = [f"rank {rank} (pid {p.pid}) died with exit code {p.exitcode}"
-                for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        dead = [f"rank {rank} {_ended(p)}" for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
         if dead:
             self.group.broken = f"{'; '.join(dead)}; the engine cannot continue and its workers were stopped"
             self.abort()
