@@ -92,7 +92,10 @@ class TensorParallel:
         self.executor = engine_config.distributed_executor_backend  # "mp" or "ray"
         self.kv_bytes_per_token = kv_bytes_per_token(model_config, self.layout)  # each rank's, every block
         dummy = engine_config.seed if engine_config.load_format == "dummy" else None
-        threads = max(1, (os.cpu_count() or 1) // size)
+        # The CPUs this process may run on (a pinned engine core's share), over the ranks; spawned workers
+        # inherit the same affinity.
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cpus // size)
         if torch.get_num_threads() > threads:  # rank 0 shares the CPUs with the workers like any rank
             torch.set_num_threads(threads)
         self.procs: list[Any] = []
