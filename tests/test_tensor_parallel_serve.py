@@ -65,20 +65,23 @@ def _completions(server: Server) -> list:
 
 
 def test_server_at_tp2_answers_as_at_tp1(tiny_models):
+    """TP 2, and two data-parallel replicas of a TP 2 group (four ranks, two engine cores), answer as TP 1."""
     answers = {}
-    for tp in ("1", "2"):
+    for name, flags in (("tp1", ("--tensor-parallel-size", "1")), ("tp2", ("--tensor-parallel-size", "2")),
+                        ("dp2xtp2", ("--tensor-parallel-size", "2", "--data-parallel-size", "2"))):
         server = Server(tiny_models["llama"], "--enable-hidden-states", "--enable-steering", "--api-key", KEY,
-                        "--tensor-parallel-size", tp)
+                        *flags)
         try:
-            answers[tp] = _completions(server)
+            answers[name] = _completions(server)
         finally:
             server.stop()
-        assert server.proc.returncode == 0, server.proc.returncode
-    assert answers["1"][0][0] != answers["1"][2][0]  # the steer changed the text: the test can see a difference
-    for (text1, hs1), (text2, hs2) in zip(answers["1"], answers["2"], strict=True):
-        assert text2 == text1
-        assert list(hs1.points) == SPEC["points"] and hs1["z"].shape[-2:] == (4, 16)
-        same_states(hs2, hs1)
+        assert server.proc.returncode == 0, (name, server.proc.returncode)
+    assert answers["tp1"][0][0] != answers["tp1"][2][0]  # the steer changed the text: the test can see a difference
+    for name in ("tp2", "dp2xtp2"):
+        for (text1, hs1), (text2, hs2) in zip(answers["tp1"], answers[name], strict=True):
+            assert text2 == text1, name
+            assert list(hs1.points) == SPEC["points"] and hs1["z"].shape[-2:] == (4, 16)
+            same_states(hs2, hs1)
 
 
 def test_collect_at_tp2_writes_the_tp1_dataset(tiny_models, tmp_path):
