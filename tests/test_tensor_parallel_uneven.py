@@ -1,8 +1,9 @@
 """Uneven tensor-parallel splits: ranks holding different numbers of heads, neurons or vocabulary rows.
 
 SmolLM2-135M (9 query heads in 3 KV groups) at TP 2: rank 0 holds KV groups 0-1 (6 query heads,
-2 KV heads), rank 1 group 2 (3 + 1); a tiny model whose MLP width and vocabulary are odd splits
-those unevenly too. Each equals one process: greedy tokens identical, states within 1e-5 in float32.
+2 KV heads), rank 1 group 2 (3 + 1); each registered family's tiny model, given 3 KV groups, an odd
+MLP width and an odd vocabulary, splits all of them unevenly. Each equals one process: greedy tokens
+identical, states within 1e-5 in float32. Plans give each rank its own sizes and bytes.
 """
 
 from __future__ import annotations
@@ -152,5 +153,55 @@ def test_default_model_at_two_ranks(default_model_folder):
         _same_lens(a, b)
         plain = one.generate(prompts[1:], greedy(4, hidden_states=spec), use_tqdm=False)[0]
         assert not torch.equal(plain.hidden_states["resid_post"], a[1].hidden_states["resid_post"])  # it steered
+    finally:
+        two.close()
+
+
+# Every registered family's checkpoint layout (fused q/k/v and gate/up, Conv1D, per-head q/k/v, OLMo-2's
+# norms over every head) split unevenly: 6 query heads in 3 KV groups (3 heads where q/k/v share heads),
+# an odd MLP width and an odd vocabulary.
+UNEVEN_FAMILIES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi3-longrope",
+                   "olmo2", "gpt2", "pythia"]
+
+
+@pytest.fixture(scope="module")
+def uneven_family_folders(tmp_path_factory, default_model_folder):
+    from conftest import save_tiny_model
+    from family_configs import family_configs
+
+    root = tmp_path_factory.mktemp("tp-uneven-families")
+    out = {}
+    for name, cfg in family_configs().items():
+        if name not in UNEVEN_FAMILIES:
+            continue
+        cfg.vocab_size = 49155
+        if name == "gpt2":
+            cfg.n_embd, cfg.n_head, cfg.n_inner = 48, 3, 131
+        elif name == "pythia":
+            cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size = 48, 3, 131
+        else:
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads = 96, 6, 3
+            cfg.intermediate_size = 131  # head_dim stays 16 (96 / 6), or the config's own (Qwen3, Gemma)
+        out[name] = save_tiny_model(root / name, cfg, default_model_folder)
+    return out
+
+
+@pytest.mark.parametrize("family", UNEVEN_FAMILIES)
+def test_every_family_split_unevenly_equals_one_process(family, uneven_family_folders):
+    folder = uneven_family_folders[family]
+    one = LLM(folder, enforce_eager=True, **ENGINE)
+    two = LLM(folder, tensor_parallel_size=2, **ENGINE)
+    try:
+        lay = two.engine.runner.tp.layout
+        assert lay.head_counts in ([4, 2], [2, 1]) and lay.neuron_counts == [66, 65], lay
+        assert lay.vocab_counts == [24578, 24577]
+        hidden = one.engine.model_config.hidden_size
+        points = ["resid_post", "attn_out", "q", "k", "z", "mlp_post", "final"]
+        spec = HiddenStatesSpec(layers="all", points=points, positions="all")
+        steer = [Steer(layers=[1], point="resid_mid", vector=torch.ones(hidden), scale=0.5),
+                 Steer(layers=[0], point="mlp_post", op="scale", neurons=[1, 65, 66, 100], scale=0.0)]
+        prompts = random_prompts([7, 40], seed=6)
+        params = [greedy(5, hidden_states=spec), greedy(5, hidden_states=spec, steering=steer)]
+        _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False), points)
     finally:
         two.close()
