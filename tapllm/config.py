@@ -233,8 +233,9 @@ class EngineConfig:
             implementation of each supported architecture, never a checkpoint's code.
         tensor_parallel_size: ranks the model is split over (vLLM's option): with more than 1,
             Megatron-style tensor parallelism in that many processes (gloo, CPU; see
-            docs/parallel.md). The sizes must divide the model's heads, KV heads (or be a
-            multiple of them), MLP neurons and vocabulary.
+            docs/parallel.md). Heads (whole KV groups), MLP neurons and vocabulary rows that it
+            does not divide split unevenly; it must not exceed the query heads, and where it
+            exceeds the KV heads it must be a multiple of them.
         distributed_executor_backend: how ranks 1..N-1 of ``tensor_parallel_size > 1`` are
             started (vLLM's option): ``"mp"`` (default) as processes on this machine
             (``multiprocessing`` spawn), ``"ray"`` as Ray actors in a placement group (one CPU

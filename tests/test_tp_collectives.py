@@ -54,6 +54,9 @@ def _rank(rank: int, port: int, shm: str, out: str) -> None:
     results["gather"] = group.all_gather(y, dim=-1)
     results["gather0"] = group.all_gather(y[:, :3], dim=0)
     results["part_gather"] = y
+    # parts of different sizes (an uneven split): rank 0 holds more rows / columns than rank 1
+    results["uneven0"] = group.all_gather(y[:4 - 3 * rank], dim=0, sizes=[4, 1])  # past a slot
+    results["uneven"] = group.all_gather(y[:, :5 - 3 * rank], dim=-1, sizes=[5, 2])
     group.barrier()
     torch.save(results, f"{out}/rank{rank}.pt")
 
@@ -72,6 +75,8 @@ def test_collectives_sum_and_gather_exactly(shm, tmp_path):
     for r in (r0, r1):
         assert torch.equal(r["gather"], torch.cat([a, b], dim=-1))
         assert torch.equal(r["gather0"], torch.cat([a[:, :3], b[:, :3]], dim=0))
+        assert torch.equal(r["uneven0"], torch.cat([a[:4], b[:1]], dim=0))
+        assert torch.equal(r["uneven"], torch.cat([a[:, :5], b[:, :2]], dim=-1))
     assert _shm_files() == before  # the region's name was removed once both ranks mapped it
 
 

@@ -185,6 +185,11 @@ class ModelRunner:
         self.model.eval()
         self.model.use_backend(self.backend)
 
+    def _kv_per_rank(self) -> str:
+        """Each tensor-parallel rank's KV cache in GB: one figure where every rank holds the same."""
+        held = self.tp.kv_bytes(self.num_blocks + 1, self.ecfg.block_size)
+        return " + ".join(f"{b / 1e9:.3f}" for b in (held[:1] if len(set(held)) == 1 else held))
+
     def describe(self) -> str:
         """The lines of :meth:`tapllm.LLM.describe`."""
         mc, ec = self.mcfg, self.ecfg
@@ -196,7 +201,7 @@ class ModelRunner:
             f"linear layers: {linear}",
             f"KV cache: {self.num_blocks} blocks of {ec.block_size} tokens "
             f"({self.num_blocks * ec.block_size * mc.kv_bytes_per_token / 1e9:.2f} GB"
-            f"{f'; {self.tp.kv_bytes(self.num_blocks + 1, ec.block_size) / 1e9:.3f} GB per rank' if self.tp else ''})"
+            f"{f'; {self._kv_per_rank()} GB per rank' if self.tp else ''})"
             f" on {self.device}",
             *([self.tp.describe()] if self.tp is not None else []),
         ])

@@ -87,10 +87,12 @@ class TensorParallel:
         self.timeout_s = timeout_s
         size = engine_config.tensor_parallel_size
         self.size = size
-        self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the sizes divide first
+        self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the model can be split first
         self.mcfg = model_config
         self.executor = engine_config.distributed_executor_backend  # "mp" or "ray"
-        self.kv_bytes_per_token = kv_bytes_per_token(model_config, self.layout)  # each rank's, every block
+        # each rank's, every block (ranks of an uneven split hold different numbers of KV heads)
+        self.kv_bytes_per_token = [kv_bytes_per_token(model_config, layout_for(model_config, r, size))
+                                   for r in range(size)]
         dummy = engine_config.seed if engine_config.load_format == "dummy" else None
         # The CPUs this process may run on (a pinned engine core's share), over the ranks; spawned workers
         # inherit the same affinity.
@@ -261,21 +263,19 @@ class TensorParallel:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.send(CopyBlocks(copies))
 
-    def kv_bytes(self, num_blocks: int, block_size: int) -> int:
-        """Bytes of each rank's KV cache of ``num_blocks`` blocks (the padding block counts as one)."""
-        return num_blocks * block_size * self.kv_bytes_per_token
+    def kv_bytes(self, num_blocks: int, block_size: int) -> list[int]:
+        """Bytes of each rank's KV cache of ``num_blocks`` blocks (the padding block counts as one), in rank order."""
+        return [num_blocks * block_size * b for b in self.kv_bytes_per_token]
 
     def describe(self) -> str:
         """What each rank holds and what a step costs in collectives."""
         lay = self.layout
         per_rank = ", ".join(f"{b / 1e6:.1f} MB" for b in self.weight_bytes)
-        kv = "split" if lay.kv_replicas == 1 else f"each held by {lay.kv_replicas} ranks"
         workers = "one process each" if self.executor == "mp" else "ranks 1.. as Ray actors"
         return (f"tensor parallel: {self.size} ranks ({workers}), collectives through {self.group.transport}; "
-                f"per rank {lay.heads} of {lay.num_heads} query heads, {lay.kv_heads} of {lay.num_kv_heads} KV heads ({kv}), "
-                f"{lay.neurons} of {lay.intermediate_size} MLP neurons, {lay.vocab} of {lay.vocab_size} vocabulary "
-                f"rows; weights per rank: {per_rank}; a step runs 2 all-reduces per block, one for the "
-                f"embedding, one all-gather for the logits, and one all-gather per tapped head or neuron point")
+                f"per rank {lay.parts_text()}; weights per rank: {per_rank}; a step runs 2 all-reduces per "
+                f"block, one for the embedding, one all-gather for the logits, and one all-gather per tapped head "
+                f"or neuron point")
 
 
 class DriverModel:

@@ -114,11 +114,16 @@ class TPGroup:
                                                                             self.seq, wait_s))
         return x
 
-    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's ``x`` concatenated along ``dim`` in rank order."""
+    def all_gather(self, x: torch.Tensor, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order.
+
+        ``sizes``: each rank's length along ``dim`` where they differ (an uneven split); the parts are
+        padded to the longest, gathered, and cut back. None: every rank's ``x`` has this one's shape."""
         self._check()
         if self.size == 1:
             return x
+        if sizes is not None and len(set(sizes)) > 1:
+            return self._gather_uneven(x, dim, sizes)
         x = x.contiguous()
         self.calls += 1
         self.bytes_moved += x.numel() * x.element_size() * (self.size - 1)
@@ -133,6 +138,17 @@ class TPGroup:
             self._meet("all_gather", lambda wait_s: self.ops.shm_all_gather(part, out, a, self.region, self.rank,
                                                                             self.size, self.seq, wait_s))
         return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
+
+    def _gather_uneven(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        if len(sizes) != self.size or x.shape[dim] != sizes[self.rank]:
+            raise ValueError(f"all_gather: rank {self.rank}'s part has {x.shape[dim]} along dim {dim}, "
+                             f"sizes {sizes} (one per rank of {self.size})")
+        longest = max(sizes)
+        pad = list(x.shape)
+        pad[dim] = longest - x.shape[dim]
+        padded = torch.cat([x, x.new_zeros(pad)], dim) if pad[dim] else x
+        whole = self.all_gather(padded, dim)
+        return torch.cat([whole.narrow(dim, r * longest, n) for r, n in enumerate(sizes)], dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s ``x`` on every rank, written into ``x`` in place; returns ``x``."""

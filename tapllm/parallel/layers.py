@@ -28,14 +28,17 @@ class RowParallelLinear(Linear):
 
 
 class GatheredHead(Linear):
-    """The LM head over this rank's vocabulary rows; the logits of every rank gathered in vocabulary order."""
+    """The LM head over this rank's vocabulary rows; the logits of every rank gathered in vocabulary order
+    (``sizes``: every rank's rows, where they differ)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group: TPGroup) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group: TPGroup,
+                 sizes: list[int] | None = None) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         self.group = group
+        self.sizes = sizes if sizes is not None and len(set(sizes)) > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(self.project(x, self.bias), dim=-1)
+        return self.group.all_gather(self.project(x, self.bias), dim=-1, sizes=self.sizes)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -59,19 +62,20 @@ class VocabParallelEmbedding(nn.Module):
 
 class ShardedRMSNorm(nn.Module):
     """An RMSNorm over a width split across the ranks (OLMo-2's q/k norms over every head): each rank
-    scales its part by the mean square of the whole, its sum of squares all-reduced. Where KV heads
-    are replicated, each rank's part counts as many times as it is held, so dividing by the local
-    width x ranks still gives the mean over the distinct heads. Float32 arithmetic, as
-    :class:`~tapllm.layers.norm.RMSNormScaledInFloat32`."""
+    scales its part by the mean square of the whole, its sum of squares all-reduced and divided by
+    ``width``, the sum of every rank's width. Where KV heads are replicated, each rank's part counts
+    as many times as it is held, and so does its width, so the quotient is still the mean over the
+    distinct heads. Float32 arithmetic, as :class:`~tapllm.layers.norm.RMSNormScaledInFloat32`."""
 
-    def __init__(self, norm: RMSNorm, group: TPGroup) -> None:
+    def __init__(self, norm: RMSNorm, group: TPGroup, width: int) -> None:
         super().__init__()
         self.weight = norm.weight
         self.eps = norm.eps
         self.group = group
+        self.width = width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         squares = self.group.all_reduce(h.pow(2).sum(-1, keepdim=True).contiguous())
-        h = h * torch.rsqrt(squares / (h.shape[-1] * self.group.size) + self.eps)
+        h = h * torch.rsqrt(squares / self.width + self.eps)
         return (self.weight * h).to(x.dtype)

@@ -1,14 +1,25 @@
 """How a model's dimensions split over tensor-parallel ranks: pure arithmetic, no processes.
 
-Megatron's layout: query heads, MLP neurons and the vocabulary are cut into equal contiguous
-parts, rank ``r`` holding part ``r``. KV heads are cut the same way when there are at least as
-many as ranks; with fewer, each KV head is held by ``size // num_kv_heads`` consecutive ranks
-(replicated), so every rank's query heads find their KV head locally.
+Megatron's layout: query heads, MLP neurons and the vocabulary are cut into contiguous parts,
+rank ``r`` holding part ``r``. Where a size does not divide by the ranks, the parts are balanced
+(the first ``size % ranks`` ranks hold one more). Query heads go with their KV head: when there
+are at least as many KV heads as ranks, each rank holds a balanced run of whole KV groups (a KV
+head and the query heads that read it), so 3 groups of 3 over 2 ranks give 6 + 3 query heads and
+2 + 1 KV heads. With fewer KV heads than ranks, each KV head is held by ``size // num_kv_heads``
+consecutive ranks (replicated) and the query heads split evenly, so every rank's query heads find
+their KV head locally.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+def balanced(total: int, parts: int, i: int) -> tuple[int, int]:
+    """(start, count) of part ``i`` of ``total`` cut into ``parts`` contiguous runs, the first
+    ``total % parts`` one longer than the rest."""
+    base, extra = divmod(total, parts)
+    return i * base + min(i, extra), base + (i < extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,48 +42,94 @@ class ShardLayout:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} is outside [0, {self.size})")
 
-    # ---- local sizes ---------------------------------------------------------------------
-    @property
-    def heads(self) -> int:
-        """Query heads per rank."""
-        return self.num_heads // self.size
-
-    @property
-    def kv_heads(self) -> int:
-        """KV heads per rank (1 when they are replicated)."""
-        return max(1, self.num_kv_heads // self.size)
-
     @property
     def kv_replicas(self) -> int:
         """Ranks holding each KV head (1 when KV heads are split)."""
         return max(1, self.size // self.num_kv_heads)
 
+    # ---- every rank's part: (start, count) ------------------------------------------------
+    def _kv_part(self, rank: int) -> tuple[int, int]:
+        if self.kv_replicas > 1:
+            return rank // self.kv_replicas, 1
+        return balanced(self.num_kv_heads, self.size, rank)
+
+    def _head_part(self, rank: int) -> tuple[int, int]:
+        if self.kv_replicas > 1:
+            return balanced(self.num_heads, self.size, rank)  # even: checked
+        group = self.num_heads // self.num_kv_heads
+        start, count = self._kv_part(rank)
+        return start * group, count * group
+
+    @property
+    def head_counts(self) -> list[int]:
+        """Query heads of every rank, in rank order."""
+        return [self._head_part(r)[1] for r in range(self.size)]
+
+    @property
+    def kv_head_counts(self) -> list[int]:
+        """KV heads of every rank, in rank order (replicated ones counted on each rank holding them)."""
+        return [self._kv_part(r)[1] for r in range(self.size)]
+
+    @property
+    def neuron_counts(self) -> list[int]:
+        """MLP neurons of every rank, in rank order."""
+        return [balanced(self.intermediate_size, self.size, r)[1] for r in range(self.size)]
+
+    @property
+    def vocab_counts(self) -> list[int]:
+        """Vocabulary rows of every rank, in rank order."""
+        return [balanced(self.vocab_size, self.size, r)[1] for r in range(self.size)]
+
+    # ---- this rank's sizes ---------------------------------------------------------------
+    @property
+    def heads(self) -> int:
+        """This rank's query heads."""
+        return self._head_part(self.rank)[1]
+
+    @property
+    def kv_heads(self) -> int:
+        """This rank's KV heads (1 when they are replicated)."""
+        return self._kv_part(self.rank)[1]
+
     @property
     def neurons(self) -> int:
-        """MLP neurons per rank."""
-        return self.intermediate_size // self.size
+        """This rank's MLP neurons."""
+        return balanced(self.intermediate_size, self.size, self.rank)[1]
 
     @property
     def vocab(self) -> int:
-        """Vocabulary rows per rank."""
-        return self.vocab_size // self.size
+        """This rank's vocabulary rows."""
+        return balanced(self.vocab_size, self.size, self.rank)[1]
 
     # ---- where this rank's part starts ---------------------------------------------------
     @property
     def head_start(self) -> int:
-        return self.rank * self.heads
+        return self._head_part(self.rank)[0]
 
     @property
     def kv_head_start(self) -> int:
-        return (self.rank // self.kv_replicas) * self.kv_heads
+        return self._kv_part(self.rank)[0]
 
     @property
     def neuron_start(self) -> int:
-        return self.rank * self.neurons
+        return balanced(self.intermediate_size, self.size, self.rank)[0]
 
     @property
     def vocab_start(self) -> int:
-        return self.rank * self.vocab
+        return balanced(self.vocab_size, self.size, self.rank)[0]
+
+    def parts_text(self) -> str:
+        """What each rank holds, e.g. ``6 + 3 of 9 query heads, 2 + 1 of 3 KV heads (split), ...``: one
+        count where every rank holds the same, else every rank's, in rank order."""
+        def of(counts: list[int], total: int, what: str) -> str:
+            shown = str(counts[0]) if len(set(counts)) == 1 else " + ".join(map(str, counts))
+            return f"{shown} of {total} {what}"
+
+        kv = "split" if self.kv_replicas == 1 else f"each held by {self.kv_replicas} ranks"
+        return (f"{of(self.head_counts, self.num_heads, 'query heads')}, "
+                f"{of(self.kv_head_counts, self.num_kv_heads, 'KV heads')} ({kv}), "
+                f"{of(self.neuron_counts, self.intermediate_size, 'MLP neurons')}, "
+                f"{of(self.vocab_counts, self.vocab_size, 'vocabulary rows')}")
 
     def kv_owner_ranks(self) -> list[int]:
         """One rank per distinct part of the KV heads, in head order (what a gather of k/v keeps)."""
@@ -81,16 +138,26 @@ class ShardLayout:
 
 def divisibility_problems(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
                           vocab_size: int) -> list[str]:
-    """Each config field that ``size`` ranks cannot split evenly, with its value (empty: it splits)."""
+    """Each config field that ``size`` ranks cannot split, even unevenly, with its value (empty: it splits).
+
+    Heads, neurons and vocabulary rows may split unevenly, but every rank needs at least one of each;
+    KV heads must either be at least as many as the ranks (each rank then holds whole KV groups) or
+    divide the ranks (each held by ``size // num_kv_heads`` ranks, the query heads then split evenly)."""
     if size < 1:
         return [f"tensor_parallel_size must be >= 1, got {size}"]
     out = []
-    if num_heads % size:
-        out.append(f"num_attention_heads={num_heads} is not a multiple of {size}")
-    if num_kv_heads % size and size % num_kv_heads:
-        out.append(f"num_key_value_heads={num_kv_heads} neither is a multiple of {size} nor divides it")
-    if intermediate_size % size:
-        out.append(f"intermediate_size={intermediate_size} is not a multiple of {size}")
-    if vocab_size % size:
-        out.append(f"vocab_size={vocab_size} is not a multiple of {size}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        out.append(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+    elif num_heads < size:
+        out.append(f"num_attention_heads={num_heads} is fewer than the {size} ranks")
+    elif num_kv_heads < size:
+        if size % num_kv_heads:
+            out.append(f"num_key_value_heads={num_kv_heads} is fewer than the {size} ranks and does not divide them")
+        elif num_heads % size:
+            out.append(f"num_attention_heads={num_heads} is not a multiple of {size} (needed where the "
+                       f"num_key_value_heads={num_kv_heads} are replicated over the ranks)")
+    if intermediate_size < size:
+        out.append(f"intermediate_size={intermediate_size} is fewer than the {size} ranks")
+    if vocab_size < size:
+        out.append(f"vocab_size={vocab_size} is fewer than the {size} ranks")
     return out

@@ -100,14 +100,11 @@ class SplitPlan:
 
     def __str__(self) -> str:
         lay, n = self.ranks[0].layout, self.tensor_parallel_size
-        kv_split = "split" if lay.kv_replicas == 1 else f"each held by {lay.kv_replicas} ranks"
         lines = [
             f"plan: {self.model} ({self.architecture}), {dtype_name(self.dtype)}, tensor_parallel_size={n}",
             f"model: {self.num_layers} blocks, hidden {self.hidden_size}; weights {_gb(self.model_weight_bytes)} "
             f"in one process",
-            f"per rank: {lay.heads} of {lay.num_heads} query heads, {lay.kv_heads} of {lay.num_kv_heads} KV heads "
-            f"({kv_split}), {lay.neurons} of {lay.intermediate_size} MLP neurons, {lay.vocab} of {lay.vocab_size} "
-            f"vocabulary rows",
+            f"per rank: {lay.parts_text()}",
         ]
         budget = self.budget_bytes
         fit_head = "" if budget is None else (
@@ -119,7 +116,7 @@ class SplitPlan:
             lines.append(f"{r.rank:>4}  {_gb(r.weight_bytes):>10}  {_gb(r.buffer_bytes):>9}  "
                          f"{r.kv_bytes_per_token:>8} B  {_gb(self.kv_bytes(i)):>22}  "
                          f"{_gb(self.rank_bytes(i)):>10}{fit}")
-        weights = self.ranks[0]
+        weights = max(self.ranks, key=lambda r: r.weight_bytes)
         by_dtype = ", ".join(f"{dtype_name(d)} {_gb(b)}" for d, b in weights.weight_bytes_by_dtype.items())
         share = max(r.weight_bytes for r in self.ranks) / self.model_weight_bytes
         lines.append(f"weights per rank: {by_dtype}; {share:.4f} of the model's (1/{n} = {1 / n:.4f})")
@@ -143,7 +140,8 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
     Args:
         config: a model folder or its ``config.json`` (any ``.json`` file holding a config), a dict
             of such a file's fields, a transformers config object, or a :class:`ModelConfig`.
-        tensor_parallel_size: the ranks; ``ValueError`` names each config field it does not divide.
+        tensor_parallel_size: the ranks; ``ValueError`` names each config field it cannot split
+            (sizes that do not divide split unevenly: balanced contiguous parts, each rank planned with its own).
         dtype: the weights' and KV cache's dtype; ``"auto"``: the checkpoint's declared one (float32 if none).
         max_model_len, max_num_seqs: the KV cache is sized for ``max_num_seqs`` sequences of
             ``max_model_len`` tokens (default: one sequence of the model's context) ...
@@ -157,14 +155,14 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     cfg = _model_config(config, dtype)
-    layouts = [layout_for(cfg, r, size) for r in range(size)]  # checks the sizes divide first
+    layouts = [layout_for(cfg, r, size) for r in range(size)]  # checks the model can be split first
     ranks: list[RankPlan] = []
     built: dict[tuple[int, int, int, int], tuple[dict[torch.dtype, int], int]] = {}
     with torch.device("meta"):
         whole = weight_bytes(build_model(cfg))
         for layout in layouts:
             # A shard's modules depend only on its local sizes, equal on every rank of an even split:
-            # ranks with the same sizes share one build's counts.
+            # ranks with the same sizes share one build's counts (an uneven split builds each size once).
             key = (layout.heads, layout.kv_heads, layout.neurons, layout.vocab)
             if key not in built:
                 shard = build_shard(cfg, layout, None)

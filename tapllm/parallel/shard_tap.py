@@ -112,7 +112,7 @@ class ShardTap:
         """The whole point from every rank's part (KV heads held by several ranks kept once); with
         ``rows``, only those rows are gathered and the others are zero."""
         dim = SHARDED_DIMS[point]
-        whole = self.group.all_gather(x if rows is None else x.index_select(0, rows), dim)
+        whole = self.group.all_gather(x if rows is None else x.index_select(0, rows), dim, self.sizes(point))
         if point in _KV_POINTS and self.layout.kv_replicas > 1:
             n = x.shape[dim]
             whole = torch.cat([whole.narrow(dim, r * n, n) for r in self.layout.kv_owner_ranks()], dim=dim)
@@ -120,6 +120,13 @@ class ShardTap:
             return whole
         full = whole.new_zeros((x.shape[0], *whole.shape[1:]))
         return full.index_copy_(0, rows, whole)
+
+    def sizes(self, point: str) -> list[int] | None:
+        """Every rank's length of ``point`` along its split dim where the split is uneven (None: even)."""
+        lay = self.layout
+        counts = {"q": lay.head_counts, "z": lay.head_counts, "k": lay.kv_head_counts, "v": lay.kv_head_counts,
+                  "mlp_post": lay.neuron_counts}[point]
+        return counts if len(set(counts)) > 1 else None
 
     def local(self, point: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of a whole point."""

@@ -72,7 +72,7 @@ SHARDABLE = tuple(RULES)
 
 
 def layout_for(cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
-    """The split of ``cfg``'s model over ``size`` ranks (``ValueError`` names a field that does not divide)."""
+    """The split of ``cfg``'s model over ``size`` ranks (``ValueError`` names a field it cannot split)."""
     if cfg.architecture not in RULES:
         raise ValueError(f"tensor_parallel_size > 1 is not supported for {cfg.architecture} yet; "
                          f"supported: {', '.join(SHARDABLE)}")
@@ -105,16 +105,17 @@ def build_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup | None) ->
             old = module.o_proj
             module.o_proj = RowParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
                                               cfg.dtype, group)
-            for name in ("q_norm", "k_norm"):
+            widths = {"q_norm": sum(layout.head_counts), "k_norm": sum(layout.kv_head_counts)}
+            for name, heads in widths.items():
                 norm = getattr(module, name, None)
                 if isinstance(norm, RMSNorm) and getattr(module, "qk_norm_spans_heads", False):
-                    setattr(module, name, ShardedRMSNorm(norm, group))
+                    setattr(module, name, ShardedRMSNorm(norm, group, heads * layout.head_dim))
         elif isinstance(module, GatedMLP | MLP):
             old = module.down_proj
             module.down_proj = RowParallelLinear(old.weight.shape[1], old.weight.shape[0], old.bias is not None,
                                                  cfg.dtype, group)
     model.embed_tokens = VocabParallelEmbedding(layout.vocab, cfg.hidden_size, layout.vocab_start, cfg.dtype, group)
-    head = GatheredHead(cfg.hidden_size, layout.vocab, False, cfg.dtype, group)
+    head = GatheredHead(cfg.hidden_size, layout.vocab, False, cfg.dtype, group, layout.vocab_counts)
     if model.lm_head is None:  # tied: the head reads the embedding's rows of this rank
         head.weight = model.embed_tokens.weight
     model.lm_head = head
