@@ -1,10 +1,11 @@
 """Tensor parallelism on this CPU: TP 2 (one process and one thread per rank) against TP 1 (one
 process, two threads), output tokens/s and the cost of capture, plus what the collectives move.
 
-Models: Llama shapes with random weights (``load_format="dummy"``, the default model's tokenizer):
-``1b`` is Llama-3.2-1B's block shape (hidden 2048, 32 heads, 8 KV heads, 8192 neurons), ``small``
-a 135M-sized Llama with 8 heads (SmolLM2-135M itself has 9 heads, which 2 ranks cannot split).
-``--layers`` cuts the depth for a quicker run. ``tp1`` and ``tp2`` are what a user gets by default
+Models: ``default`` is the default model itself (SmolLM2-135M, its weights; 9 query heads over 3 KV
+heads split unevenly, 6 + 3, at TP 2); the others are Llama shapes with random weights
+(``load_format="dummy"``, the default model's tokenizer): ``1b`` is Llama-3.2-1B's block shape
+(hidden 2048, 32 heads, 8 KV heads, 8192 neurons), ``small`` a 135M-sized Llama with 8 heads.
+``--layers`` cuts the depth of the shapes for a quicker run. ``tp1`` and ``tp2`` are what a user gets by default
 (the fused CPU kernels; TP 1 also runs untapped decode blocks in one C++ call, which a split model
 cannot); ``tp1_eager`` (the plain PyTorch step) is given for reference.
 
@@ -53,6 +54,8 @@ def _folder(name: str, layers: int | None, root: Path) -> Path:
 
     from tapllm.loader import resolve_model
 
+    if name == "default":
+        return Path(resolve_model(None))
     shape = dict(SHAPES[name])
     if layers is not None:
         shape["num_hidden_layers"] = layers
@@ -85,8 +88,14 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from tapllm import LLM
 
     folder = _folder(name, args.layers, root)
-    layers = args.layers or SHAPES[name]["num_hidden_layers"]
-    common = dict(dtype="float32", load_format="dummy", max_num_seqs=args.batch, kv_cache_memory_gb=0.5)
+    if name == "default":
+        from transformers import AutoConfig
+
+        layers = AutoConfig.from_pretrained(str(folder)).num_hidden_layers
+        common = dict(dtype="float32", max_num_seqs=args.batch, kv_cache_memory_gb=0.5)
+    else:
+        layers = args.layers or SHAPES[name]["num_hidden_layers"]
+        common = dict(dtype="float32", load_format="dummy", max_num_seqs=args.batch, kv_cache_memory_gb=0.5)
     out: dict[str, Any] = {"tok_s": {}, "tok_s_capture": {}}
     for config, options, threads in (("tp1", {}, 2), ("tp1_eager", dict(enforce_eager=True), 2),
                                      ("tp2", dict(tensor_parallel_size=2), 1)):
@@ -125,7 +134,7 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="small,1b", help="comma-separated: " + ", ".join(SHAPES))
+    p.add_argument("--models", default="default,1b", help="comma-separated: default, " + ", ".join(SHAPES))
     p.add_argument("--layers", type=int, default=None, help="blocks per model (default: the shape's)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
