@@ -107,11 +107,8 @@ class TPGroup:
         if self.ops is None or x.dtype not in SHM_DTYPES:
             self._wait(self.pg.allreduce([x]), "all_reduce")
             return x
-        flat, step = x.view(-1), SLOT_BYTES // x.element_size()
-        for a in range(0, flat.numel(), step):
-            part = flat[a:a + step]
-            self._meet("all_reduce", lambda wait_s: self.ops.shm_all_reduce(part, self.region, self.rank, self.size,
-                                                                            self.seq, wait_s))
+        self._rounds("all_reduce", x, lambda part, a, wait_s: self.ops.shm_all_reduce(
+            part, self.region, self.rank, self.size, self.seq, wait_s))
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
@@ -131,13 +128,17 @@ class TPGroup:
             parts = [torch.empty_like(x) for _ in range(self.size)]
             self._wait(self.pg.allgather([parts], [x]), "all_gather")
             return torch.cat(parts, dim=dim)
+        out = torch.empty(self.size, x.numel(), dtype=x.dtype)
+        self._rounds("all_gather", x, lambda part, a, wait_s: self.ops.shm_all_gather(
+            part, out, a, self.region, self.rank, self.size, self.seq, wait_s))
+        return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
+
+    def _rounds(self, what: str, x: torch.Tensor, call: Callable[[torch.Tensor, int, float], bool]) -> None:
+        """``x`` (contiguous) through shared memory a slot at a time: ``call(part, offset, wait_s)`` per round."""
         flat, step = x.view(-1), SLOT_BYTES // x.element_size()
-        out = torch.empty(self.size, flat.numel(), dtype=x.dtype)
         for a in range(0, flat.numel(), step):
             part = flat[a:a + step]
-            self._meet("all_gather", lambda wait_s: self.ops.shm_all_gather(part, out, a, self.region, self.rank,
-                                                                            self.size, self.seq, wait_s))
-        return torch.cat(out.view(self.size, *x.shape).unbind(0), dim=dim)
+            self._meet(what, lambda wait_s: call(part, a, wait_s))
 
     def _gather_uneven(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         if len(sizes) != self.size or x.shape[dim] != sizes[self.rank]:
