@@ -236,6 +236,10 @@ class EngineConfig:
             docs/parallel.md). Heads (whole KV groups), MLP neurons and vocabulary rows that it
             does not divide split unevenly; it must not exceed the query heads, and where it
             exceeds the KV heads it must be a multiple of them.
+        pipeline_parallel_size: stages the blocks are split over (vLLM's option): with more than
+            1, each stage a process (or ``tensor_parallel_size`` processes) holding a contiguous
+            run of blocks, the residual stream sent from stage to stage (see docs/parallel.md).
+            It must not exceed the model's blocks.
         distributed_executor_backend: how ranks 1..N-1 of ``tensor_parallel_size > 1`` are
             started (vLLM's option): ``"mp"`` (default) as processes on this machine
             (``multiprocessing`` spawn), ``"ray"`` as Ray actors in a placement group (one CPU
@@ -325,6 +329,7 @@ class EngineConfig:
     max_model_len: int | None = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
     gpu_memory_utilization: float | None = None
     max_num_seqs: int = 128
@@ -381,13 +386,19 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        pp = self.pipeline_parallel_size
+        if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+        tp *= pp  # below: every rank, whichever way the model is split
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, got "
                              f"{self.distributed_executor_backend!r}")
         if tp > 1 and self.quantization is not None:
-            raise ValueError("tensor_parallel_size > 1 cannot be combined with quantization yet")
+            raise ValueError("tensor_parallel_size > 1 or pipeline_parallel_size > 1 cannot be combined with "
+                             "quantization yet")
         if tp > 1 and self.batch_invariant is True:
-            raise ValueError("batch_invariant=True cannot be combined with tensor_parallel_size > 1 yet: the "
+            raise ValueError("batch_invariant=True cannot be combined with tensor_parallel_size > 1 or "
+                             "pipeline_parallel_size > 1 yet: the "
                              "ranks' linears and all-reduces have not been made or tested row-invariant")
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1):

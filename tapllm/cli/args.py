@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="run the plain PyTorch step instead of the fused C++ kernels (the reference path)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N processes on this CPU (tensor parallelism; default 1)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model's blocks into N stages, one process (or --tensor-parallel-size "
+                        "processes) each (pipeline parallelism; default 1)")
     p.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
                    help="how the ranks beyond the first start with --tensor-parallel-size > 1: mp, processes on "
                         "this machine (default); ray, Ray actors in a placement group (the Ray initialised here, "

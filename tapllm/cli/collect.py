@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="run on Ray: 'local' (start one here), 'auto' (the cluster this node belongs to) or an address")
     col.add_argument("--workers", type=int, default=1, help="Ray actors, one engine each (with --ray-address)")
     add_engine_args(col)
-    # batch_invariant unset: on, unless --tensor-parallel-size > 1 (which it cannot be combined with yet).
+    # batch_invariant unset: on, unless --tensor- or --pipeline-parallel-size > 1 (not combinable with it yet).
     # --no-batch-invariant: faster, not resumable bitwise.
     col.set_defaults(max_num_seqs=64, batch_invariant=None)
     from tapllm.collect import eagle3_cli
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--layers must be 'all' or comma-separated integers, got {args.layers!r}") from None
     dataset = DatasetSpec(args.dataset, args.split, args.column) if args.dataset is not None else None
     if args.batch_invariant is None:
-        args.batch_invariant = args.tensor_parallel_size == 1
+        args.batch_invariant = args.tensor_parallel_size == 1 and args.pipeline_parallel_size == 1
     recipe = eagle3_cli.settings(args)
     if recipe is not None:  # the recipe reads --max-rows and --max-tokens itself
         args.max_rows, args.max_tokens = None, 0

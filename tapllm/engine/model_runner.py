@@ -62,7 +62,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, com
     4 KiB block here and there, and with 2 MiB pages (what numpy's ``zeros`` asks for) the
     first prefill of a batch of 16 committed 440 MB instead of 205 MB.
     """
-    if device.type != "cpu":
+    if device.type != "cpu" or 0 in shape:
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -87,8 +87,8 @@ class ModelRunner:
             tune_cpu_allocator()
         t0 = time.perf_counter()
         self.quant = engine_config.quant()
-        self.tp: TensorParallel | None = None  # the other ranks, with tensor_parallel_size > 1
-        if engine_config.tensor_parallel_size > 1:  # this process is rank 0 (see tapllm.parallel)
+        self.tp: TensorParallel | None = None  # the other ranks, with tensor or pipeline parallelism
+        if engine_config.tensor_parallel_size * engine_config.pipeline_parallel_size > 1:  # this is rank 0
             self.tp, self.model, self.backend = start_tensor_parallel(model_config, engine_config, device)
         else:
             self._load(model_config, engine_config, device)
@@ -115,13 +115,12 @@ class ModelRunner:
         # Each slot's latest sampled token, on the device: a step laid out before the previous one's tokens
         # reached the host reads its rows' input there (see LLMEngine's host a step ahead).
         self.last_token = torch.zeros(self.block_tables.table.shape[0], dtype=torch.int64, device=device)
-        kv_heads = self.tp.layout.kv_heads if self.tp is not None else model_config.num_kv_heads  # this rank's
-        shape = (kv_heads, self.num_blocks + 1, engine_config.block_size, model_config.head_dim)
-        self.kv_caches = [
-            (_zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit),
-             _zeros(shape, model_config.dtype, device, engine_config.kv_cache_precommit))
-            for _ in range(model_config.num_layers)
-        ]
+        # this rank's KV heads of each block (none where another pipeline stage holds the block)
+        heads = [self.tp.kv_heads(i) if self.tp is not None else model_config.num_kv_heads
+                 for i in range(model_config.num_layers)]
+        self.kv_caches = [tuple(_zeros((h, self.num_blocks + 1, engine_config.block_size, model_config.head_dim),
+                                       model_config.dtype, device, engine_config.kv_cache_precommit) for _ in "kv")
+                          for h in heads]
         if self.tp is not None:
             self.tp.init_cache(self.num_blocks, engine_config.block_size)
         logger.info(

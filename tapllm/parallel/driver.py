@@ -34,9 +34,10 @@ from tapllm.backends import Backend
 from tapllm.config import EngineConfig, ModelConfig
 from tapllm.models.base import CausalLM, KVCache
 from tapllm.parallel.backend import prepare_shard, shard_backend
-from tapllm.parallel.group import TensorParallelError, TPGroup, collective_timeout_s
-from tapllm.parallel.layout import ShardLayout
+from tapllm.parallel.group import TensorParallelError, collective_timeout_s
+from tapllm.parallel.layout import ShardLayout, stage_layers
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
+from tapllm.parallel.ranks import forward_rank0, join
 from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
 from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, load_shard, weight_bytes
 from tapllm.parallel.worker import WorkerArgs, run_worker
@@ -86,18 +87,23 @@ class TensorParallel:
         timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
         self.timeout_s = timeout_s
         size = engine_config.tensor_parallel_size
-        self.size = size
+        self.size = size  # ranks of a stage
+        self.pp = pp = engine_config.pipeline_parallel_size
+        self.world = world = size * pp
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the model can be split first
+        self.stages = stage_layers(model_config.num_layers, pp)  # and that its blocks can
         self.mcfg = model_config
         self.executor = engine_config.distributed_executor_backend  # "mp" or "ray"
-        # each rank's, every block (ranks of an uneven split hold different numbers of KV heads)
-        self.kv_bytes_per_token = [kv_bytes_per_token(model_config, layout_for(model_config, r, size))
-                                   for r in range(size)]
+        # each rank's, every block it holds (ranks of an uneven split hold different numbers of KV heads)
+        self.kv_bytes_per_token = [
+            kv_bytes_per_token(model_config, layout_for(model_config, r % size, size))
+            * (self.stages[r // size][1] - self.stages[r // size][0]) // model_config.num_layers
+            for r in range(world)]
         dummy = engine_config.seed if engine_config.load_format == "dummy" else None
         # The CPUs this process may run on (a pinned engine core's share), over the ranks; spawned workers
         # inherit the same affinity.
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cpus // size)
+        threads = max(1, cpus // world)
         if torch.get_num_threads() > threads:  # rank 0 shares the CPUs with the workers like any rank
             torch.set_num_threads(threads)
         self.procs: list[Any] = []
@@ -110,7 +116,7 @@ class TensorParallel:
             if self.executor == "ray":
                 from tapllm.parallel.ray_workers import RayWorkers
 
-                self.ray_workers = ray_workers = RayWorkers(size - 1)
+                self.ray_workers = ray_workers = RayWorkers(world - 1)
                 self._releases.append(ray_workers.release)
                 host = ray_workers.host
             # The rendezvous of the group: rank 0 serves it on a free port; it lives as long as the group.
@@ -118,8 +124,8 @@ class TensorParallel:
                                                wait_for_workers=False)
             parent_pid = os.getpid() if ray_workers is None else None
             args = [WorkerArgs(rank, size, store.port, model_config, dummy, timeout_s, threads, parent_pid,
-                               engine_config.enforce_eager, engine_config.backend, host)
-                    for rank in range(1, size)]
+                               engine_config.enforce_eager, engine_config.backend, host, pp)
+                    for rank in range(1, world)]
             if ray_workers is not None:
                 procs, conns = ray_workers.start(args, START_TIMEOUT_S)
                 self.procs.extend(procs)
@@ -127,10 +133,11 @@ class TensorParallel:
             else:
                 self._spawn(args)
             self._wait_for("hello", START_TIMEOUT_S)
-            self.group = TPGroup(store, 0, size, timeout_s)
+            self.ranks = join(store, model_config, 0, size, pp, timeout_s)
+            self.group = self.ranks.group
             self.group.explain = self._explain
             self.group.gone = self._gone
-            self.model: CausalLM = load_shard(model_config, self.layout, self.group, dummy)
+            self.model: CausalLM = load_shard(model_config, self.layout, self.group, dummy, self.ranks.stage, 0)
             own = weight_bytes(self.model)  # before packing: the packed copies are not parameters
             prepare_shard(self.model, backend)
             ready = self._wait_for("ready", None)
@@ -263,6 +270,10 @@ class TensorParallel:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.send(CopyBlocks(copies))
 
+    def kv_heads(self, layer: int) -> int:
+        """Rank 0's KV heads of block ``layer`` (none where another pipeline stage holds it)."""
+        return self.layout.kv_heads if self.ranks.holds(layer) else 0
+
     def kv_bytes(self, num_blocks: int, block_size: int) -> list[int]:
         """Bytes of each rank's KV cache of ``num_blocks`` blocks (the padding block counts as one), in rank order."""
         return [num_blocks * block_size * b for b in self.kv_bytes_per_token]
@@ -272,10 +283,16 @@ class TensorParallel:
         lay = self.layout
         per_rank = ", ".join(f"{b / 1e6:.1f} MB" for b in self.weight_bytes)
         workers = "one process each" if self.executor == "mp" else "ranks 1.. as Ray actors"
-        return (f"tensor parallel: {self.size} ranks ({workers}), collectives through {self.group.transport}; "
+        text = (f"tensor parallel: {self.size} ranks ({workers}), collectives through {self.group.transport}; "
                 f"per rank {lay.parts_text()}; weights per rank: {per_rank}; a step runs 2 all-reduces per "
                 f"block, one for the embedding, one all-gather for the logits, and one all-gather per tapped head "
                 f"or neuron point")
+        if self.pp == 1:
+            return text
+        blocks = ", ".join(f"{a}-{b - 1}" for a, b in self.stages)
+        return (f"pipeline parallel: {self.pp} stages of {self.size} rank(s) each (ranks {self.size} x stage + "
+                f"rank in stage), blocks {blocks}; stage 0 holds the embedding, final norm and LM head; the residual "
+                f"goes from stage to stage and back to rank 0 (one micro-batch at a time); {text}")
 
 
 class DriverModel:
@@ -314,11 +331,17 @@ class DriverModel:
         layers = frozenset(layer for _, layer in keys)
         sent = copy.copy(meta)
         sent.attn = None  # a handle of this process's kernels: each rank attaches its own
+        targets = getattr(tap, "targets", {}) or {}
+        relayed = frozenset(k for k, (_, target) in targets.items() if target is not None)
         self.tp.send(Forward(input_ids, positions, sent, num_layers, steer_ops, gathered, layers, pattern_layers,
-                             from_rank0, kernels=meta.attn is not None))
+                             from_rank0, kernels=meta.attn is not None, relayed=relayed))
         shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers, from_rank0)
         with self._joined("the forward"):
-            hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)
+            if self.tp.pp == 1:
+                hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)
+            else:
+                hidden = forward_rank0(self.shard, self.tp.ranks, self.tp.conns, self.tp.check_workers,
+                                       self.tp.timeout_s, input_ids, positions, kv_caches, meta, shard_tap, num_layers)
         shard_tap.raise_held()
         return hidden
 
@@ -340,7 +363,10 @@ class DriverModel:
         collective, so the group is marked broken (later calls raise TensorParallelError)."""
         try:
             yield
-        except TensorParallelError:
+        except TensorParallelError as exc:
+            if self.tp.group.broken is None:  # found by rank 0 itself (a pipeline stage that failed)
+                self.tp.group.broken = str(exc)
+                self.tp.abort()
             raise
         except BaseException as exc:
             if self.tp.group.broken is None:
@@ -370,12 +396,13 @@ def start_tensor_parallel(model_config: ModelConfig, engine_config: EngineConfig
                           ) -> tuple[TensorParallel, DriverModel, Backend]:
     """Start the ranks of ``engine_config.tensor_parallel_size`` with this process as rank 0: the group,
     rank 0's model as the runner sees it, and the backend every rank runs (:func:`shard_backend`)."""
+    what = "tensor_parallel_size > 1 or pipeline_parallel_size > 1"
     if device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size > 1 runs on the CPU (gloo) only so far, not on {device.type}")
+        raise ValueError(f"{what} runs on the CPU (gloo) only so far, not on {device.type}")
     if engine_config.quantization is not None:
-        raise ValueError("tensor_parallel_size > 1 cannot be combined with quantization yet")
+        raise ValueError(f"{what} cannot be combined with quantization yet")
     if engine_config.backend == "cuda":
-        raise ValueError("tensor_parallel_size > 1 runs the CPU backend (gloo) only so far, not backend='cuda'")
+        raise ValueError(f"{what} runs the CPU backend (gloo) only so far, not backend='cuda'")
     size = engine_config.tensor_parallel_size
     backend = shard_backend(device, model_config.dtype, size, engine_config.enforce_eager, engine_config.backend)
     tp = TensorParallel(model_config, engine_config, backend)

@@ -1,4 +1,5 @@
-"""How a model's dimensions split over tensor-parallel ranks: pure arithmetic, no processes.
+"""How a model's dimensions split over tensor-parallel ranks (and its blocks over pipeline stages):
+pure arithmetic, no processes.
 
 Megatron's layout: query heads, MLP neurons and the vocabulary are cut into contiguous parts,
 rank ``r`` holding part ``r``. Where a size does not divide by the ranks, the parts are balanced
@@ -160,4 +161,19 @@ def divisibility_problems(size: int, num_heads: int, num_kv_heads: int, intermed
         out.append(f"intermediate_size={intermediate_size} is fewer than the {size} ranks")
     if vocab_size < size:
         out.append(f"vocab_size={vocab_size} is fewer than the {size} ranks")
+    return out
+
+
+def stage_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """``(first block, stop)`` of each of ``stages`` pipeline stages: balanced contiguous runs of the
+    model's ``num_layers`` blocks; ``ValueError`` naming the fields when there are fewer blocks than stages."""
+    if stages < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {stages}")
+    if num_layers < stages:
+        raise ValueError(f"pipeline_parallel_size={stages} exceeds the model's num_hidden_layers={num_layers}: "
+                         "every stage needs at least one block")
+    out = []
+    for s in range(stages):
+        start, count = balanced(num_layers, stages, s)
+        out.append((start, start + count))
     return out

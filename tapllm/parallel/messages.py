@@ -58,6 +58,7 @@ class Forward:
     pattern_layers: frozenset[int] = frozenset()
     from_rank0: frozenset[tuple[str, int]] = frozenset()  # points rank 0 steers alone, then broadcasts
     kernels: bool = False  # rank 0's step attends with the backend's kernels (meta.attn was set)
+    relayed: frozenset[tuple[str, int]] = frozenset()  # points rank 0's tap captures (another stage sends them)
 
 
 @dataclass(slots=True)

@@ -152,8 +152,17 @@ class ShardTap:
         """Gather the queries and this layer's key cache (every rank), then let rank 0's tap compute."""
         q_all = self.gather("q", q)
         k_all = self.gather("k", k_cache.transpose(0, 1)).transpose(0, 1)  # the cache is [kv_heads, blocks, ...]
+        self.inner_pattern(layer, q_all, k_all, opts)
+
+    # ---- what another pipeline stage relays to rank 0 (tapllm.parallel.relay) ----------------
+    def run_inner(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The step's tap on a whole point (an error held until the forward ends)."""
+        return self._run(point, layer, x)
+
+    def inner_pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: Any) -> None:
+        """The step's attention patterns from whole queries and key cache (an error held)."""
         if self.error is None:
             try:
-                self.inner.pattern(layer, q_all, k_all, opts)
+                self.inner.pattern(layer, q, k_cache, opts)
             except Exception as exc:  # noqa: BLE001 - see _run
                 self.error = exc

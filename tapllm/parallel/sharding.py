@@ -12,6 +12,7 @@ those of the local config).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from tapllm.models.shapes import mlp_width
 from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layers import GatheredHead, RowParallelLinear, ShardedRMSNorm, VocabParallelEmbedding
 from tapllm.parallel.layout import ShardLayout
+from tapllm.parallel.pipeline import keep_stage
 from tapllm.utils.hf_config import HFConfig
 
 @dataclass(frozen=True, slots=True)
@@ -162,16 +164,46 @@ def _cut(tensor: torch.Tensor, dim: int, runs: list[tuple[int, int]]) -> torch.T
     return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
-def shard_weights(folder: Path, layout: ShardLayout, architecture: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor of ``folder`` as this rank's slice of it (safetensors: only the slice is read)."""
+# The block a checkpoint tensor belongs to: ``model.layers.3.``, GPT-2's ``transformer.h.3.``, GPT-NeoX's
+# ``gpt_neox.layers.3.``.
+_BLOCK = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Stage:
+    """The blocks ``[start, stop)`` a pipeline stage holds; ``first``: it holds the embedding and the head."""
+
+    start: int
+    stop: int
+    first: bool
+
+    def holds(self, name: str, architecture: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to this stage."""
+        block = _BLOCK.search(name)
+        if block is not None:
+            return self.start <= int(block.group(1)) < self.stop
+        module = name.rpartition(".")[0].split(".")
+        rules = RULES[architecture]
+        rule = rules.get(".".join(module[-2:])) or rules.get(module[-1])
+        return self.first or rule is None or rule.unit != "vocab"
+
+
+def shard_weights(folder: Path, layout: ShardLayout, architecture: str, stage: Stage | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor of ``folder`` as this rank's slice of it (safetensors: only the slice is read);
+    with ``stage``, only the tensors of that pipeline stage."""
     for file in weight_files(folder):
         if file.suffix != ".safetensors":  # PyTorch .bin files have no partial reads: read, then cut
             for name, tensor in iter_weights(folder):
+                if stage is not None and not stage.holds(name, architecture):
+                    continue
                 split = split_of(name, layout, tensor.dim(), architecture)
                 yield name, tensor if split is None else _cut(tensor, *split)
             return
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if stage is not None and not stage.holds(name, architecture):
+                    continue
                 piece = f.get_slice(name)
                 split = split_of(name, layout, len(piece.get_shape()), architecture)
                 if split is None:
@@ -183,15 +215,19 @@ def shard_weights(folder: Path, layout: ShardLayout, architecture: str) -> Itera
                 yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
-def load_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup, dummy_seed: int | None = None) -> CausalLM:
-    """Build this rank's model and read its weights (``dummy_seed``: random weights, nothing read)."""
+def load_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup, dummy_seed: int | None = None,
+               stage: Stage | None = None, rank: int | None = None) -> CausalLM:
+    """Build this rank's model and read its weights (``dummy_seed``: random weights, nothing read); with
+    ``stage``, only what that pipeline stage holds. ``rank``: the rank among every stage's (seeds dummy weights)."""
     model = build_shard(cfg, layout, group)
+    if stage is not None:
+        keep_stage(model, stage.start, stage.stop, stage.first)
     if dummy_seed is not None:
         from tapllm.loader.dummy import fill_dummy_weights
 
-        fill_dummy_weights(model, dummy_seed + layout.rank)
+        fill_dummy_weights(model, dummy_seed + (layout.rank if rank is None else rank))
     else:
-        model.load_weights(shard_weights(cfg.path, layout, cfg.architecture))
+        model.load_weights(shard_weights(cfg.path, layout, cfg.architecture, stage))
     model.eval()
     return model
 

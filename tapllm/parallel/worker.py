@@ -28,19 +28,19 @@ import torch.distributed as dist
 from tapllm.backends import Backend
 from tapllm.config import ModelConfig
 from tapllm.parallel.backend import prepare_shard, shard_backend
-from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown
+from tapllm.parallel.ranks import Ranks, forward_stage, join
 from tapllm.parallel.shard_tap import ShardTap, StepSteering
-from tapllm.parallel.sharding import layout_for, load_shard, weight_bytes
+from tapllm.parallel.sharding import Stage, layout_for, load_shard, weight_bytes
 
 
 @dataclass(slots=True)
 class WorkerArgs:
     """What a worker process is started with."""
 
-    rank: int
-    size: int
+    rank: int  # among every stage's ranks: stage ``rank // size``, its rank ``rank % size`` there
+    size: int  # ranks of each stage (tensor_parallel_size)
     port: int
     model_config: ModelConfig
     dummy_seed: int | None  # load_format="dummy": random weights from this seed
@@ -50,6 +50,7 @@ class WorkerArgs:
     enforce_eager: bool  # with ``backend``: the engine's choice of forward path (shard_backend)
     backend: str
     host: str = "127.0.0.1"  # where rank 0 serves the group's TCPStore
+    stages: int = 1  # pipeline_parallel_size
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -76,17 +77,18 @@ def serve_rank(args: WorkerArgs, conn: Connection) -> int:
     try:
         conn.send(("hello", os.getpid()))
         store = dist.TCPStore(args.host, args.port, None, False, timeout=timedelta(seconds=args.timeout_s))
-        group = TPGroup(store, args.rank, args.size, args.timeout_s)
+        ranks = join(store, args.model_config, args.rank, args.size, args.stages, args.timeout_s)
+        group = ranks.group
         if args.parent_pid is not None:
             group.gone = lambda: "rank 0 exited" if os.getppid() != args.parent_pid else None
-        layout = layout_for(args.model_config, args.rank, args.size)
-        model = load_shard(args.model_config, layout, group, args.dummy_seed)
+        layout = layout_for(args.model_config, args.rank % args.size, args.size)
+        model = load_shard(args.model_config, layout, group, args.dummy_seed, ranks.stage, args.rank)
         own = weight_bytes(model)  # before packing: the packed copies are not parameters
         backend = shard_backend(torch.device("cpu"), args.model_config.dtype, args.size, args.enforce_eager,
                                 args.backend)
         prepare_shard(model, backend)
         conn.send(("ready", (own, backend.describe())))
-        _serve(conn, args, model, layout, group, backend)
+        _serve(conn, args, model, layout, ranks, backend)
     except BaseException:  # noqa: BLE001 - whatever it was, rank 0 hears it before this rank exits
         try:
             conn.send(("error", traceback.format_exc()))
@@ -96,10 +98,11 @@ def serve_rank(args: WorkerArgs, conn: Connection) -> int:
     return 0
 
 
-def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: ShardLayout, group: TPGroup,
+def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: ShardLayout, ranks: Ranks,
            backend: Backend) -> None:
     """Join rank 0's calls until it says to stop, closes the pipe, or dies."""
     kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+    group, first = ranks.group, ranks.stage is None or ranks.stage.first
     while True:
         if not conn.poll(1.0):
             if args.parent_pid is not None and os.getppid() != args.parent_pid:
@@ -115,22 +118,36 @@ def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: S
             if isinstance(msg, Forward):
                 if msg.kernels:
                     msg.meta.attn = backend.attention
+                if ranks.stage is not None:
+                    forward_stage(msg, model, kv, layout, ranks, conn)
+                    continue
                 tap = ShardTap(StepSteering(msg.steer_ops, msg.pattern_layers), layout, group, msg.gathered,
                                msg.layers, msg.pattern_layers, msg.from_rank0)
                 model(msg.input_ids, msg.positions, kv, msg.meta, tap, num_layers=msg.num_layers)
             elif isinstance(msg, Logits):
-                model.compute_logits(msg.hidden)
+                if first:  # the head is stage 0's
+                    model.compute_logits(msg.hidden)
             elif isinstance(msg, Lens):
-                model.lens_logits(msg.point, msg.x)
+                if first:
+                    model.lens_logits(msg.point, msg.x)
             elif isinstance(msg, CopyBlocks):
                 _copy_blocks(kv, msg.copies)
             elif isinstance(msg, InitCache):
-                shape = (layout.kv_heads, msg.num_blocks + 1, msg.block_size, layout.head_dim)
-                dtype = args.model_config.dtype
-                kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                      for _ in range(args.model_config.num_layers)]
+                kv = kv_cache(args.model_config, layout, ranks.stage, msg.num_blocks, msg.block_size)
             else:
                 raise TypeError(f"unknown message {type(msg).__name__}")
+
+
+def kv_cache(cfg: ModelConfig, layout: ShardLayout, stage: Stage | None, num_blocks: int, block_size: int
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A rank's KV cache: its KV heads of every block its stage holds (``[kv_heads, num_blocks + 1, block_size,
+    head_dim]``, the last block the padding one), and an empty pair (no heads) for every other block."""
+    out = []
+    for i in range(cfg.num_layers):
+        heads = layout.kv_heads if stage is None or stage.start <= i < stage.stop else 0
+        shape = (heads, num_blocks + 1, block_size, layout.head_dim)
+        out.append((torch.zeros(shape, dtype=cfg.dtype), torch.zeros(shape, dtype=cfg.dtype)))
+    return out
 
 
 def _copy_blocks(kv: list[tuple[torch.Tensor, torch.Tensor]], copies: list[tuple[int, int]]) -> None:

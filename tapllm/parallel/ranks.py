@@ -1,0 +1,122 @@
+"""Where a rank sits among every rank of an engine: its stage, its tensor-parallel group, its link to
+the other stages; and a step's forward as each rank runs it under pipeline parallelism.
+
+Ranks are numbered stage by stage: rank ``r`` is rank ``r % tp`` of stage ``r // tp``'s tensor-parallel
+group (``tp`` = ``tensor_parallel_size``), so rank 0, the engine's process, is stage 0's first rank.
+Without pipeline parallelism there is one stage and no link, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tapllm.config import ModelConfig
+from tapllm.parallel.group import TPGroup
+from tapllm.parallel.layout import ShardLayout, stage_layers
+from tapllm.parallel.messages import Forward
+from tapllm.parallel.pipeline import StageLink, final_norm, run_stage
+from tapllm.parallel.relay import RelayTap, serve_stage
+from tapllm.parallel.shard_tap import ShardTap, StepSteering
+from tapllm.parallel.sharding import Stage
+
+
+@dataclass(slots=True)
+class Ranks:
+    """One rank's place: ``rank`` among all, ``tp`` ranks a stage, the stage's blocks (None: one stage), its
+    group, and the link between stages (None: one stage)."""
+
+    rank: int
+    tp: int
+    stages: list[tuple[int, int]]
+    group: TPGroup
+    link: StageLink | None
+
+    @property
+    def stage_index(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def stage(self) -> Stage | None:
+        if len(self.stages) == 1:
+            return None
+        start, stop = self.stages[self.stage_index]
+        return Stage(start, stop, self.stage_index == 0)
+
+    def holds(self, layer: int) -> bool:
+        """Whether this rank's stage holds block ``layer``."""
+        start, stop = self.stages[self.stage_index]
+        return start <= layer < stop
+
+
+def join(store: dist.Store, cfg: ModelConfig, rank: int, tp: int, pp: int, timeout_s: float) -> Ranks:
+    """Join the groups of ``tp`` x ``pp`` ranks (collective: every rank calls it): this rank's stage's
+    tensor-parallel group and, with ``pp`` > 1, the link between stages."""
+    stages = stage_layers(cfg.num_layers, pp)
+    if pp == 1:
+        return Ranks(rank, tp, stages, TPGroup(store, rank, tp, timeout_s), None)
+    group = TPGroup(dist.PrefixStore(f"stage{rank // tp}", store), rank % tp, tp, timeout_s)
+    link = StageLink(store, rank, tp * pp, cfg.hidden_size, cfg.dtype)
+    return Ranks(rank, tp, stages, group, link)
+
+
+def _depth(msg_layers: int | None, num_layers: int) -> int:
+    return num_layers if msg_layers is None else min(msg_layers, num_layers)
+
+
+def forward_stage(msg: Forward, model: Any, kv: list[Any], layout: ShardLayout, ranks: Ranks,
+                  conn: Connection) -> None:
+    """A worker's part of one step under pipeline parallelism: its stage's blocks, from the residual the
+    rank before it in the pipeline sends, on to the rank after it (or, from the stage that runs the step's
+    last block, back to rank 0); a stage's first rank relays what the step's tap captures to rank 0."""
+    s, tp = ranks.stage_index, ranks.tp
+    start, stop = ranks.stages[s]
+    depth = _depth(msg.num_layers, len(model.layers))
+    if start >= depth:  # the step stops before this stage's blocks
+        return
+    stop = min(stop, depth)
+    relay = s > 0 and ranks.rank % tp == 0
+    inner = RelayTap(msg.steer_ops, msg.pattern_layers, conn, msg.relayed, msg.from_rank0) if relay else \
+        StepSteering(msg.steer_ops, msg.pattern_layers)
+    tap = ShardTap(inner, layout, ranks.group, msg.gathered, msg.layers, msg.pattern_layers, msg.from_rank0)
+    x = None if s == 0 else ranks.link.recv(msg.input_ids.shape[0], ranks.rank - tp)
+    y = run_stage(model, msg.input_ids, msg.positions, kv, msg.meta, tap, start, stop, x,
+                  inner.progress if relay else None)
+    tap.raise_held()
+    last = stop == depth
+    if not last:
+        ranks.link.send(y, ranks.rank + tp)
+    if relay:
+        inner.done(y if last else None)
+
+
+def forward_rank0(model: Any, ranks: Ranks, conns: list[Connection], alive: Callable[[], None], timeout_s: float,
+                  input_ids: torch.Tensor, positions: torch.Tensor, kv: list[Any], meta: Any, tap: ShardTap,
+                  num_layers: int | None) -> torch.Tensor | None:
+    """Rank 0's part of one step under pipeline parallelism: stage 0's blocks, then each later stage's taps
+    (:func:`~tapllm.parallel.relay.serve_stage`) until the residual comes back; the final norm on it.
+    ``conns``: the connections of ranks 1.. in rank order; ``alive`` raises if a worker is gone; a later
+    stage silent for ``timeout_s`` is taken for hung."""
+    total = len(model.layers)
+    depth = _depth(num_layers, total)
+    tp = ranks.tp
+    stop = min(ranks.stages[0][1], depth)
+    x = run_stage(model, input_ids, positions, kv, meta, tap, 0, stop, None)
+    if stop < depth:
+        sent = ranks.link.send(x, tp, wait=False)  # waited for once stage 1 is done: a hung stage 1 is found below
+        for s, (start, _) in enumerate(ranks.stages[1:], start=1):
+            if start >= depth:
+                break
+            out = serve_stage(conns[s * tp - 1], tap, alive, s * tp, timeout_s)
+            if s == 1:
+                sent()
+            if out is not None:
+                x = out
+    if depth < total:
+        return None
+    return final_norm(model, tap, x)

@@ -1,0 +1,263 @@
+"""Pipeline parallelism on the CPU: PP 2 and TP 2 x PP 2 give what one process gives.
+
+Greedy tokens identical; states at every point kind within 1e-5 in float32, in blocks of either
+stage; steering at residual and sharded points of both stages, SAE features and feature steering
+(rank 0 steers a later stage's point), the logit lens, chunked prefill, prefix-cache hits,
+preemption, steps that stop before the last stage, seeded sampling with n > 1, every registered
+family, and a random schedule of mixed requests against each request alone. A rank of a later
+stage that dies makes the engine raise a clear error quickly, and no worker is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import random_prompts
+from helpers import assert_close, greedy
+from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
+from tapllm.parallel import TensorParallelError
+from tapllm.parallel.layout import stage_layers
+from tapllm.tap.points import POINTS
+from test_tensor_parallel import FAMILIES, _same, family_folders  # noqa: F401 - a fixture
+
+ENGINE = dict(dtype="float32", kv_cache_blocks=96, max_num_batched_tokens=32)
+SPLITS = {"pp2": dict(pipeline_parallel_size=2), "tp2pp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2)}
+
+
+@pytest.fixture(scope="module")
+def one(tiny_models):
+    return LLM(tiny_models["llama"], enforce_eager=True, **ENGINE)
+
+
+@pytest.fixture(scope="module", params=list(SPLITS))
+def split(request, tiny_models):
+    llm = LLM(tiny_models["llama"], **SPLITS[request.param], **ENGINE)
+    yield llm
+    llm.close()
+
+
+def test_every_point_token_and_logprob_equal_one_process(one, split):
+    spec = HiddenStatesSpec(layers="all", points=list(POINTS), positions="all")
+    params = greedy(6, hidden_states=spec, logprobs=2)
+    prompts = random_prompts([5, 40, 11], seed=3)  # 40 > the budget of 32: chunked prefill
+    a, b = one.generate(prompts, params, use_tqdm=False), split.generate(prompts, params, use_tqdm=False)
+    _same(a, b, POINTS)
+    for x, y in zip(a, b):
+        for t, lx, ly in zip(x.outputs[0].token_ids, x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
+            assert set(lx) == set(ly) and abs(lx[t].logprob - ly[t].logprob) < 1e-5
+    tp = split.engine.runner.tp
+    assert tp.stages == [(0, 2), (2, 3)] and len(tp.procs) == tp.world - 1
+    assert "pipeline parallel: 2 stages" in split.describe()
+    # a later stage holds its blocks only: no embedding, no LM head
+    assert tp.weight_bytes[-1] < tp.weight_bytes[0] / 20
+
+
+def test_steering_in_both_stages(one, split):
+    g = torch.Generator().manual_seed(5)
+    hidden, head_dim = 64, 16
+
+    def v(n: int) -> torch.Tensor:
+        return torch.randn(n, generator=g)
+
+    steers = [  # blocks 0-1 are stage 0's, block 2 stage 1's
+        Steer(layers=[0, 2], point="resid_post", vector=v(hidden), scale=2.0),
+        Steer(layers=[2], point="attn_out", op="ablate", vector=v(hidden)),
+        Steer(layers=[2], point="z", vector=v(head_dim), scale=3.0, heads=[1, 2]),
+        Steer(layers=[2], point="mlp_post", op="scale", scale=0.0, neurons=[3, 64, 100]),
+        Steer(layers=[2], point="k", vector=v(head_dim), heads=[1]),
+        Steer(layers=[1], point="v", op="clamp", vector=v(head_dim), value=0.5),
+        Steer(layers=[2], point="q", op="scale", scale=1.5, heads=[0, 3], positions="generated"),
+    ]
+    points = ["resid_post", "z", "k", "mlp_post", "attn_pattern"]
+    spec = HiddenStatesSpec(layers="all", points=points, positions="all")
+    params = [greedy(6, steering=steers, hidden_states=spec), greedy(6)]  # a steered and a plain request
+    prompts = random_prompts([9, 14], seed=4)
+    _same(one.generate(prompts, params, use_tqdm=False), split.generate(prompts, params, use_tqdm=False), points)
+
+
+def test_sae_features_and_feature_steering_in_a_later_stage(one, split):
+    from tapllm import SAE
+    from tapllm.sae.model import SAEConfig
+
+    g = torch.Generator().manual_seed(21)
+    sae = SAE(SAEConfig("jumprelu", 64, 128, "resid_post", 2), torch.randn(64, 128, generator=g) * 0.3,
+              torch.randn(128, generator=g) * 0.1, torch.randn(128, 64, generator=g) * 0.1,
+              torch.randn(64, generator=g) * 0.1, threshold=torch.rand(128, generator=g) * 0.5)
+    steers = [Steer(op="add", sae=sae, features={5: 8.0, 9: -4.0}), Steer(op="clamp", sae=sae, features={3: 20.0})]
+    spec = HiddenStatesSpec(layers=[2], points=["resid_post"], sae=sae, features="all")
+    params = greedy(5, steering=steers, hidden_states=spec)
+    prompts = random_prompts([8, 13], seed=22)
+    a, b = one.generate(prompts, params, use_tqdm=False), split.generate(prompts, params, use_tqdm=False)
+    _same(a, b, ["resid_post"])
+    for x, y in zip(a, b):
+        assert_close(y.hidden_states.features.dense, x.hidden_states.features.dense, 1e-5)
+
+
+def test_lens_prefix_hits_and_seeded_samples(one, split):
+    prefix = random_prompts([32], seed=8)[0]
+    prompts = [prefix + [500, 600, 700], prefix + [800]]  # the second hits the first's cached blocks
+    spec = HiddenStatesSpec(layers=[0, -1], points=["resid_post", "z"], positions="generated", heads=[3],
+                            lens=3, reduce="mean")
+    sample = SamplingParams(max_tokens=5, temperature=1.0, seed=11, n=2, hidden_states=spec)
+    a = [o for p in prompts for o in one.generate([p], sample, use_tqdm=False)]
+    b = [o for p in prompts for o in split.generate([p], sample, use_tqdm=False)]
+    _same(a, b, ["resid_post", "z"])
+    for x, y in zip(a, b):
+        for point in x.hidden_states.lens:
+            assert torch.equal(x.hidden_states.lens[point].token_ids, y.hidden_states.lens[point].token_ids)
+            assert_close(y.hidden_states.lens[point].logprobs, x.hidden_states.lens[point].logprobs, 1e-5)
+
+
+def test_prompt_only_capture_stops_before_the_later_stage(one, split, monkeypatch):
+    """A step of prompt-only requests that capture block 0 only runs stage 0 (the later stage is not asked)."""
+    from tapllm.parallel import relay
+
+    served = []
+    serve = relay.serve_stage
+    monkeypatch.setattr("tapllm.parallel.ranks.serve_stage", lambda *a: served.append(a[3]) or serve(*a))
+    spec = HiddenStatesSpec(layers=[0], points=["resid_post", "z"], positions="all")
+    prompts = random_prompts([7, 12], seed=41)
+    _same(one.encode(prompts, spec, use_tqdm=False), split.encode(prompts, spec, use_tqdm=False), ["resid_post", "z"])
+    assert served == []
+    split.generate(prompts[:1], greedy(2), use_tqdm=False)
+    assert served and set(served) == {split.engine.runner.tp.size}  # stage 1's first rank
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_mixed_batch_equals_each_request_alone(one, split, seed):
+    """Requests of random lengths capturing, steering (at residual and sharded points, in either stage),
+    sampling or neither, run together (chunked, batched), each equal to its run alone in one process."""
+    rng = random.Random(seed)
+    dims = {"z": 16, "q": 16, "v": 16, "mlp_post": 128, "resid_post": 64, "attn_out": 64}
+    prompts, params = [], []
+    for i in range(6):
+        fields: dict = {}
+        kind = rng.choice(["plain", "capture", "steer", "both", "sample"])
+        if kind in ("capture", "both", "sample"):
+            point = rng.choice(["z", "v", "mlp_post", "resid_mid", "attn_pattern"])
+            fields["hidden_states"] = HiddenStatesSpec(layers=[rng.randrange(3)], points=[point],
+                                                       positions=rng.choice(["all", "generated", "prompt"]))
+        if kind in ("steer", "both"):
+            point = rng.choice(list(dims))
+            vec = torch.randn(dims[point], generator=torch.Generator().manual_seed(seed * 10 + i))
+            fields["steering"] = [Steer(layers=[rng.randrange(3)], point=point, vector=vec, scale=2.0,
+                                        op=rng.choice(["add", "ablate"]))]
+        temperature = 0.9 if kind == "sample" else 0.0
+        params.append(SamplingParams(max_tokens=rng.choice([2, 5, 9]), temperature=temperature, seed=i,
+                                     ignore_eos=True, **fields))
+        prompts.append(random_prompts([rng.choice([3, 9, 20, 37])], seed=100 * seed + i)[0])
+    alone = [one.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    together = split.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(alone, together):
+        _same([a], [b], list(a.hidden_states.points) if a.hidden_states is not None else None)
+
+
+def test_preemption_under_a_small_cache(tiny_models):
+    small = {**ENGINE, "kv_cache_blocks": 8, "max_num_batched_tokens": 24}
+    one = LLM(tiny_models["llama"], enforce_eager=True, **small)
+    two = LLM(tiny_models["llama"], pipeline_parallel_size=2, **small)
+    try:
+        params = greedy(20, hidden_states=HiddenStatesSpec(layers=[-1], points=["resid_post", "z"], positions="all"))
+        prompts = random_prompts([30, 26, 28, 22], seed=13)
+        _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False),
+              ["resid_post", "z"])
+        assert two.engine.scheduler.num_preemptions > 0
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_equals_one_process(family, family_folders):  # noqa: F811 - the fixture
+    """Every family at PP 2 (and, for a few, TP 2 x PP 2): tokens, states at residual and sharded points of
+    both stages, a steer at a residual and a sharded point."""
+    folder = family_folders[family]
+    one = LLM(folder, enforce_eager=True, **ENGINE)
+    hidden = one.engine.model_config.hidden_size
+    points = ["embed", "resid_post", "attn_out", "q", "k", "z", "mlp_post", "final"]
+    spec = HiddenStatesSpec(layers="all", points=points, positions="all")
+    steer = [Steer(layers=[1], point="resid_mid", vector=torch.ones(hidden), scale=0.5),
+             Steer(layers=[-1], point="mlp_post", op="scale", neurons=[1, 2, 100], scale=0.0)]
+    prompts = random_prompts([7, 40], seed=6)  # 40 > the budget of 32: chunked prefill
+    params = [greedy(5, hidden_states=spec), greedy(5, hidden_states=spec, steering=steer)]
+    expected = one.generate(prompts, params, use_tqdm=False)
+    splits = ["pp2", "tp2pp2"] if family in ("gemma3", "phi3", "gpt2", "olmo2") else ["pp2"]
+    for name in splits:
+        llm = LLM(folder, **SPLITS[name], **ENGINE)
+        try:
+            _same(expected, llm.generate(prompts, params, use_tqdm=False), points)
+        finally:
+            llm.close()
+
+
+def test_stage_split_and_fields_named(tiny_models):
+    assert stage_layers(3, 2) == [(0, 2), (2, 3)] and stage_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds the model's num_hidden_layers=3"):
+        LLM(tiny_models["llama"], pipeline_parallel_size=4, **ENGINE)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
+        LLM(tiny_models["llama"], pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 cannot be combined with quantization"):
+        LLM(tiny_models["llama"], pipeline_parallel_size=2, quantization="int8")
+
+
+def test_dead_rank_of_a_later_stage_is_a_clear_error_and_leaves_no_process(tiny_models):
+    llm = LLM(tiny_models["llama"], pipeline_parallel_size=2, **ENGINE)
+    procs = list(llm.engine.runner.tp.procs)
+    llm.generate(random_prompts([6], seed=1), greedy(3), use_tqdm=False)
+    os.kill(procs[0].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1"):
+        llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    with pytest.raises(TensorParallelError):
+        llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
+    llm.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_hung_rank_of_a_later_stage_times_out(tiny_models, monkeypatch):
+    monkeypatch.setenv("TAPLLM_TP_TIMEOUT_S", "3")
+    llm = LLM(tiny_models["llama"], pipeline_parallel_size=2, **ENGINE)
+    procs = list(llm.engine.runner.tp.procs)
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError, match="rank 1 sent nothing for 3 s"):
+            llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
+        assert time.monotonic() - start < 20
+    finally:
+        llm.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_an_error_in_a_later_stage_is_reported_with_its_rank(tiny_models):
+    llm = LLM(tiny_models["llama"], pipeline_parallel_size=2, tensor_parallel_size=2, **ENGINE)
+    procs = list(llm.engine.runner.tp.procs)
+    llm.engine.runner.tp.send(object())  # every worker raises on a message it does not know, then exits
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank [123]"):
+        llm.generate(random_prompts([6], seed=2), greedy(3), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    llm.close()
+    assert not any(p.is_alive() for p in procs)
+
+
+def test_command_line_flag(tiny_models, tmp_path):
+    import subprocess
+    import sys
+
+    ids = random_prompts([7], seed=30)[0]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": ids}) + "\n")
+    args = ["generate", "--model", str(tiny_models["llama"]), "--dtype", "float32", "--max-tokens", "5",
+            "--ignore-eos", "--quiet", "--pipeline-parallel-size", "2", "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl")]
+    proc = subprocess.run([sys.executable, "-m", "tapllm", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    one = LLM(tiny_models["llama"], dtype="float32").generate([ids], greedy(5), use_tqdm=False)[0]
+    assert json.loads((tmp_path / "out.jsonl").read_text())["token_ids"] == one.outputs[0].token_ids
