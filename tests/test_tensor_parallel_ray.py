@@ -104,6 +104,28 @@ def test_ray_ranks_equal_spawned_ranks_and_leave_nothing(cluster, tiny_models):
     assert ray.util.placement_group_table(pg)["state"] == "REMOVED"
 
 
+def test_a_pipeline_stage_on_ray_equals_a_spawned_one(cluster, tiny_models):
+    """PP 2: stage 1 (blocks 2..) as a Ray actor on the other node, its captures relayed to rank 0."""
+    engine = {**ENGINE, "tensor_parallel_size": 1, "pipeline_parallel_size": 2}
+    steers = [Steer(layers=[2], point="resid_mid", vector=torch.ones(64), scale=0.5),
+              Steer(layers=[2], point="z", vector=torch.linspace(-1, 1, 16), scale=3.0, heads=[1, 2])]
+    spec = HiddenStatesSpec(layers="all", points=POINTS, positions="all")
+    params = [greedy(5, hidden_states=spec), greedy(5, hidden_states=spec, steering=steers)]
+    prompts = random_prompts([7, 40], seed=16)
+    mp_llm = LLM(tiny_models["llama"], **engine)
+    try:
+        expected = mp_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        mp_llm.close()
+    ray_llm = LLM(tiny_models["llama"], distributed_executor_backend="ray", **engine)
+    try:
+        assert "pipeline parallel: 2 stages" in ray_llm.describe() and "Ray actors" in ray_llm.describe()
+        _same(expected, ray_llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        ray_llm.close()
+    _gone(ray_llm)
+
+
 def test_a_killed_actor_is_a_clear_error_naming_its_rank(cluster, tiny_models):
     llm = LLM(tiny_models["llama"], distributed_executor_backend="ray", **ENGINE)
     try:

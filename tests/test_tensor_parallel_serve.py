@@ -1,4 +1,4 @@
-"""Tensor parallelism behind the server and collect: ``tapllm serve --tensor-parallel-size 2`` answers as
+"""Tensor (and pipeline) parallelism behind the server and collect: ``tapllm serve --tensor-parallel-size 2`` answers as
 the same server at TP 1 (tokens, and states at residual and sharded points within 1e-5), ``collect``
 at TP 2 writes the dataset TP 1 writes, and a rank killed mid-generation makes the server answer 503
 naming it and exit by itself, leaving no process behind. Real server processes, real HTTP, real
@@ -68,7 +68,8 @@ def test_server_at_tp2_answers_as_at_tp1(tiny_models):
     """TP 2, and two data-parallel replicas of a TP 2 group (four ranks, two engine cores), answer as TP 1."""
     answers = {}
     for name, flags in (("tp1", ("--tensor-parallel-size", "1")), ("tp2", ("--tensor-parallel-size", "2")),
-                        ("dp2xtp2", ("--tensor-parallel-size", "2", "--data-parallel-size", "2"))):
+                        ("dp2xtp2", ("--tensor-parallel-size", "2", "--data-parallel-size", "2")),
+                        ("pp2", ("--pipeline-parallel-size", "2"))):
         server = Server(tiny_models["llama"], "--enable-hidden-states", "--enable-steering", "--api-key", KEY,
                         *flags)
         try:
@@ -77,7 +78,7 @@ def test_server_at_tp2_answers_as_at_tp1(tiny_models):
             server.stop()
         assert server.proc.returncode == 0, (name, server.proc.returncode)
     assert answers["tp1"][0][0] != answers["tp1"][2][0]  # the steer changed the text: the test can see a difference
-    for name in ("tp2", "dp2xtp2"):
+    for name in ("tp2", "dp2xtp2", "pp2"):
         for (text1, hs1), (text2, hs2) in zip(answers["tp1"], answers[name], strict=True):
             assert text2 == text1, name
             assert list(hs1.points) == SPEC["points"] and hs1["z"].shape[-2:] == (4, 16)
@@ -98,6 +99,8 @@ def test_collect_at_tp2_writes_the_tp1_dataset(tiny_models, tmp_path):
     assert one.metadata["num_shards"] > 1 and one.metadata["batch_invariant"] is True
     assert two.metadata["batch_invariant"] is False
     _assert_same_dataset(one, two)
+    assert _collect(model, inp, tmp_path / "pp2", *args, "--pipeline-parallel-size", "2") == 0
+    _assert_same_dataset(one, tapllm.datasets.open(tmp_path / "pp2"))
     left = [p.pid for p in _spawned_children(psutil.Process()) if p.pid not in before and _alive(p)]
     assert left == [], "collect left its tensor-parallel ranks running"
 
