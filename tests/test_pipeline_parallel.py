@@ -59,6 +59,34 @@ def test_every_point_token_and_logprob_equal_one_process(one, split):
     assert tp.weight_bytes[-1] < tp.weight_bytes[0] / 20
 
 
+def test_plan_equals_what_the_split_engine_holds(split, tiny_models):
+    """``plan_split(..., pipeline_parallel_size=2)``: each rank's weight bytes and rank 0's KV bytes are what
+    the running engine holds (counted on its loaded parameters and its cache)."""
+    from tapllm.parallel import plan_split
+
+    tp, runner = split.engine.runner.tp, split.engine.runner
+    plan = plan_split(tiny_models["llama"], tp.size, "float32", pipeline_parallel_size=2)
+    assert [r.weight_bytes for r in plan.ranks] == tp.weight_bytes
+    assert [r.stage for r in plan.ranks] == [r // tp.size for r in range(tp.world)]
+    held = sum(c.nbytes for pair in runner.kv_caches for c in pair)  # rank 0's: blocks 0 and 1 only
+    assert held == (runner.num_blocks + 1) * 16 * plan.ranks[0].kv_bytes_per_token
+    assert "stages: 0: blocks 0-1, 1: blocks 2-2" in str(plan)
+
+
+def test_70b_at_tp4_pp2_fits_80gb_gpus_planned_on_meta():
+    from tapllm.parallel import plan_split
+    from test_tp_plan import LLAMA_70B
+
+    plan = plan_split(LLAMA_70B, 4, "bfloat16", kv_tokens=8 * 8192, gpu_memory_gib=80, pipeline_parallel_size=2)
+    assert plan.tensor_parallel_size == 4 and len(plan.ranks) == 8 and plan.fits is True
+    assert [r.blocks for r in plan.ranks] == [(0, 40)] * 4 + [(40, 80)] * 4
+    assert all(r.weight_bytes <= plan.model_weight_bytes * (1 / 8 + 0.01) for r in plan.ranks)
+    assert all(r.kv_bytes_per_token == 2 * 40 * 2 * 128 * 2 for r in plan.ranks)  # 40 blocks, 2 KV heads, bf16
+    assert plan.ranks[0].weight_bytes > plan.ranks[4].weight_bytes  # stage 0 holds the embedding and head
+    with pytest.raises(ValueError, match="pipeline_parallel_size=81 exceeds"):
+        plan_split(LLAMA_70B, 1, pipeline_parallel_size=81)
+
+
 def test_steering_in_both_stages(one, split):
     g = torch.Generator().manual_seed(5)
     hidden, head_dim = 64, 16

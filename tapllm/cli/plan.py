@@ -11,9 +11,12 @@ import argparse
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``plan`` subcommand."""
-    p = sub.add_parser("plan", help="how a model splits over tensor-parallel ranks: bytes per rank (nothing loaded)")
+    p = sub.add_parser("plan", help="how a model splits over tensor-parallel ranks and pipeline stages: "
+                                         "bytes per rank (nothing loaded)")
     p.add_argument("model", metavar="MODEL_OR_CONFIG", help="model folder, or a config .json file")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="ranks (default 1)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                   help="stages of blocks, each split over --tensor-parallel-size ranks (default 1)")
     p.add_argument("--dtype", default="auto",
                    help="auto (the checkpoint's declared dtype) | float32 | bfloat16 | float16")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
@@ -33,5 +36,6 @@ def run(args: argparse.Namespace) -> int:
 
     print(plan_split(args.model, args.tensor_parallel_size, args.dtype, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, gpu_memory_gib=args.gpu_memory_gib,
-                     gpu_memory_utilization=args.gpu_memory_utilization))
+                     gpu_memory_utilization=args.gpu_memory_utilization,
+                     pipeline_parallel_size=args.pipeline_parallel_size))
     return 0

@@ -1,4 +1,4 @@
-"""A plan of a tensor-parallel split, made without reading or allocating any weight.
+"""A plan of a tensor- (and pipeline-) parallel split, made without reading or allocating any weight.
 
 Each rank's shard is built exactly as a running rank builds it (the family's own model code from
 the rank's local config, :func:`~tapllm.parallel.sharding.build_shard`), but on PyTorch's meta
@@ -22,7 +22,8 @@ import torch
 
 from tapllm.config import ModelConfig, resolve_dtype
 from tapllm.models import build_model
-from tapllm.parallel.layout import ShardLayout
+from tapllm.parallel.layout import ShardLayout, stage_layers
+from tapllm.parallel.pipeline import keep_stage
 from tapllm.parallel.sharding import build_shard, kv_bytes_per_token, layout_for, weight_bytes, weight_bytes_by_dtype
 from tapllm.utils.dtypes import dtype_name
 
@@ -33,14 +34,17 @@ DEFAULT_MEMORY_UTILIZATION = 0.9  # the engine's (and vLLM's) default share of a
 class RankPlan:
     """What one rank holds: its part of each split dimension and its bytes."""
 
-    layout: ShardLayout
+    layout: ShardLayout  # its part of its stage's tensor-parallel split
     weight_bytes_by_dtype: dict[torch.dtype, int]
     buffer_bytes: int  # non-parameter tensors of the modules (rotary tables): on the device too
-    kv_bytes_per_token: int  # K and V of one token, every block, this rank's KV heads
+    kv_bytes_per_token: int  # K and V of one token, every block its stage holds, this rank's KV heads
+    stage: int = 0  # its pipeline stage
+    blocks: tuple[int, int] | None = None  # the blocks [start, stop) its stage holds (None: every block)
 
     @property
     def rank(self) -> int:
-        return self.layout.rank
+        """Its rank among all (stage by stage, as the engine numbers them)."""
+        return self.stage * self.layout.size + self.layout.rank
 
     @property
     def weight_bytes(self) -> int:
@@ -63,10 +67,11 @@ class SplitPlan:
     kv_tokens: int
     gpu_memory_bytes: int | None = None
     gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
+    pipeline_parallel_size: int = 1
 
     @property
     def tensor_parallel_size(self) -> int:
-        return len(self.ranks)
+        return len(self.ranks) // self.pipeline_parallel_size
 
     def kv_bytes(self, rank: int = 0) -> int:
         """Bytes of rank ``rank``'s KV cache for ``kv_tokens`` tokens."""
@@ -99,27 +104,33 @@ class SplitPlan:
         return max(0, budget - r.weight_bytes - r.buffer_bytes) // r.kv_bytes_per_token
 
     def __str__(self) -> str:
-        lay, n = self.ranks[0].layout, self.tensor_parallel_size
+        lay, n, pp = self.ranks[0].layout, len(self.ranks), self.pipeline_parallel_size
         lines = [
-            f"plan: {self.model} ({self.architecture}), {dtype_name(self.dtype)}, tensor_parallel_size={n}",
+            f"plan: {self.model} ({self.architecture}), {dtype_name(self.dtype)}, tensor_parallel_size="
+            f"{self.tensor_parallel_size}" + (f", pipeline_parallel_size={pp}" if pp > 1 else ""),
             f"model: {self.num_layers} blocks, hidden {self.hidden_size}; weights {_gb(self.model_weight_bytes)} "
             f"in one process",
             f"per rank: {lay.parts_text()}",
         ]
+        if pp > 1:
+            stages = sorted({(r.stage, r.blocks) for r in self.ranks if r.blocks is not None})
+            lines.append("stages: " + ", ".join(f"{s}: blocks {a}-{b - 1}" for s, (a, b) in stages)
+                         + " (stage 0 also holds the embedding, final norm and LM head)")
         budget = self.budget_bytes
         fit_head = "" if budget is None else (
             f"  fits {self.gpu_memory_bytes / 2**30:g} GiB x {self.gpu_memory_utilization:g} = {_gb(budget)}")
-        lines.append(f"{'rank':>4}  {'weights':>10}  {'buffers':>9}  {'KV/token':>10}  "
+        staged = pp > 1
+        lines.append(f"{'rank':>4}  {'stage  ' if staged else ''}{'weights':>10}  {'buffers':>9}  {'KV/token':>10}  "
                      f"{f'KV x {self.kv_tokens} tokens':>22}  {'total':>10}{fit_head}")
         for i, r in enumerate(self.ranks):
             fit = "" if budget is None else ("  yes" if self.rank_bytes(i) <= budget else "  NO")
-            lines.append(f"{r.rank:>4}  {_gb(r.weight_bytes):>10}  {_gb(r.buffer_bytes):>9}  "
+            lines.append(f"{i:>4}  {f'{r.stage:>5}  ' if staged else ''}{_gb(r.weight_bytes):>10}  {_gb(r.buffer_bytes):>9}  "
                          f"{r.kv_bytes_per_token:>8} B  {_gb(self.kv_bytes(i)):>22}  "
                          f"{_gb(self.rank_bytes(i)):>10}{fit}")
         weights = max(self.ranks, key=lambda r: r.weight_bytes)
         by_dtype = ", ".join(f"{dtype_name(d)} {_gb(b)}" for d, b in weights.weight_bytes_by_dtype.items())
         share = max(r.weight_bytes for r in self.ranks) / self.model_weight_bytes
-        lines.append(f"weights per rank: {by_dtype}; {share:.4f} of the model's (1/{n} = {1 / n:.4f})")
+        lines.append(f"weights per rank (the largest): {by_dtype}; {share:.4f} of the model's (1/{n} = {1 / n:.4f})")
         room = self.kv_tokens_that_fit()
         if room is not None:
             lines.append(f"KV room per rank next to the weights: {room} tokens; "
@@ -134,8 +145,10 @@ def _gb(n: int) -> str:
 def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype = "auto", *,
                max_model_len: int | None = None, max_num_seqs: int = 1, kv_tokens: int | None = None,
                gpu_memory_gib: float | None = None,
-               gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION) -> SplitPlan:
-    """Plan ``config``'s model over ``tensor_parallel_size`` ranks, each rank's shard built on the meta device.
+               gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
+               pipeline_parallel_size: int = 1) -> SplitPlan:
+    """Plan ``config``'s model over ``tensor_parallel_size`` x ``pipeline_parallel_size`` ranks, each rank's
+    shard built on the meta device.
 
     Args:
         config: a model folder or its ``config.json`` (any ``.json`` file holding a config), a dict
@@ -148,6 +161,9 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
         kv_tokens: ... unless this many tokens are given.
         gpu_memory_gib, gpu_memory_utilization: a rank's device memory and the share of it weights,
             buffers and the KV cache may fill; ``fits`` says whether every rank's do.
+        pipeline_parallel_size: stages of blocks (``ValueError`` when more than the blocks), each
+            stage's blocks split over ``tensor_parallel_size`` ranks; stage 0 also holds the embedding,
+            the final norm and the LM head (as the engine splits them).
     """
     size = tensor_parallel_size
     if size < 1:
@@ -156,19 +172,26 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     cfg = _model_config(config, dtype)
     layouts = [layout_for(cfg, r, size) for r in range(size)]  # checks the model can be split first
+    stages = stage_layers(cfg.num_layers, pipeline_parallel_size)  # and that its blocks can
     ranks: list[RankPlan] = []
-    built: dict[tuple[int, int, int, int], tuple[dict[torch.dtype, int], int]] = {}
+    built: dict[tuple[int, ...], tuple[dict[torch.dtype, int], int]] = {}
     with torch.device("meta"):
         whole = weight_bytes(build_model(cfg))
-        for layout in layouts:
-            # A shard's modules depend only on its local sizes, equal on every rank of an even split:
-            # ranks with the same sizes share one build's counts (an uneven split builds each size once).
-            key = (layout.heads, layout.kv_heads, layout.neurons, layout.vocab)
-            if key not in built:
-                shard = build_shard(cfg, layout, None)
-                built[key] = (weight_bytes_by_dtype(shard), sum(b.numel() * b.element_size() for b in shard.buffers()))
-            by_dtype, buffers = built[key]
-            ranks.append(RankPlan(layout, by_dtype, buffers, kv_bytes_per_token(cfg, layout)))
+        for s, (start, stop) in enumerate(stages):
+            for layout in layouts:
+                # A shard's modules depend only on its local sizes (and blocks), equal on every rank of an
+                # even split: ranks with the same sizes share one build's counts (an uneven split builds
+                # each size once).
+                key = (layout.heads, layout.kv_heads, layout.neurons, layout.vocab, start, stop)
+                if key not in built:
+                    shard = build_shard(cfg, layout, None)
+                    if len(stages) > 1:
+                        keep_stage(shard, start, stop, s == 0)
+                    built[key] = (weight_bytes_by_dtype(shard),
+                                  sum(b.numel() * b.element_size() for b in shard.buffers()))
+                by_dtype, buffers = built[key]
+                kv = kv_bytes_per_token(cfg, layout) * (stop - start) // cfg.num_layers
+                ranks.append(RankPlan(layout, by_dtype, buffers, kv, s, (start, stop) if len(stages) > 1 else None))
     if kv_tokens is None:
         kv_tokens = max_num_seqs * (max_model_len or cfg.max_model_len)
     if kv_tokens < 0:
@@ -177,7 +200,7 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
         model=cfg.path.name or str(cfg.path), architecture=cfg.architecture, dtype=cfg.dtype,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ranks=tuple(ranks), model_weight_bytes=whole,
         kv_tokens=kv_tokens, gpu_memory_bytes=None if gpu_memory_gib is None else int(gpu_memory_gib * 2**30),
-        gpu_memory_utilization=gpu_memory_utilization)
+        gpu_memory_utilization=gpu_memory_utilization, pipeline_parallel_size=pipeline_parallel_size)
 
 
 def _model_config(config: Any, dtype: str | torch.dtype) -> ModelConfig:
