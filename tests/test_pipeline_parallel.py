@@ -59,6 +59,30 @@ def test_every_point_token_and_logprob_equal_one_process(one, split):
     assert tp.weight_bytes[-1] < tp.weight_bytes[0] / 20
 
 
+def test_two_batches_in_flight_and_the_synchronous_pipeline(one, split, tiny_models, monkeypatch):
+    """Stage 0 starts a batch while stage 1 runs the one before (the engine's queue holds two), and the
+    synchronous pipeline (``async_scheduling=False``: stages take turns on one batch) gives the same."""
+    from tapllm.engine.step_loop import StepLoop
+
+    loop = split.engine.loop
+    assert loop.depth == 2 and split.engine.scheduler.pipelined
+    depths = []
+    take = StepLoop._take
+    monkeypatch.setattr(StepLoop, "_take", lambda self, step: depths.append(len(self.queue)) or take(self, step))
+    spec = HiddenStatesSpec(layers=[1, 2], points=["resid_post", "z"], positions="all")
+    prompts = random_prompts([5, 9, 3, 17, 8, 12], seed=51)
+    params = [greedy(7, hidden_states=spec), greedy(4), greedy(9, hidden_states=spec)] * 2
+    expected = one.generate(prompts, params, use_tqdm=False)
+    _same(expected, split.generate(prompts, params, use_tqdm=False), ["resid_post", "z"])
+    assert max(depths) >= 1  # a batch was still in flight when another was taken
+    sync = LLM(tiny_models["llama"], pipeline_parallel_size=2, async_scheduling=False, **ENGINE)
+    try:
+        assert sync.engine.loop.depth == 1 and not sync.engine.scheduler.pipelined
+        _same(expected, sync.generate(prompts, params, use_tqdm=False), ["resid_post", "z"])
+    finally:
+        sync.close()
+
+
 def test_plan_equals_what_the_split_engine_holds(split, tiny_models):
     """``plan_split(..., pipeline_parallel_size=2)``: each rank's weight bytes and rank 0's KV bytes are what
     the running engine holds (counted on its loaded parameters and its cache)."""

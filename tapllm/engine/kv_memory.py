@@ -1,7 +1,7 @@
 """Handing memory back once an engine is idle: the KV cache's free blocks, and the heap.
 
 On CPU the cache is an anonymous private mapping whose pages become resident as blocks are
-first written (``model_runner._zeros``), so after a burst of requests it holds the pages of
+first written (``kv_alloc.cache_zeros``), so after a burst of requests it holds the pages of
 every block the burst touched, long after the requests are gone. :func:`release_free_blocks`
 drops the pages of blocks no request holds (``madvise(MADV_DONTNEED)``): they read as zeros, as
 a fresh cache does, and become resident again only when a request writes them.

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import time
 import torch
 
@@ -20,6 +18,8 @@ from tapllm.engine.cuda_graphs import GraphOutputs
 from tapllm.engine.graph_memory import graph_step_bytes
 from tapllm.engine.graph_step import GraphStep
 from tapllm.engine.launched_step import Deliver, LaunchedStep, StepResult
+from tapllm.engine.kv_alloc import cache_zeros
+from tapllm.engine.pipelined_step import PipelinedStep
 from tapllm.engine.staging import Download, Staging
 from tapllm.engine.step_inputs import StepBatch, StepLayout, lay_out, upload, upload_graph
 from tapllm.engine.step_tap import StepTap
@@ -51,31 +51,6 @@ def default_kv_cache_bytes() -> float:
     return 2e9 if available is None else min(DEFAULT_KV_SHARE * available, DEFAULT_KV_MAX_BYTES)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, commit: bool = False) -> torch.Tensor:
-    """A zero-filled cache tensor; on CPU its pages become resident only when first written,
-    unless ``commit``: then they are written now (``kv_cache_precommit``).
-
-    The cache must start as zeros (masked slots are multiplied by zero probabilities, and
-    garbage could be NaN). An anonymous ``mmap`` gives untouched zero pages, so a large cache
-    costs memory only as far as requests fill it (``torch.zeros`` would write, and so commit,
-    the whole size up front). Transparent huge pages are refused for it: a cache is touched a
-    4 KiB block here and there, and with 2 MiB pages (what numpy's ``zeros`` asks for) the
-    first prefill of a batch of 16 committed 440 MB instead of 205 MB.
-    """
-    if device.type != "cpu" or 0 in shape:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        buffer.madvise(mmap.MADV_NOHUGEPAGE)
-    # frombuffer keeps ``buffer`` alive for as long as the tensor lives.
-    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
-    if commit:
-        # Writing faults the pages in on every torch thread (MAP_POPULATE faults on one).
-        flat.zero_()
-    return flat.view(dtype).view(shape)
-
-
 class ModelRunner:
     """Loads weights, allocates the paged KV cache and executes steps."""
 
@@ -103,7 +78,10 @@ class ModelRunner:
         # Off CPU, captured rows go to the host in one pinned, asynchronous copy per step.
         self.capture_sink = CopySink(staged=device.type != "cpu")
         self.token_counts = TokenCounts(model_config.vocab_size, device=device)  # penalty state of samples that need it
-        self.staging = Staging(device)  # the step's inputs: one upload
+        self.staging = Staging(device)  # the step's inputs: one upload (a graph step's)
+        # Pipeline stages: up to pipeline_parallel_size steps in flight, each with its own inputs (async_scheduling=False: one).
+        self.pipelined = engine_config.pipeline_parallel_size > 1 and engine_config.async_scheduling is not False
+        self.stagings = [self.staging] + [Staging(device) for _ in range(engine_config.pipeline_parallel_size - 1)]
         self.download = Download(device)  # the step's results: one download
         self.token_masks = MaskComputer()  # structured output
         self.num_blocks = self._num_blocks()
@@ -118,7 +96,7 @@ class ModelRunner:
         # this rank's KV heads of each block (none where another pipeline stage holds the block)
         heads = [self.tp.kv_heads(i) if self.tp is not None else model_config.num_kv_heads
                  for i in range(model_config.num_layers)]
-        self.kv_caches = [tuple(_zeros((h, self.num_blocks + 1, engine_config.block_size, model_config.head_dim),
+        self.kv_caches = [tuple(cache_zeros((h, self.num_blocks + 1, engine_config.block_size, model_config.head_dim),
                                        model_config.dtype, device, engine_config.kv_cache_precommit) for _ in "kv")
                           for h in heads]
         if self.tp is not None:
@@ -313,13 +291,18 @@ class ModelRunner:
             # requests stops there (their blocks are salted by that depth: see InputProcessor.prepare).
             depths = [it.request.depth for it in items]
             depth = None if None in depths else max(depths)
-            batch = upload(lay, self.staging, self.block_tables, attn=self.backend.attention,
+            self.stagings.append(staging := self.stagings.pop(0))  # one per step in flight
+            batch = upload(lay, staging, self.block_tables, attn=self.backend.attention,
                            prompt_lengths=self.model.needs_prompt_lengths, vocab_size=self.mcfg.vocab_size,
                            device=self.device, last_token=self.last_token, invariant=self.backend.batch_invariant)
             pending_mask = self._submit_masks(batch)
+            deliver = (lambda stopped: tap.finish()) if tap is not None else None
+            if self.pipelined:  # later pipeline stages finish it when its tokens are taken
+                rest = self.model.start(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, depth)
+                return PipelinedStep(items, list(batch.sampling.requests) if batch.sampling is not None else [],
+                                     lambda: self._planned(items, batch, rest(), None, deliver, pending_mask))
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, tap, num_layers=depth)
             logits = None
-            deliver = (lambda stopped: tap.finish()) if tap is not None else None
         return self._planned(items, batch, hidden, logits, deliver, pending_mask)
 
     def _graph_sampled(self, items: list[ScheduledItem], batch: StepBatch, out: GraphOutputs, deliver: Deliver

@@ -51,6 +51,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Pipeline stages with several steps in flight (engine/pipelined_step.py): a request whose token is
+        # on the way is not scheduled, nor preempted, until its step is taken.
+        self.pipelined = False
 
     def add(self, req: Request) -> None:
         """Queue a new request."""
@@ -67,17 +70,23 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending and len(req.output_token_ids) + req.num_pending >= req.max_tokens:
-                i += 1  # its token on the way is its last: nothing more to run (the host is a step ahead)
+            if req.num_pending and (self.pipelined or len(req.output_token_ids) + req.num_pending >= req.max_tokens):
+                i += 1  # its token on the way is its last (the host is a step ahead), or in a pipeline's batch
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.blocks.allocate(req, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
+            if n <= 0 and self.pipelined:  # all its tokens are in a batch in flight (an encode's last chunk)
+                i += 1
+                continue
+            room = True
+            while room and not self.blocks.allocate(req, n):
+                victim = self._victim(i)
+                room = victim is not None  # None: every later request is in flight, this one waits for them
+                if victim is not None:
+                    self._preempt(victim)
+                    out.preempted.append(victim)
                 if victim is req:
                     break
-            if req.status is not RequestStatus.RUNNING:
+            if not room or req.status is not RequestStatus.RUNNING:
                 break
             out.items.append(ScheduledItem(req, req.num_computed_tokens, n))
             budget -= n
@@ -112,6 +121,14 @@ class Scheduler:
             out.items.append(ScheduledItem(req, start, n))
             budget -= n
         return out
+
+    def _victim(self, first: int) -> Request | None:
+        """The running request to preempt: the latest admitted (not before index ``first``: those are
+        scheduled), with pipeline stages the latest that has no token on the way (None: there is none)."""
+        for j in range(len(self.running) - 1, first - 1, -1):
+            if not (self.pipelined and self.running[j].num_pending):
+                return self.running.pop(j)
+        return None
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free_request(req)

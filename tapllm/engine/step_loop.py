@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any, Protocol
 
 from tapllm.engine.launched_step import LaunchedStep, StepResult
@@ -54,24 +55,73 @@ class Engine(Protocol):
 class StepLoop:
     """Runs the engine's steps (see the module docstring)."""
 
-    def __init__(self, engine: Engine, ahead: bool) -> None:
+    def __init__(self, engine: Engine, ahead: bool, depth: int = 1) -> None:
         self.engine = engine
         self.ahead = ahead
         self.inflight: LaunchedStep | None = None
         self._early: list[Request] = []  # finished by taking the in-flight step early (a failing launch)
+        # Pipeline stages: up to ``depth`` steps in flight, on disjoint requests (engine/pipelined_step.py).
+        self.depth = depth
+        self.queue: deque[Any] = deque()
 
     def busy(self) -> bool:
         """True while a launched step's tokens have not been taken."""
-        return self.inflight is not None
+        return self.inflight is not None or bool(self.queue)
 
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it (see ``LLMEngine.step``)."""
+        if self.depth > 1:
+            return self._step_pipelined()
         e = self.engine
         finished: list[Request] = []
         self._early: list[Request] = []
         if self.inflight is not None and self._must_wait():
             finished += self._take(self.inflight)
             self.inflight = None
+        launched = self._schedule_and_launch(finished)
+        if self.inflight is not None:
+            finished += self._take(self.inflight)
+            self.inflight = None
+        if launched is not None:
+            launched.deliver({r for r in finished})
+            if self.ahead and launched.graph_sampled:
+                self.inflight = launched
+            else:
+                finished += self._take(launched)
+        return finished
+
+    def _step_pipelined(self) -> list[Request]:
+        """One step with pipeline stages: launch a batch of the requests with no token on the way, then take
+        the oldest batch in flight once ``depth`` are (or when nothing could be launched)."""
+        finished: list[Request] = []
+        self._early = []
+        running = self.engine.scheduler.running
+        # Grammar masks and logits controls are computed one step at a time: such batches run alone.
+        alone = any(r.grammar is not None or r.controls is not None for r in running)
+        if alone:
+            finished += self._drain()
+        launched = self._schedule_and_launch(finished)
+        if launched is not None and (alone or not getattr(launched, "pipelined", False)):
+            finished += self._drain()
+            finished += self._take(launched)
+        elif launched is not None:
+            self.queue.append(launched)
+        while len(self.queue) >= self.depth:
+            finished += self._take(self.queue.popleft())
+        if launched is None and self.queue:  # nothing could run: the requests of the oldest batch are needed
+            finished += self._take(self.queue.popleft())
+        return finished
+
+    def _drain(self) -> list[Request]:
+        """Take every pipelined step in flight, oldest first."""
+        finished: list[Request] = []
+        while self.queue:
+            finished += self._take(self.queue.popleft())
+        return finished
+
+    def _schedule_and_launch(self, finished: list[Request]) -> Any:
+        """Schedule a batch and launch it (None: nothing to run); requests that end before it go to ``finished``."""
+        e = self.engine
         sched = e.scheduler.schedule()
         for req in sched.preempted:  # its slot goes back: it takes one anew when it runs again
             e.runner.release(req)
@@ -87,16 +137,7 @@ class StepLoop:
                 it.request.times.scheduled = now
         launched = self._launch(sched.items) if sched.items else None
         finished += self._early
-        if self.inflight is not None:
-            finished += self._take(self.inflight)
-            self.inflight = None
-        if launched is not None:
-            launched.deliver({r for r in finished})
-            if self.ahead and launched.graph_sampled:
-                self.inflight = launched
-            else:
-                finished += self._take(launched)
-        return finished
+        return launched
 
     def _must_wait(self) -> bool:
         """Whether the next step needs the in-flight step's tokens on the host (module docstring)."""
@@ -118,6 +159,7 @@ class StepLoop:
             if self.inflight is not None:  # the halves must see every earlier token
                 self._early = self._take(self.inflight)
                 self.inflight = None
+            self._early += self._drain()
             result = self._isolated(items)
             launched = _Done(items, result)
         for it in items:

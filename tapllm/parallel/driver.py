@@ -37,7 +37,7 @@ from tapllm.parallel.backend import prepare_shard, shard_backend
 from tapllm.parallel.group import TensorParallelError, collective_timeout_s
 from tapllm.parallel.layout import ShardLayout, stage_layers
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
-from tapllm.parallel.ranks import forward_rank0, join
+from tapllm.parallel.ranks import join, start_rank0
 from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
 from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, load_shard, weight_bytes
 from tapllm.parallel.worker import WorkerArgs, run_worker
@@ -319,6 +319,13 @@ class DriverModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: Any,
                  tap: Tap | None = None, num_layers: int | None = None) -> torch.Tensor | None:
         """The step's forward on every rank; returns rank 0's final-norm hidden states (or None)."""
+        return self.start(input_ids, positions, kv_caches, meta, tap, num_layers)()
+
+    def start(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: Any,
+              tap: Tap | None = None, num_layers: int | None = None) -> Callable[[], torch.Tensor | None]:
+        """Start the step's forward on every rank; returns what finishes it (rank 0's final-norm hidden states,
+        or None). Without pipeline stages the forward is done before this returns; with them, stage 0's blocks
+        are, and later steps may start before this one is finished (steps finish in the order they started)."""
         self.forwards += 1
         inner = no_tap if tap is None else tap
         keys = set(getattr(tap, "targets", {}) or {})
@@ -334,16 +341,28 @@ class DriverModel:
         targets = getattr(tap, "targets", {}) or {}
         relayed = frozenset(k for k, (_, target) in targets.items() if target is not None)
         self.tp.send(Forward(input_ids, positions, sent, num_layers, steer_ops, gathered, layers, pattern_layers,
-                             from_rank0, kernels=meta.attn is not None, relayed=relayed))
+                             from_rank0, kernels=meta.attn is not None, relayed=relayed, seq=self.forwards))
         shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers, from_rank0)
         with self._joined("the forward"):
             if self.tp.pp == 1:
                 hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)
+                rest: Callable[[], torch.Tensor | None] = lambda: hidden
             else:
-                hidden = forward_rank0(self.shard, self.tp.ranks, self.tp.conns, self.tp.check_workers,
-                                       self.tp.timeout_s, input_ids, positions, kv_caches, meta, shard_tap, num_layers)
-        shard_tap.raise_held()
-        return hidden
+                rest = start_rank0(self.shard, self.tp.ranks, self.tp.conns, self.tp.check_workers, self.tp.timeout_s,
+                                   input_ids, positions, kv_caches, meta, shard_tap, num_layers, self.forwards)
+
+        def finish() -> torch.Tensor | None:
+            try:
+                with self._joined("the forward"):
+                    out = rest()
+            except TensorParallelError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - _joined broke the group: the engine's error, not a request's
+                raise TensorParallelError(f"tensor parallel group broken: {self.tp.group.broken}") from exc
+            shard_tap.raise_held()
+            return out
+
+        return finish
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` from the vocabulary-parallel head."""

@@ -59,6 +59,7 @@ class Forward:
     from_rank0: frozenset[tuple[str, int]] = frozenset()  # points rank 0 steers alone, then broadcasts
     kernels: bool = False  # rank 0's step attends with the backend's kernels (meta.attn was set)
     relayed: frozenset[tuple[str, int]] = frozenset()  # points rank 0's tap captures (another stage sends them)
+    seq: int = 0  # the step's number: tags its residual's sends between pipeline stages
 
 
 @dataclass(slots=True)

@@ -91,6 +91,10 @@ def final_norm(model: CausalLM, tap: Tap, x: torch.Tensor) -> torch.Tensor:
     return tap("final", PSEUDO_LAYER, model.norm(x))
 
 
+def _tag(seq: int) -> int:
+    return seq % (1 << 30)
+
+
 class StageLink:
     """The residual stream's sends between stages: point-to-point over a gloo group of every rank.
     Constructing it is collective (every rank of every stage)."""
@@ -102,12 +106,12 @@ class StageLink:
                                         timedelta(seconds=LINK_TIMEOUT_S))
         self.bytes_moved = 0
 
-    def send(self, x: torch.Tensor, dst: int, wait: bool = True) -> Callable[[], None]:
-        """Send the residual ``x`` ``[rows, hidden]`` to rank ``dst``; returns what waits for the send to end
-        (already waited for, unless ``wait`` is False)."""
+    def send(self, x: torch.Tensor, dst: int, seq: int, wait: bool = True) -> Callable[[], None]:
+        """Send the residual ``x`` ``[rows, hidden]`` of step ``seq`` to rank ``dst``; returns what waits for
+        the send to end (already waited for, unless ``wait`` is False)."""
         x = x.to(self.dtype).contiguous()
         self.bytes_moved += x.numel() * x.element_size()
-        work = self.pg.send([x], dst, 0)
+        work = self.pg.send([x], dst, _tag(seq))
 
         def done() -> None:
             self._wait(work, f"sending the residual to rank {dst}")
@@ -118,10 +122,10 @@ class StageLink:
             done()
         return done
 
-    def recv(self, rows: int, src: int) -> torch.Tensor:
-        """The residual ``[rows, hidden]`` rank ``src`` sends."""
+    def recv(self, rows: int, src: int, seq: int) -> torch.Tensor:
+        """The residual ``[rows, hidden]`` of step ``seq`` that rank ``src`` sends."""
         x = torch.empty(rows, self.hidden, dtype=self.dtype)
-        self._wait(self.pg.recv([x], src, 0), f"receiving the residual from rank {src}")
+        self._wait(self.pg.recv([x], src, _tag(seq)), f"receiving the residual from rank {src}")
         return x
 
     def _wait(self, work: dist.Work, what: str) -> None:

@@ -9,7 +9,7 @@ Without pipeline parallelism there is one stage and no link, as before.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -36,6 +36,7 @@ class Ranks:
     stages: list[tuple[int, int]]
     group: TPGroup
     link: StageLink | None
+    sends: list[Callable[[], None]] = field(default_factory=list)  # a worker's sends not yet waited for
 
     @property
     def stage_index(self) -> int:
@@ -65,6 +66,9 @@ def join(store: dist.Store, cfg: ModelConfig, rank: int, tp: int, pp: int, timeo
     return Ranks(rank, tp, stages, group, link)
 
 
+MAX_SENDS = 8  # a worker's sends in flight before it waits for the oldest
+
+
 def _depth(msg_layers: int | None, num_layers: int) -> int:
     return num_layers if msg_layers is None else min(msg_layers, num_layers)
 
@@ -84,22 +88,25 @@ def forward_stage(msg: Forward, model: Any, kv: list[Any], layout: ShardLayout, 
     inner = RelayTap(msg.steer_ops, msg.pattern_layers, conn, msg.relayed, msg.from_rank0) if relay else \
         StepSteering(msg.steer_ops, msg.pattern_layers)
     tap = ShardTap(inner, layout, ranks.group, msg.gathered, msg.layers, msg.pattern_layers, msg.from_rank0)
-    x = None if s == 0 else ranks.link.recv(msg.input_ids.shape[0], ranks.rank - tp)
+    x = None if s == 0 else ranks.link.recv(msg.input_ids.shape[0], ranks.rank - tp, msg.seq)
     y = run_stage(model, msg.input_ids, msg.positions, kv, msg.meta, tap, start, stop, x,
                   inner.progress if relay else None)
     tap.raise_held()
     last = stop == depth
-    if not last:
-        ranks.link.send(y, ranks.rank + tp)
+    if not last:  # not waited for: this rank goes on with the next step while the next stage takes it
+        ranks.sends.append(ranks.link.send(y, ranks.rank + tp, msg.seq, wait=False))
+        while len(ranks.sends) > MAX_SENDS:
+            ranks.sends.pop(0)()
     if relay:
         inner.done(y if last else None)
 
 
-def forward_rank0(model: Any, ranks: Ranks, conns: list[Connection], alive: Callable[[], None], timeout_s: float,
-                  input_ids: torch.Tensor, positions: torch.Tensor, kv: list[Any], meta: Any, tap: ShardTap,
-                  num_layers: int | None) -> torch.Tensor | None:
-    """Rank 0's part of one step under pipeline parallelism: stage 0's blocks, then each later stage's taps
-    (:func:`~tapllm.parallel.relay.serve_stage`) until the residual comes back; the final norm on it.
+def start_rank0(model: Any, ranks: Ranks, conns: list[Connection], alive: Callable[[], None], timeout_s: float,
+                input_ids: torch.Tensor, positions: torch.Tensor, kv: list[Any], meta: Any, tap: ShardTap,
+                num_layers: int | None, seq: int) -> Callable[[], torch.Tensor | None]:
+    """Rank 0's part of step ``seq`` under pipeline parallelism: stage 0's blocks now, the residual sent on;
+    returns what finishes the step (each later stage's taps, :func:`~tapllm.parallel.relay.serve_stage`, until
+    the residual comes back, then the final norm on it), which may run after later steps started.
     ``conns``: the connections of ranks 1.. in rank order; ``alive`` raises if a worker is gone; a later
     stage silent for ``timeout_s`` is taken for hung."""
     total = len(model.layers)
@@ -107,8 +114,12 @@ def forward_rank0(model: Any, ranks: Ranks, conns: list[Connection], alive: Call
     tp = ranks.tp
     stop = min(ranks.stages[0][1], depth)
     x = run_stage(model, input_ids, positions, kv, meta, tap, 0, stop, None)
-    if stop < depth:
-        sent = ranks.link.send(x, tp, wait=False)  # waited for once stage 1 is done: a hung stage 1 is found below
+    if stop >= depth:
+        return lambda: None if depth < total else final_norm(model, tap, x)
+    sent = ranks.link.send(x, tp, seq, wait=False)  # waited for once stage 1 is done (a hung one is found there)
+
+    def finish() -> torch.Tensor | None:
+        y = x
         for s, (start, _) in enumerate(ranks.stages[1:], start=1):
             if start >= depth:
                 break
@@ -116,7 +127,7 @@ def forward_rank0(model: Any, ranks: Ranks, conns: list[Connection], alive: Call
             if s == 1:
                 sent()
             if out is not None:
-                x = out
-    if depth < total:
-        return None
-    return final_norm(model, tap, x)
+                y = out
+        return None if depth < total else final_norm(model, tap, y)
+
+    return finish

@@ -80,7 +80,7 @@ def serve_stage(conn: Connection, tap: ShardTap, alive: Callable[[], None], rank
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             alive()
-            raise ConnectionError(f"pipeline rank {rank} closed its connection mid-step") from None
+            raise TensorParallelError(f"pipeline rank {rank} closed its connection mid-step") from None
         kind = msg[0]
         if kind == "tap":
             _, point, layer, x, reply = msg
