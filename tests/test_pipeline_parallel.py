@@ -83,6 +83,46 @@ def test_two_batches_in_flight_and_the_synchronous_pipeline(one, split, tiny_mod
         sync.close()
 
 
+def test_grammars_and_logits_controls_beside_plain_requests(one, split):
+    """A running request with a grammar or logits controls makes the pipeline take turns (its masks are
+    computed a step at a time); the tokens are one process's either way."""
+    params = [SamplingParams(max_tokens=6, temperature=0, structured_outputs={"regex": "[0-9]{3}-[a-z]+"}),
+              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={5: 3.0, 7: -100.0}),
+              greedy(8), greedy(5)]
+    prompts = random_prompts([6, 10, 7, 13], seed=61)
+    a, b = one.generate(prompts, params, use_tqdm=False), split.generate(prompts, params, use_tqdm=False)
+    _same(a, b)
+
+
+def test_large_relays_and_inputs_in_flight_do_not_block(one, tiny_models):
+    """Captures of later-stage points far larger than a pipe's buffer, long prompts (large step messages) and
+    rank-0 steers of a later stage's point, with batches in flight: every side keeps reading (no deadlock)."""
+    import threading
+
+    from tapllm import SAE
+    from tapllm.sae.model import SAEConfig
+
+    g = torch.Generator().manual_seed(71)
+    sae = SAE(SAEConfig("standard", 64, 32, "resid_post", 2), torch.randn(64, 32, generator=g) * 0.3,
+              torch.randn(32, generator=g) * 0.1, torch.randn(32, 64, generator=g) * 0.1, torch.zeros(64))
+    spec = HiddenStatesSpec(layers=[2], points=["resid_post", "mlp_post", "attn_pattern"], positions="all")
+    params = [greedy(4, hidden_states=spec), greedy(4, steering=[Steer(op="add", sae=sae, features={1: 4.0})]),
+              greedy(6, hidden_states=spec)] * 3
+    prompts = random_prompts([300, 260, 310, 280, 290, 250, 270, 305, 295], seed=72)
+    big = {**ENGINE, "kv_cache_blocks": 256, "max_num_batched_tokens": 1024}
+    expected = LLM(tiny_models["llama"], enforce_eager=True, **big).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_models["llama"], pipeline_parallel_size=2, **big)
+    got: list = []
+    worker = threading.Thread(target=lambda: got.extend(llm.generate(prompts, params, use_tqdm=False)), daemon=True)
+    try:
+        worker.start()
+        worker.join(180)
+        assert not worker.is_alive(), "the pipelined engine blocked"
+        _same(expected, got, ["resid_post", "mlp_post", "attn_pattern"])
+    finally:
+        llm.close()
+
+
 def test_plan_equals_what_the_split_engine_holds(split, tiny_models):
     """``plan_split(..., pipeline_parallel_size=2)``: each rank's weight bytes and rank 0's KV bytes are what
     the running engine holds (counted on its loaded parameters and its cache)."""
@@ -173,7 +213,7 @@ def test_prompt_only_capture_stops_before_the_later_stage(one, split, monkeypatc
 
     served = []
     serve = relay.serve_stage
-    monkeypatch.setattr("tapllm.parallel.ranks.serve_stage", lambda *a: served.append(a[3]) or serve(*a))
+    monkeypatch.setattr("tapllm.parallel.ranks.serve_stage", lambda *a: served.append(a[0].rank) or serve(*a))
     spec = HiddenStatesSpec(layers=[0], points=["resid_post", "z"], positions="all")
     prompts = random_prompts([7, 12], seed=41)
     _same(one.encode(prompts, spec, use_tqdm=False), split.encode(prompts, spec, use_tqdm=False), ["resid_post", "z"])

@@ -52,8 +52,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         # Pipeline stages with several steps in flight (engine/pipelined_step.py): a request whose token is
-        # on the way is not scheduled, nor preempted, until its step is taken.
-        self.pipelined = False
+        # on the way is not scheduled, nor preempted, until its step is taken; and a step takes at most its
+        # share of the requests, so that the steps in flight (as many as the stages) each have some.
+        self.in_flight = 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.in_flight > 1
 
     def add(self, req: Request) -> None:
         """Queue a new request."""
@@ -67,8 +72,9 @@ class Scheduler:
         """Choose this step's batch."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        share = -(-(len(self.running) + len(self.waiting)) // self.in_flight)  # requests per step
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.items) < share:
             req = self.running[i]
             if req.num_pending and (self.pipelined or len(req.output_token_ids) + req.num_pending >= req.max_tokens):
                 i += 1  # its token on the way is its last (the host is a step ahead), or in a pipeline's batch
@@ -95,6 +101,7 @@ class Scheduler:
             not out.preempted
             and self.waiting
             and budget > 0
+            and len(out.items) < share
             # a prompt's samples waiting to fork from it (n > 1) will run too
             and len(self.running) + 1 + len(self.waiting[0].forks) <= self.config.max_num_seqs
         ):

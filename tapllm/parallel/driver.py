@@ -38,6 +38,7 @@ from tapllm.parallel.group import TensorParallelError, collective_timeout_s
 from tapllm.parallel.layout import ShardLayout, stage_layers
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
 from tapllm.parallel.ranks import join, start_rank0
+from tapllm.parallel.relay import StageInbox
 from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
 from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, load_shard, weight_bytes
 from tapllm.parallel.worker import WorkerArgs, run_worker
@@ -146,6 +147,8 @@ class TensorParallel:
                     raise TensorParallelError(f"tensor parallel rank {rank} chose another forward path than rank 0:\n"
                                               f"{path}\nrank 0:\n{backend.describe()}")
             self.weight_bytes = [own, *(b for b, _ in ready)]
+            # what each later pipeline stage's first rank sends rank 0, read as it comes
+            self.inboxes = {r: StageInbox(self.conns[r - 1], r) for r in range(size, world, size)}
         except BaseException:
             self.close()
             raise
@@ -182,12 +185,13 @@ class TensorParallel:
                     raise TensorParallelError(f"tensor parallel rank {rank} did not start within {timeout_s:.0f} s")
         return out
 
-    def send(self, msg: object) -> None:
-        """Announce a call to every worker (before rank 0 makes it)."""
+    def send(self, msg: object, first_stage: bool = False) -> None:
+        """Announce a call to every worker (before rank 0 makes it); ``first_stage``: to stage 0's only (the
+        LM head's calls)."""
         if self.group.broken is not None:
             raise TensorParallelError(f"tensor parallel group broken earlier: {self.group.broken}")
         data = dumps(msg)
-        for conn in self.conns:
+        for conn in self.conns[: self.size - 1] if first_stage else self.conns:
             try:
                 conn.send_bytes(data)
             except (OSError, ValueError) as exc:
@@ -213,13 +217,16 @@ class TensorParallel:
         reasons = []
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
             error = None
+            inbox = getattr(self, "inboxes", {}).get(rank)
             try:
-                while conn.poll(0):
+                while inbox is None and conn.poll(0):
                     what, value = conn.recv()
                     if what == "error":
                         error = value.strip().splitlines()[-1]
             except (EOFError, OSError, pickle.UnpicklingError):
                 pass
+            if inbox is not None and inbox.error is not None:
+                error = inbox.error.strip().splitlines()[-1]
             if error is not None:
                 reasons.append(f"rank {rank} raised {error}")
             elif not proc.is_alive():
@@ -348,7 +355,7 @@ class DriverModel:
                 hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)
                 rest: Callable[[], torch.Tensor | None] = lambda: hidden
             else:
-                rest = start_rank0(self.shard, self.tp.ranks, self.tp.conns, self.tp.check_workers, self.tp.timeout_s,
+                rest = start_rank0(self.shard, self.tp.ranks, self.tp.inboxes, self.tp.check_workers, self.tp.timeout_s,
                                    input_ids, positions, kv_caches, meta, shard_tap, num_layers, self.forwards)
 
         def finish() -> torch.Tensor | None:
@@ -366,13 +373,13 @@ class DriverModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` from the vocabulary-parallel head."""
-        self.tp.send(Logits(hidden))
+        self.tp.send(Logits(hidden), first_stage=True)
         with self._joined("the LM head"):
             return self.shard.compute_logits(hidden)
 
     def lens_logits(self, point: str, x: torch.Tensor) -> torch.Tensor:
         """The logit lens through the vocabulary-parallel head."""
-        self.tp.send(Lens(point, x))
+        self.tp.send(Lens(point, x), first_stage=True)
         with self._joined("the logit lens"):
             return self.shard.lens_logits(point, x)
 

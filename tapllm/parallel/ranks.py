@@ -8,6 +8,7 @@ Without pipeline parallelism there is one stage and no link, as before.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -21,7 +22,7 @@ from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layout import ShardLayout, stage_layers
 from tapllm.parallel.messages import Forward
 from tapllm.parallel.pipeline import StageLink, final_norm, run_stage
-from tapllm.parallel.relay import RelayTap, serve_stage
+from tapllm.parallel.relay import RelayTap, StageInbox, serve_stage
 from tapllm.parallel.shard_tap import ShardTap, StepSteering
 from tapllm.parallel.sharding import Stage
 
@@ -37,6 +38,8 @@ class Ranks:
     group: TPGroup
     link: StageLink | None
     sends: list[Callable[[], None]] = field(default_factory=list)  # a worker's sends not yet waited for
+    # Rank 0's messages that came while this rank waited for a reply (later steps' calls), in order.
+    inbox: deque[Any] = field(default_factory=deque)
 
     @property
     def stage_index(self) -> int:
@@ -85,7 +88,7 @@ def forward_stage(msg: Forward, model: Any, kv: list[Any], layout: ShardLayout, 
         return
     stop = min(stop, depth)
     relay = s > 0 and ranks.rank % tp == 0
-    inner = RelayTap(msg.steer_ops, msg.pattern_layers, conn, msg.relayed, msg.from_rank0) if relay else \
+    inner = RelayTap(msg.steer_ops, msg.pattern_layers, conn, msg.relayed, msg.from_rank0, ranks.inbox) if relay else \
         StepSteering(msg.steer_ops, msg.pattern_layers)
     tap = ShardTap(inner, layout, ranks.group, msg.gathered, msg.layers, msg.pattern_layers, msg.from_rank0)
     x = None if s == 0 else ranks.link.recv(msg.input_ids.shape[0], ranks.rank - tp, msg.seq)
@@ -101,14 +104,14 @@ def forward_stage(msg: Forward, model: Any, kv: list[Any], layout: ShardLayout, 
         inner.done(y if last else None)
 
 
-def start_rank0(model: Any, ranks: Ranks, conns: list[Connection], alive: Callable[[], None], timeout_s: float,
+def start_rank0(model: Any, ranks: Ranks, inboxes: dict[int, StageInbox], alive: Callable[[], None], timeout_s: float,
                 input_ids: torch.Tensor, positions: torch.Tensor, kv: list[Any], meta: Any, tap: ShardTap,
                 num_layers: int | None, seq: int) -> Callable[[], torch.Tensor | None]:
     """Rank 0's part of step ``seq`` under pipeline parallelism: stage 0's blocks now, the residual sent on;
     returns what finishes the step (each later stage's taps, :func:`~tapllm.parallel.relay.serve_stage`, until
     the residual comes back, then the final norm on it), which may run after later steps started.
-    ``conns``: the connections of ranks 1.. in rank order; ``alive`` raises if a worker is gone; a later
-    stage silent for ``timeout_s`` is taken for hung."""
+    ``inboxes``: what each later stage's first rank sends, by its rank; ``alive`` raises if a worker is gone;
+    a later stage silent for ``timeout_s`` is taken for hung."""
     total = len(model.layers)
     depth = _depth(num_layers, total)
     tp = ranks.tp
@@ -123,7 +126,7 @@ def start_rank0(model: Any, ranks: Ranks, conns: list[Connection], alive: Callab
         for s, (start, _) in enumerate(ranks.stages[1:], start=1):
             if start >= depth:
                 break
-            out = serve_stage(conns[s * tp - 1], tap, alive, s * tp, timeout_s)
+            out = serve_stage(inboxes[s * tp], tap, alive, timeout_s)
             if s == 1:
                 sent()
             if out is not None:

@@ -102,14 +102,14 @@ def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: S
            backend: Backend) -> None:
     """Join rank 0's calls until it says to stop, closes the pipe, or dies."""
     kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-    group, first = ranks.group, ranks.stage is None or ranks.stage.first
+    group = ranks.group
     while True:
-        if not conn.poll(1.0):
+        if not ranks.inbox and not conn.poll(1.0):
             if args.parent_pid is not None and os.getppid() != args.parent_pid:
                 return
             continue
         try:
-            msg = pickle.loads(conn.recv_bytes())
+            msg = ranks.inbox.popleft() if ranks.inbox else pickle.loads(conn.recv_bytes())
         except (EOFError, ConnectionError):  # rank 0 closed the connection: the engine is gone
             return
         if isinstance(msg, Shutdown):
@@ -124,12 +124,10 @@ def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: S
                 tap = ShardTap(StepSteering(msg.steer_ops, msg.pattern_layers), layout, group, msg.gathered,
                                msg.layers, msg.pattern_layers, msg.from_rank0)
                 model(msg.input_ids, msg.positions, kv, msg.meta, tap, num_layers=msg.num_layers)
-            elif isinstance(msg, Logits):
-                if first:  # the head is stage 0's
-                    model.compute_logits(msg.hidden)
+            elif isinstance(msg, Logits):  # sent to stage 0's ranks only: the head is theirs
+                model.compute_logits(msg.hidden)
             elif isinstance(msg, Lens):
-                if first:
-                    model.lens_logits(msg.point, msg.x)
+                model.lens_logits(msg.point, msg.x)
             elif isinstance(msg, CopyBlocks):
                 _copy_blocks(kv, msg.copies)
             elif isinstance(msg, InitCache):
