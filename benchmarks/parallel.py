@@ -1,5 +1,6 @@
-"""Tensor parallelism on this CPU: TP 2 (one process and one thread per rank) against TP 1 (one
-process, two threads), output tokens/s and the cost of capture, plus what the collectives move.
+"""Tensor and pipeline parallelism on this CPU: TP 2 and PP 2 (one process and one thread per rank)
+against TP 1 (one process, two threads), output tokens/s and the cost of capture, plus what the
+collectives move.
 
 Models: ``default`` is the default model itself (SmolLM2-135M, its weights; 9 query heads over 3 KV
 heads split unevenly, 6 + 3, at TP 2); the others are Llama shapes with random weights
@@ -7,12 +8,15 @@ heads split unevenly, 6 + 3, at TP 2); the others are Llama shapes with random w
 (hidden 2048, 32 heads, 8 KV heads, 8192 neurons), ``small`` a 135M-sized Llama with 8 heads.
 ``--layers`` cuts the depth of the shapes for a quicker run. ``tp1`` and ``tp2`` are what a user gets by default
 (the fused CPU kernels; TP 1 also runs untapped decode blocks in one C++ call, which a split model
-cannot); ``tp1_eager`` (the plain PyTorch step) is given for reference.
+cannot); ``tp1_eager`` (the plain PyTorch step) is given for reference. ``pp2`` splits the blocks into two
+stages with two batches in flight (each step takes half the requests), ``pp2_turns`` with one batch at a
+time (``async_scheduling=False``: the stages take turns).
 
 What it prints (and writes with ``--json FILE``), per model
     tok_s[config]        output tokens/s at batch ``--batch`` (configs: tp1, tp1_eager, tp2), plain
     tok_s_capture[...]   the same with 3 blocks' ``resid_post`` captured at every position
     tp2_over_tp1         tok_s[tp2] / tok_s[tp1]
+    pp2_over_tp1         tok_s[pp2] / tok_s[tp1] (and pp2_turns_over_tp1)
     capture_cost_tp1/2   1 - tok_s_capture / tok_s: the share of throughput capture costs
     collectives          per forward at TP 2: calls, bytes rank 0 sent, seconds rank 0 waited in them,
                          and the transport (shared memory or gloo)
@@ -98,17 +102,19 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         common = dict(dtype="float32", load_format="dummy", max_num_seqs=args.batch, kv_cache_memory_gb=0.5)
     out: dict[str, Any] = {"tok_s": {}, "tok_s_capture": {}}
     for config, options, threads in (("tp1", {}, 2), ("tp1_eager", dict(enforce_eager=True), 2),
-                                     ("tp2", dict(tensor_parallel_size=2), 1)):
+                                     ("tp2", dict(tensor_parallel_size=2), 1),
+                                     ("pp2", dict(pipeline_parallel_size=2), 1),
+                                     ("pp2_turns", dict(pipeline_parallel_size=2, async_scheduling=False), 1)):
         torch.set_num_threads(threads)
         llm = LLM(folder, **common, **options)
         try:
             out["tok_s"][config] = _run(llm, args.batch, args.prompt_len, args.tokens, False, layers)
             tp = llm.engine.runner.tp
-            if tp is not None:
+            if tp is not None and tp.pp == 1:
                 group, model = tp.group, llm.engine.runner.model
                 calls, sent, waited, forwards = group.calls, group.bytes_moved, group.wait_s, model.forwards
             out["tok_s_capture"][config] = _run(llm, args.batch, args.prompt_len, args.tokens, True, layers)
-            if tp is not None:
+            if tp is not None and tp.pp == 1:
                 n = max(1, model.forwards - forwards)
                 out["collectives"] = {"calls_per_forward": (group.calls - calls) / n,
                                       "bytes_per_forward": (group.bytes_moved - sent) / n,
@@ -127,6 +133,8 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     out["bound_ms"] = out["weight_bytes"] / (out["bandwidth_gbs"] * 1e9) * 1e3
     out["step_ms"] = {c: args.batch / t * 1e3 for c, t in tok.items()}
     out["tp2_over_tp1"] = tok["tp2"] / tok["tp1"]
+    out["pp2_over_tp1"] = tok["pp2"] / tok["tp1"]
+    out["pp2_turns_over_tp1"] = tok["pp2_turns"] / tok["tp1"]
     out["capture_cost_tp1"] = 1 - cap["tp1"] / tok["tp1"]
     out["capture_cost_tp2"] = 1 - cap["tp2"] / tok["tp2"]
     return out
@@ -146,7 +154,8 @@ def main() -> None:
         for name in args.models.split(","):
             results[name] = bench(name, args, Path(tmp))
             r = results[name]
-            print(f"{name}: tp2_over_tp1 {r['tp2_over_tp1']:.2f}, capture cost tp1 {r['capture_cost_tp1']:.1%}, "
+            print(f"{name}: tp2_over_tp1 {r['tp2_over_tp1']:.2f}, pp2_over_tp1 {r['pp2_over_tp1']:.2f} (taking "
+                  f"turns {r['pp2_turns_over_tp1']:.2f}), capture cost tp1 {r['capture_cost_tp1']:.1%}, "
                   f"tp2 {r['capture_cost_tp2']:.1%}; collectives per forward {r.get('collectives')}", flush=True)
             steps = ", ".join(f"{c} {ms:.1f}" for c, ms in r["step_ms"].items())
             print(f"{name}: ms per step (prefill included) {steps}; weight-streaming floor {r['bound_ms']:.1f} ms "

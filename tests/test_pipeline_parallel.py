@@ -53,7 +53,7 @@ def test_every_point_token_and_logprob_equal_one_process(one, split):
         for t, lx, ly in zip(x.outputs[0].token_ids, x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
             assert set(lx) == set(ly) and abs(lx[t].logprob - ly[t].logprob) < 1e-5
     tp = split.engine.runner.tp
-    assert tp.stages == [(0, 2), (2, 3)] and len(tp.procs) == tp.world - 1
+    assert tp.stages == [(0, 1), (1, 3)] and len(tp.procs) == tp.world - 1  # stage 0 runs the (large) head too
     assert "pipeline parallel: 2 stages" in split.describe()
     # a later stage holds its blocks only: no embedding, no LM head
     assert tp.weight_bytes[-1] < tp.weight_bytes[0] / 20
@@ -132,9 +132,9 @@ def test_plan_equals_what_the_split_engine_holds(split, tiny_models):
     plan = plan_split(tiny_models["llama"], tp.size, "float32", pipeline_parallel_size=2)
     assert [r.weight_bytes for r in plan.ranks] == tp.weight_bytes
     assert [r.stage for r in plan.ranks] == [r // tp.size for r in range(tp.world)]
-    held = sum(c.nbytes for pair in runner.kv_caches for c in pair)  # rank 0's: blocks 0 and 1 only
+    held = sum(c.nbytes for pair in runner.kv_caches for c in pair)  # rank 0's: block 0 only
     assert held == (runner.num_blocks + 1) * 16 * plan.ranks[0].kv_bytes_per_token
-    assert "stages: 0: blocks 0-1, 1: blocks 2-2" in str(plan)
+    assert "stages: 0: blocks 0-0, 1: blocks 1-2" in str(plan)
 
 
 def test_70b_at_tp4_pp2_fits_80gb_gpus_planned_on_meta():
@@ -143,10 +143,10 @@ def test_70b_at_tp4_pp2_fits_80gb_gpus_planned_on_meta():
 
     plan = plan_split(LLAMA_70B, 4, "bfloat16", kv_tokens=8 * 8192, gpu_memory_gib=80, pipeline_parallel_size=2)
     assert plan.tensor_parallel_size == 4 and len(plan.ranks) == 8 and plan.fits is True
-    assert [r.blocks for r in plan.ranks] == [(0, 40)] * 4 + [(40, 80)] * 4
+    # the head (128256 x 8192) weighs 1.2 blocks: stage 0 takes 39 blocks, stage 1 41
+    assert [r.blocks for r in plan.ranks] == [(0, 39)] * 4 + [(39, 80)] * 4
     assert all(r.weight_bytes <= plan.model_weight_bytes * (1 / 8 + 0.01) for r in plan.ranks)
-    assert all(r.kv_bytes_per_token == 2 * 40 * 2 * 128 * 2 for r in plan.ranks)  # 40 blocks, 2 KV heads, bf16
-    assert plan.ranks[0].weight_bytes > plan.ranks[4].weight_bytes  # stage 0 holds the embedding and head
+    assert [r.kv_bytes_per_token for r in plan.ranks] == [2 * 39 * 2 * 128 * 2] * 4 + [2 * 41 * 2 * 128 * 2] * 4
     with pytest.raises(ValueError, match="pipeline_parallel_size=81 exceeds"):
         plan_split(LLAMA_70B, 1, pipeline_parallel_size=81)
 
@@ -158,13 +158,13 @@ def test_steering_in_both_stages(one, split):
     def v(n: int) -> torch.Tensor:
         return torch.randn(n, generator=g)
 
-    steers = [  # blocks 0-1 are stage 0's, block 2 stage 1's
+    steers = [  # block 0 is stage 0's, blocks 1 and 2 stage 1's
         Steer(layers=[0, 2], point="resid_post", vector=v(hidden), scale=2.0),
         Steer(layers=[2], point="attn_out", op="ablate", vector=v(hidden)),
         Steer(layers=[2], point="z", vector=v(head_dim), scale=3.0, heads=[1, 2]),
         Steer(layers=[2], point="mlp_post", op="scale", scale=0.0, neurons=[3, 64, 100]),
         Steer(layers=[2], point="k", vector=v(head_dim), heads=[1]),
-        Steer(layers=[1], point="v", op="clamp", vector=v(head_dim), value=0.5),
+        Steer(layers=[0], point="v", op="clamp", vector=v(head_dim), value=0.5),
         Steer(layers=[2], point="q", op="scale", scale=1.5, heads=[0, 3], positions="generated"),
     ]
     points = ["resid_post", "z", "k", "mlp_post", "attn_pattern"]
@@ -290,6 +290,9 @@ def test_every_family_equals_one_process(family, family_folders):  # noqa: F811 
 
 def test_stage_split_and_fields_named(tiny_models):
     assert stage_layers(3, 2) == [(0, 2), (2, 3)] and stage_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    # stage 0 runs the head too: the default model's (49152 x 576, 8 blocks' weights) leaves it 11 of 30 blocks
+    assert stage_layers(30, 2, 8.0) == [(0, 11), (11, 30)] and stage_layers(3, 2, 76.0) == [(0, 1), (1, 3)]
+    assert stage_layers(30, 4, 8.0) == [(0, 2), (2, 12), (12, 21), (21, 30)]
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 exceeds the model's num_hidden_layers=3"):
         LLM(tiny_models["llama"], pipeline_parallel_size=4, **ENGINE)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):

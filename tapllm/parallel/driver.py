@@ -35,12 +35,12 @@ from tapllm.config import EngineConfig, ModelConfig
 from tapllm.models.base import CausalLM, KVCache
 from tapllm.parallel.backend import prepare_shard, shard_backend
 from tapllm.parallel.group import TensorParallelError, collective_timeout_s
-from tapllm.parallel.layout import ShardLayout, stage_layers
+from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
 from tapllm.parallel.ranks import join, start_rank0
 from tapllm.parallel.relay import StageInbox
 from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
-from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, load_shard, weight_bytes
+from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, load_shard, stages_of, weight_bytes
 from tapllm.parallel.worker import WorkerArgs, run_worker
 from tapllm.steering.plan import PLAIN_OPS
 from tapllm.tap import Tap, no_tap
@@ -92,7 +92,7 @@ class TensorParallel:
         self.pp = pp = engine_config.pipeline_parallel_size
         self.world = world = size * pp
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the model can be split first
-        self.stages = stage_layers(model_config.num_layers, pp)  # and that its blocks can
+        self.stages = stages_of(model_config, pp)  # and that its blocks can
         self.mcfg = model_config
         self.executor = engine_config.distributed_executor_backend  # "mp" or "ray"
         # each rank's, every block it holds (ranks of an uneven split hold different numbers of KV heads)

@@ -164,16 +164,23 @@ def divisibility_problems(size: int, num_heads: int, num_kv_heads: int, intermed
     return out
 
 
-def stage_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """``(first block, stop)`` of each of ``stages`` pipeline stages: balanced contiguous runs of the
-    model's ``num_layers`` blocks; ``ValueError`` naming the fields when there are fewer blocks than stages."""
+def stage_layers(num_layers: int, stages: int, head_blocks: float = 0.0) -> list[tuple[int, int]]:
+    """``(first block, stop)`` of each of ``stages`` pipeline stages: contiguous runs of the model's
+    ``num_layers`` blocks; ``ValueError`` naming the fields when there are fewer blocks than stages.
+
+    Stage 0 also runs the LM head, which costs as much as ``head_blocks`` blocks (its weights over a
+    block's): it takes that many fewer blocks than an even share of the blocks and the head, at least
+    one; the other stages share the rest evenly (balanced runs)."""
     if stages < 1:
         raise ValueError(f"pipeline_parallel_size must be >= 1, got {stages}")
     if num_layers < stages:
         raise ValueError(f"pipeline_parallel_size={stages} exceeds the model's num_hidden_layers={num_layers}: "
                          "every stage needs at least one block")
-    out = []
-    for s in range(stages):
-        start, count = balanced(num_layers, stages, s)
-        out.append((start, start + count))
+    if stages == 1:
+        return [(0, num_layers)]
+    first = max(1, min(num_layers - (stages - 1), round((num_layers + head_blocks) / stages - head_blocks)))
+    out = [(0, first)]
+    for s in range(stages - 1):
+        start, count = balanced(num_layers - first, stages - 1, s)
+        out.append((first + start, first + start + count))
     return out

@@ -22,9 +22,10 @@ import torch
 
 from tapllm.config import ModelConfig, resolve_dtype
 from tapllm.models import build_model
-from tapllm.parallel.layout import ShardLayout, stage_layers
+from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.pipeline import keep_stage
-from tapllm.parallel.sharding import build_shard, kv_bytes_per_token, layout_for, weight_bytes, weight_bytes_by_dtype
+from tapllm.parallel.sharding import (build_shard, kv_bytes_per_token, layout_for, stages_of, weight_bytes,
+                                      weight_bytes_by_dtype)
 from tapllm.utils.dtypes import dtype_name
 
 DEFAULT_MEMORY_UTILIZATION = 0.9  # the engine's (and vLLM's) default share of a GPU's memory
@@ -172,7 +173,7 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     cfg = _model_config(config, dtype)
     layouts = [layout_for(cfg, r, size) for r in range(size)]  # checks the model can be split first
-    stages = stage_layers(cfg.num_layers, pipeline_parallel_size)  # and that its blocks can
+    stages = stages_of(cfg, pipeline_parallel_size)  # and that its blocks can
     ranks: list[RankPlan] = []
     built: dict[tuple[int, ...], tuple[dict[torch.dtype, int], int]] = {}
     with torch.device("meta"):

@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 from tapllm.config import ModelConfig
 from tapllm.parallel.group import TPGroup
-from tapllm.parallel.layout import ShardLayout, stage_layers
+from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import Forward
 from tapllm.parallel.pipeline import StageLink, final_norm, run_stage
 from tapllm.parallel.relay import RelayTap, StageInbox, serve_stage
 from tapllm.parallel.shard_tap import ShardTap, StepSteering
-from tapllm.parallel.sharding import Stage
+from tapllm.parallel.sharding import Stage, stages_of
 
 
 @dataclass(slots=True)
@@ -61,7 +61,7 @@ class Ranks:
 def join(store: dist.Store, cfg: ModelConfig, rank: int, tp: int, pp: int, timeout_s: float) -> Ranks:
     """Join the groups of ``tp`` x ``pp`` ranks (collective: every rank calls it): this rank's stage's
     tensor-parallel group and, with ``pp`` > 1, the link between stages."""
-    stages = stage_layers(cfg.num_layers, pp)
+    stages = stages_of(cfg, pp)
     if pp == 1:
         return Ranks(rank, tp, stages, TPGroup(store, rank, tp, timeout_s), None)
     group = TPGroup(dist.PrefixStore(f"stage{rank // tp}", store), rank % tp, tp, timeout_s)

@@ -28,7 +28,7 @@ from tapllm.models.base import MLP, Attention, CausalLM, GatedMLP
 from tapllm.models.shapes import mlp_width
 from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layers import GatheredHead, RowParallelLinear, ShardedRMSNorm, VocabParallelEmbedding
-from tapllm.parallel.layout import ShardLayout
+from tapllm.parallel.layout import ShardLayout, stage_layers
 from tapllm.parallel.pipeline import keep_stage
 from tapllm.utils.hf_config import HFConfig
 
@@ -71,6 +71,17 @@ RULES: dict[str, dict[str, Split]] = {
                            "embed_out": Split("vocab", 0), "lm_head": Split("vocab", 0)},
 }
 SHARDABLE = tuple(RULES)
+
+
+_PLAIN_MLP = ("GPT2LMHeadModel", "GPTNeoXForCausalLM")  # two MLP matrices; the others' gated MLPs have three
+
+
+def stages_of(cfg: ModelConfig, stages: int) -> list[tuple[int, int]]:
+    """The blocks ``[start, stop)`` of each pipeline stage of ``cfg``'s model: stage 0, which runs the LM head
+    too, takes fewer by the head's weights over a block's (:func:`~tapllm.parallel.layout.stage_layers`)."""
+    attention = cfg.hidden_size * cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads)
+    mlp = cfg.hidden_size * mlp_width(cfg) * (2 if cfg.architecture in _PLAIN_MLP else 3)
+    return stage_layers(cfg.num_layers, stages, cfg.vocab_size * cfg.hidden_size / (attention + mlp))
 
 
 def layout_for(cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
