@@ -91,6 +91,7 @@ class TensorParallel:
         self.size = size  # ranks of a stage
         self.pp = pp = engine_config.pipeline_parallel_size
         self.world = world = size * pp
+        self.in_flight = pp if engine_config.async_scheduling is not False else 1  # batches (engine/pipelined_step.py)
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the model can be split first
         self.stages = stages_of(model_config, pp)  # and that its blocks can
         self.mcfg = model_config
@@ -299,7 +300,7 @@ class TensorParallel:
         blocks = ", ".join(f"{a}-{b - 1}" for a, b in self.stages)
         return (f"pipeline parallel: {self.pp} stages of {self.size} rank(s) each (ranks {self.size} x stage + "
                 f"rank in stage), blocks {blocks}; stage 0 holds the embedding, final norm and LM head; the residual "
-                f"goes from stage to stage and back to rank 0 (one micro-batch at a time); {text}")
+                f"goes from stage to stage and back to rank 0 ({self.in_flight} batch(es) in flight); {text}")
 
 
 class DriverModel:
