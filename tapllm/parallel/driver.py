@@ -6,7 +6,8 @@ loop (``distributed_executor_backend="ray"``, :mod:`tapllm.parallel.ray_workers`
 scheduler, block manager and sampler run on rank 0 alone; each call of the model that needs the
 other ranks (a step's forward, the LM head, the logit lens, block copies) is first announced to them
 with its inputs (:mod:`tapllm.parallel.messages`), then every rank runs it, meeting in the
-collectives; results stay on rank 0. :class:`DriverModel` is what the model runner sees as its model.
+collectives; results stay on rank 0. :class:`~tapllm.parallel.driver_model.DriverModel` is what the
+model runner sees as its model.
 
 Failure is one error: a worker that raises tells rank 0 why and exits; one that dies or hangs makes
 rank 0's next collective fail or time out; either way the engine raises
@@ -16,13 +17,11 @@ are stopped, never left behind.
 
 from __future__ import annotations
 
-import copy
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 import pickle
 import time
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -32,18 +31,15 @@ import torch.multiprocessing as mp
 
 from tapllm.backends import Backend
 from tapllm.config import EngineConfig, ModelConfig
-from tapllm.models.base import CausalLM, KVCache
-from tapllm.parallel.backend import prepare_shard, shard_backend
+from tapllm.models.base import CausalLM
+from tapllm.parallel.backend import prepare_shard
 from tapllm.parallel.group import TensorParallelError, collective_timeout_s
 from tapllm.parallel.layout import ShardLayout
-from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown, dumps
-from tapllm.parallel.ranks import join, start_rank0
+from tapllm.parallel.messages import CopyBlocks, InitCache, Shutdown, dumps
+from tapllm.parallel.ranks import join
 from tapllm.parallel.relay import StageInbox
-from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
 from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, load_shard, stages_of, weight_bytes
 from tapllm.parallel.worker import WorkerArgs, run_worker
-from tapllm.steering.plan import PLAIN_OPS
-from tapllm.tap import Tap, no_tap
 
 
 START_TIMEOUT_S = 120.0  # a worker that has not said hello by then is taken for dead
@@ -301,136 +297,3 @@ class TensorParallel:
         return (f"pipeline parallel: {self.pp} stages of {self.size} rank(s) each (ranks {self.size} x stage + "
                 f"rank in stage), blocks {blocks}; stage 0 holds the embedding, final norm and LM head; the residual "
                 f"goes from stage to stage and back to rank 0 ({self.in_flight} batch(es) in flight); {text}")
-
-
-class DriverModel:
-    """Rank 0's model as the model runner sees it: each call is announced to the workers first."""
-
-    def __init__(self, tp: TensorParallel) -> None:
-        self.tp = tp
-        self.shard = tp.model
-        self.num_layers = len(self.shard.layers)
-        self.forwards = 0  # steps run (for benchmarks: collectives per step)
-
-    @property
-    def needs_prompt_lengths(self) -> bool:
-        """Whether the step's metadata carries each row's prompt length (Phi-3's LongRoPE picks by it)."""
-        return bool(self.shard.needs_prompt_lengths)
-
-    @property
-    def last_runs(self) -> tuple[tuple[int, int, str], ...]:
-        return self.shard.last_runs
-
-    def prompt_salt(self, num_prompt: int) -> bytes:
-        return self.shard.prompt_salt(num_prompt)
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: Any,
-                 tap: Tap | None = None, num_layers: int | None = None) -> torch.Tensor | None:
-        """The step's forward on every rank; returns rank 0's final-norm hidden states (or None)."""
-        return self.start(input_ids, positions, kv_caches, meta, tap, num_layers)()
-
-    def start(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: Any,
-              tap: Tap | None = None, num_layers: int | None = None) -> Callable[[], torch.Tensor | None]:
-        """Start the step's forward on every rank; returns what finishes it (rank 0's final-norm hidden states,
-        or None). Without pipeline stages the forward is done before this returns; with them, stage 0's blocks
-        are, and later steps may start before this one is finished (steps finish in the order they started)."""
-        self.forwards += 1
-        inner = no_tap if tap is None else tap
-        keys = set(getattr(tap, "targets", {}) or {})
-        steering = getattr(tap, "steering", None)
-        steer_ops = dict(steering.ops) if steering is not None else {}
-        from_rank0 = frozenset(k for k, ops in steer_ops.items() if not all(isinstance(op, PLAIN_OPS) for op in ops))
-        steer_ops = {k: ops for k, ops in steer_ops.items() if k not in from_rank0}
-        pattern_layers = frozenset(i for i in range(self.num_layers) if inner.wants_pattern(i))
-        gathered = {k: _rows_asked(tap, k, input_ids.shape[0]) for k in keys if k[0] in SHARDED_DIMS}
-        layers = frozenset(layer for _, layer in keys)
-        sent = copy.copy(meta)
-        sent.attn = None  # a handle of this process's kernels: each rank attaches its own
-        targets = getattr(tap, "targets", {}) or {}
-        relayed = frozenset(k for k, (_, target) in targets.items() if target is not None)
-        self.tp.send(Forward(input_ids, positions, sent, num_layers, steer_ops, gathered, layers, pattern_layers,
-                             from_rank0, kernels=meta.attn is not None, relayed=relayed, seq=self.forwards))
-        shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers, from_rank0)
-        with self._joined("the forward"):
-            if self.tp.pp == 1:
-                hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)
-                rest: Callable[[], torch.Tensor | None] = lambda: hidden
-            else:
-                rest = start_rank0(self.shard, self.tp.ranks, self.tp.inboxes, self.tp.check_workers, self.tp.timeout_s,
-                                   input_ids, positions, kv_caches, meta, shard_tap, num_layers, self.forwards)
-
-        def finish() -> torch.Tensor | None:
-            try:
-                with self._joined("the forward"):
-                    out = rest()
-            except TensorParallelError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - _joined broke the group: the engine's error, not a request's
-                raise TensorParallelError(f"tensor parallel group broken: {self.tp.group.broken}") from exc
-            shard_tap.raise_held()
-            return out
-
-        return finish
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` from the vocabulary-parallel head."""
-        self.tp.send(Logits(hidden), first_stage=True)
-        with self._joined("the LM head"):
-            return self.shard.compute_logits(hidden)
-
-    def lens_logits(self, point: str, x: torch.Tensor) -> torch.Tensor:
-        """The logit lens through the vocabulary-parallel head."""
-        self.tp.send(Lens(point, x), first_stage=True)
-        with self._joined("the logit lens"):
-            return self.shard.lens_logits(point, x)
-
-    @contextmanager
-    def _joined(self, what: str) -> Iterator[None]:
-        """Rank 0's part of a call the workers joined: if it raises midway, the workers may be left in a
-        collective, so the group is marked broken (later calls raise TensorParallelError)."""
-        try:
-            yield
-        except TensorParallelError as exc:
-            if self.tp.group.broken is None:  # found by rank 0 itself (a pipeline stage that failed)
-                self.tp.group.broken = str(exc)
-                self.tp.abort()
-            raise
-        except BaseException as exc:
-            if self.tp.group.broken is None:
-                self.tp.group.broken = f"rank 0 raised {type(exc).__name__} during {what}: {exc}"
-                self.tp.abort()
-            raise
-
-
-def _rows_asked(tap: Any, key: tuple[str, int], num_rows: int) -> torch.Tensor | None:
-    """The batch rows the step's tap steers or captures at ``key`` (sorted), or None for every row (or rows
-    it cannot tell: an SAE edit's)."""
-    ops, target = tap.targets[key]
-    found = [op.rows for op in ops] if all(isinstance(op, PLAIN_OPS) for op in ops) else None
-    if found is None:
-        return None
-    if target is not None:
-        found.append(target[0].rows)
-    mask = torch.zeros(num_rows, dtype=torch.bool)
-    for rows in found:
-        mask[rows] = True
-    if bool(mask.all()):
-        return None
-    return mask.nonzero().flatten()
-
-
-def start_tensor_parallel(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device
-                          ) -> tuple[TensorParallel, DriverModel, Backend]:
-    """Start the ranks of ``engine_config.tensor_parallel_size`` with this process as rank 0: the group,
-    rank 0's model as the runner sees it, and the backend every rank runs (:func:`shard_backend`)."""
-    what = "tensor_parallel_size > 1 or pipeline_parallel_size > 1"
-    if device.type != "cpu":
-        raise ValueError(f"{what} runs on the CPU (gloo) only so far, not on {device.type}")
-    if engine_config.quantization is not None:
-        raise ValueError(f"{what} cannot be combined with quantization yet")
-    if engine_config.backend == "cuda":
-        raise ValueError(f"{what} runs the CPU backend (gloo) only so far, not backend='cuda'")
-    size = engine_config.tensor_parallel_size
-    backend = shard_backend(device, model_config.dtype, size, engine_config.enforce_eager, engine_config.backend)
-    tp = TensorParallel(model_config, engine_config, backend)
-    return tp, DriverModel(tp), backend
