@@ -267,8 +267,8 @@ def test_preemption_under_a_small_cache(tiny_models):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_equals_one_process(family, family_folders):  # noqa: F811 - the fixture
-    """Every family at PP 2 (and, for a few, TP 2 x PP 2): tokens, states at residual and sharded points of
-    both stages, a steer at a residual and a sharded point."""
+    """Every family at PP 2 and TP 2 x PP 2: tokens, states at residual and sharded points of both stages, a
+    steer at a residual and a sharded point."""
     folder = family_folders[family]
     one = LLM(folder, enforce_eager=True, **ENGINE)
     hidden = one.engine.model_config.hidden_size
@@ -279,8 +279,7 @@ def test_every_family_equals_one_process(family, family_folders):  # noqa: F811 
     prompts = random_prompts([7, 40], seed=6)  # 40 > the budget of 32: chunked prefill
     params = [greedy(5, hidden_states=spec), greedy(5, hidden_states=spec, steering=steer)]
     expected = one.generate(prompts, params, use_tqdm=False)
-    splits = ["pp2", "tp2pp2"] if family in ("gemma3", "phi3", "gpt2", "olmo2") else ["pp2"]
-    for name in splits:
+    for name in SPLITS:
         llm = LLM(folder, **SPLITS[name], **ENGINE)
         try:
             _same(expected, llm.generate(prompts, params, use_tqdm=False), points)
