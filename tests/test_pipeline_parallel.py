@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import time
 
@@ -25,7 +24,7 @@ from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
 from tapllm.parallel import TensorParallelError
 from tapllm.parallel.layout import stage_layers
 from tapllm.tap.points import POINTS
-from test_tensor_parallel import FAMILIES, _same, family_folders  # noqa: F401 - a fixture
+from test_tensor_parallel import FAMILIES, _same, family_folders, same_as_each_alone  # noqa: F401 - a fixture
 
 ENGINE = dict(dtype="float32", kv_cache_blocks=96, max_num_batched_tokens=32)
 SPLITS = {"pp2": dict(pipeline_parallel_size=2), "tp2pp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2)}
@@ -225,30 +224,8 @@ def test_prompt_only_capture_stops_before_the_later_stage(one, split, monkeypatc
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_mixed_batch_equals_each_request_alone(one, split, seed):
     """Requests of random lengths capturing, steering (at residual and sharded points, in either stage),
-    sampling or neither, run together (chunked, batched), each equal to its run alone in one process."""
-    rng = random.Random(seed)
-    dims = {"z": 16, "q": 16, "v": 16, "mlp_post": 128, "resid_post": 64, "attn_out": 64}
-    prompts, params = [], []
-    for i in range(6):
-        fields: dict = {}
-        kind = rng.choice(["plain", "capture", "steer", "both", "sample"])
-        if kind in ("capture", "both", "sample"):
-            point = rng.choice(["z", "v", "mlp_post", "resid_mid", "attn_pattern"])
-            fields["hidden_states"] = HiddenStatesSpec(layers=[rng.randrange(3)], points=[point],
-                                                       positions=rng.choice(["all", "generated", "prompt"]))
-        if kind in ("steer", "both"):
-            point = rng.choice(list(dims))
-            vec = torch.randn(dims[point], generator=torch.Generator().manual_seed(seed * 10 + i))
-            fields["steering"] = [Steer(layers=[rng.randrange(3)], point=point, vector=vec, scale=2.0,
-                                        op=rng.choice(["add", "ablate"]))]
-        temperature = 0.9 if kind == "sample" else 0.0
-        params.append(SamplingParams(max_tokens=rng.choice([2, 5, 9]), temperature=temperature, seed=i,
-                                     ignore_eos=True, **fields))
-        prompts.append(random_prompts([rng.choice([3, 9, 20, 37])], seed=100 * seed + i)[0])
-    alone = [one.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
-    together = split.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(alone, together):
-        _same([a], [b], list(a.hidden_states.points) if a.hidden_states is not None else None)
+    sampling or neither, run together (chunked, batched, in flight), each equal to its run alone in one process."""
+    same_as_each_alone(one, split, seed)
 
 
 def test_preemption_under_a_small_cache(tiny_models):

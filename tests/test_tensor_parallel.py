@@ -139,11 +139,9 @@ def test_sae_features_and_feature_steering(llama):
         assert_close(y.hidden_states.features.dense, x.hidden_states.features.dense, 1e-5)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_mixed_batch_equals_each_request_alone(llama, seed):
-    """Requests of random lengths capturing, steering (at residual and sharded points), sampling or
-    neither, run together at TP 2 (chunked, batched), each equal to its run alone in one process."""
-    one, two = llama
+def mixed_requests(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Six requests of random lengths capturing, steering (at residual and sharded points of any of the tiny
+    Llama's 3 blocks), sampling or neither."""
     rng = random.Random(seed)
     dims = {"z": 16, "q": 16, "v": 16, "mlp_post": 128, "resid_post": 64, "attn_out": 64}
     prompts, params = [], []
@@ -163,10 +161,23 @@ def test_random_mixed_batch_equals_each_request_alone(llama, seed):
         params.append(SamplingParams(max_tokens=rng.choice([2, 5, 9]), temperature=temperature, seed=i,
                                      ignore_eos=True, **fields))
         prompts.append(random_prompts([rng.choice([3, 9, 20, 37])], seed=100 * seed + i)[0])
+    return prompts, params
+
+
+def same_as_each_alone(one: LLM, split: LLM, seed: int) -> None:
+    """``mixed_requests(seed)`` run together on ``split`` equal each run alone on ``one``."""
+    prompts, params = mixed_requests(seed)
     alone = [one.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
-    together = two.generate(prompts, params, use_tqdm=False)
+    together = split.generate(prompts, params, use_tqdm=False)
     for a, b in zip(alone, together):
         _same([a], [b], list(a.hidden_states.points) if a.hidden_states is not None else None)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_mixed_batch_equals_each_request_alone(llama, seed):
+    """Requests of random lengths capturing, steering (at residual and sharded points), sampling or
+    neither, run together at TP 2 (chunked, batched), each equal to its run alone in one process."""
+    same_as_each_alone(*llama, seed)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3-rope-tied"])
