@@ -312,8 +312,12 @@ def test_layout_splits_and_names_fields_that_do_not_divide(tiny_models):
         LLM(tiny_models["llama"], tensor_parallel_size=0)
 
 
-def test_dead_rank_is_a_clear_error_and_leaves_no_process(tiny_models):
-    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+SPLITS = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2)}  # rank 1: TP's, stage 1
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_dead_rank_is_a_clear_error_and_leaves_no_process(tiny_models, split):
+    llm = LLM(tiny_models["llama"], **SPLITS[split], **ENGINE)
     procs = list(llm.engine.runner.tp.procs)
     llm.generate(random_prompts([6], seed=1), greedy(3), use_tqdm=False)
     os.kill(procs[0].pid, signal.SIGKILL)
@@ -351,9 +355,10 @@ def test_rank0_failing_mid_forward_breaks_the_group_without_a_hang(tiny_models):
     llm.close()
 
 
-def test_hung_rank_times_out(tiny_models, monkeypatch):
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_hung_rank_times_out(tiny_models, monkeypatch, split):
     monkeypatch.setenv("TAPLLM_TP_TIMEOUT_S", "3")
-    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+    llm = LLM(tiny_models["llama"], **SPLITS[split], **ENGINE)
     procs = list(llm.engine.runner.tp.procs)
     os.kill(procs[0].pid, signal.SIGSTOP)
     start = time.monotonic()
