@@ -11,7 +11,6 @@ stage that dies or hangs makes the engine raise a clear error quickly, and no wo
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
@@ -286,18 +285,3 @@ def test_an_error_in_a_later_stage_is_reported_with_its_rank(tiny_models):
     assert time.monotonic() - start < 30
     llm.close()
     assert not any(p.is_alive() for p in procs)
-
-
-def test_command_line_flag(tiny_models, tmp_path):
-    import subprocess
-    import sys
-
-    ids = random_prompts([7], seed=30)[0]
-    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": ids}) + "\n")
-    args = ["generate", "--model", str(tiny_models["llama"]), "--dtype", "float32", "--max-tokens", "5",
-            "--ignore-eos", "--quiet", "--pipeline-parallel-size", "2", "--input", str(tmp_path / "in.jsonl"),
-            "--output", str(tmp_path / "out.jsonl")]
-    proc = subprocess.run([sys.executable, "-m", "tapllm", *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    one = LLM(tiny_models["llama"], dtype="float32").generate([ids], greedy(5), use_tqdm=False)[0]
-    assert json.loads((tmp_path / "out.jsonl").read_text())["token_ids"] == one.outputs[0].token_ids

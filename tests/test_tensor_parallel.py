@@ -388,19 +388,21 @@ def test_close_stops_the_workers(tiny_models):
     assert not any(p.is_alive() for p in procs)
 
 
-def test_command_line_flag(tiny_models, tmp_path):
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_command_line_flag(tiny_models, tmp_path, flag):
     import subprocess
     import sys
 
     ids = random_prompts([7], seed=30)[0]
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": ids}) + "\n")
     args = ["generate", "--model", str(tiny_models["llama"]), "--dtype", "float32", "--max-tokens", "5",
-            "--ignore-eos", "--quiet", "--tensor-parallel-size", "2", "--input", str(tmp_path / "in.jsonl"),
+            "--ignore-eos", "--quiet", flag, "2", "--input", str(tmp_path / "in.jsonl"),
             "--output", str(tmp_path / "out.jsonl")]
     proc = subprocess.run([sys.executable, "-m", "tapllm", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     one = LLM(tiny_models["llama"], dtype="float32").generate([ids], greedy(5), use_tqdm=False)[0]
     assert json.loads((tmp_path / "out.jsonl").read_text())["token_ids"] == one.outputs[0].token_ids
-    args[args.index("2")] = "3"
+    args[args.index("2")] = "3" if flag == "--tensor-parallel-size" else "4"
     proc = subprocess.run([sys.executable, "-m", "tapllm", *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "num_key_value_heads=2" in proc.stderr, proc.stderr
+    refused = "num_key_value_heads=2" if flag == "--tensor-parallel-size" else "num_hidden_layers=3"
+    assert proc.returncode != 0 and refused in proc.stderr, proc.stderr
