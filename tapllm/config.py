@@ -238,8 +238,8 @@ class EngineConfig:
             exceeds the KV heads it must be a multiple of them.
         pipeline_parallel_size: stages the blocks are split over (vLLM's option): with more than
             1, each stage a process (or ``tensor_parallel_size`` processes) holding a contiguous
-            run of blocks, the residual stream sent from stage to stage (see docs/parallel.md).
-            It must not exceed the model's blocks.
+            run of blocks, the residual stream sent from stage to stage, one batch in flight per
+            stage (see docs/parallel.md). It must not exceed the model's blocks.
         distributed_executor_backend: how ranks 1..N-1 of ``tensor_parallel_size > 1`` are
             started (vLLM's option): ``"mp"`` (default) as processes on this machine
             (``multiprocessing`` spawn), ``"ray"`` as Ray actors in a placement group (one CPU
@@ -295,6 +295,8 @@ class EngineConfig:
         async_scheduling: keep the host a step ahead of the device (vLLM's async scheduling): the next
             step is scheduled and launched while the previous one runs, and stops take effect one
             step late (the extra token is never returned); ``None``: on with CUDA graphs on a GPU.
+            With ``pipeline_parallel_size > 1`` it is the pipeline's batches in flight (one per
+            stage) unless ``False`` (then the stages take turns on one batch).
         quantization: keep the linear weights, the LM head and the embedding table quantized,
             vLLM's spelling: ``"int8"`` (weight-only, a scale per output channel) or ``"int4"``
             (weight-only, a scale and a min per group of inputs), or llama.cpp's ``"q4_k"`` (int4
