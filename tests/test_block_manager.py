@@ -111,7 +111,7 @@ def test_kv_cache_pages_are_committed_a_small_page_at_a_time():
     import pytest
     import torch
 
-    from tapllm.engine.model_runner import _zeros
+    from tapllm.engine.kv_alloc import cache_zeros as _zeros
 
     if not sys.platform.startswith("linux"):
         pytest.skip("reads /proc/self/status")
@@ -139,7 +139,7 @@ def test_kv_cache_precommit_makes_the_cache_resident_at_start(tiny_models):
     import pytest
     import torch
 
-    from tapllm.engine.model_runner import _zeros
+    from tapllm.engine.kv_alloc import cache_zeros as _zeros
 
     if not sys.platform.startswith("linux"):
         pytest.skip("reads /proc/self/status")
