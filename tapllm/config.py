@@ -437,6 +437,11 @@ class EngineConfig:
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"hidden_states_max_bytes_per_request must be an integer >= 1 or None, got {limit!r}")
 
+    def batches_in_flight(self) -> int:
+        """Steps the engine keeps in flight at once: one per pipeline stage, unless ``async_scheduling=False``
+        (the stages then take turns on one batch); 1 without pipeline stages."""
+        return self.pipeline_parallel_size if self.async_scheduling is not False else 1
+
     def quant(self) -> Quantization | None:
         """The validated quantization (``ValueError`` names a bad ``quantization`` field)."""
         return parse_quantization(self.quantization, self.quantization_group_size, self.quantize_activations)

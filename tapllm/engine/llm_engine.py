@@ -82,7 +82,7 @@ class LLMEngine:
         ahead = engine_config.async_scheduling
         if ahead is None:  # a step ahead where it pays: the device runs steps while the host prepares the next
             ahead = self.runner.graph_step is not None and not self.runner.backend.graphs_emulated
-        depth = engine_config.pipeline_parallel_size if self.runner.pipelined else 1  # batches in flight
+        depth = engine_config.batches_in_flight()
         self.scheduler.in_flight = depth
         self.loop = StepLoop(self, ahead, depth)
         # The loaded model, tokenizer and grammar tables are long-lived: frozen out of the collector's

@@ -80,7 +80,7 @@ class ModelRunner:
         self.token_counts = TokenCounts(model_config.vocab_size, device=device)  # penalty state of samples that need it
         self.staging = Staging(device)  # the step's inputs: one upload (a graph step's)
         # Pipeline stages: up to pipeline_parallel_size steps in flight, each with its own inputs (async_scheduling=False: one).
-        self.pipelined = engine_config.pipeline_parallel_size > 1 and engine_config.async_scheduling is not False
+        self.pipelined = engine_config.batches_in_flight() > 1
         self.stagings = [self.staging] + [Staging(device) for _ in range(engine_config.pipeline_parallel_size - 1)]
         self.download = Download(device)  # the step's results: one download
         self.token_masks = MaskComputer()  # structured output

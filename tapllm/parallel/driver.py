@@ -87,7 +87,7 @@ class TensorParallel:
         self.size = size  # ranks of a stage
         self.pp = pp = engine_config.pipeline_parallel_size
         self.world = world = size * pp
-        self.in_flight = pp if engine_config.async_scheduling is not False else 1  # batches (engine/pipelined_step.py)
+        self.in_flight = engine_config.batches_in_flight()  # batches (engine/pipelined_step.py)
         self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the model can be split first
         self.stages = stages_of(model_config, pp)  # and that its blocks can
         self.mcfg = model_config
