@@ -120,6 +120,20 @@ def test_large_relays_and_inputs_in_flight_do_not_block(one, tiny_models):
         llm.close()
 
 
+def test_the_eager_path_under_pipeline_stages(one, tiny_models):
+    """``enforce_eager=True`` (the plain PyTorch step on every stage) gives what one process gives too."""
+    llm = LLM(tiny_models["llama"], pipeline_parallel_size=2, tensor_parallel_size=2, enforce_eager=True, **ENGINE)
+    try:
+        spec = HiddenStatesSpec(layers="all", points=["resid_post", "z", "mlp_post"], positions="all")
+        params = [greedy(5, hidden_states=spec), greedy(5)]
+        prompts = random_prompts([9, 40], seed=81)
+        _same(one.generate(prompts, params, use_tqdm=False), llm.generate(prompts, params, use_tqdm=False),
+              ["resid_post", "z", "mlp_post"])
+        assert all(path == "eager" for _, _, path in llm.engine.runner.model.last_runs)
+    finally:
+        llm.close()
+
+
 def test_plan_equals_what_the_split_engine_holds(split, tiny_models):
     """``plan_split(..., pipeline_parallel_size=2)``: each rank's weight bytes and rank 0's KV bytes are what
     the running engine holds (counted on its loaded parameters and its cache)."""
