@@ -395,9 +395,6 @@ class EngineConfig:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, got "
                              f"{self.distributed_executor_backend!r}")
-        if tp > 1 and self.quantization is not None:
-            raise ValueError("tensor_parallel_size > 1 or pipeline_parallel_size > 1 cannot be combined with "
-                             "quantization yet")
         if tp > 1 and self.batch_invariant is True:
             raise ValueError("batch_invariant=True cannot be combined with tensor_parallel_size > 1 or "
                              "pipeline_parallel_size > 1 yet: the "

@@ -90,3 +90,43 @@ def permute_for_llama_cpp(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """llama.cpp's rotary layout of a q/k projection (the inverse of what loaders undo)."""
     rows = w.shape[0]
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_LLAMA_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def llama_gguf(folder: Path, path: Path, kinds: dict[str, str], types: dict[str, str], tied: bool) -> Path:
+    """A GGUF of the tiny Llama in ``folder`` (safetensors): block tensors of llama.cpp name ``kinds[name]``
+    in that type, ``types``: full tensor names' types overriding them (e.g. ``token_embd.weight``,
+    ``output.weight``, one block's ``blk.0.attn_v.weight``), every other tensor F32; ``tied``: no
+    ``output.weight`` (the head reads ``token_embd``)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    sd = load_file(folder / "model.safetensors")
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    if not tied:
+        tensors["output.weight"] = sd["lm_head.weight"]
+    all_types = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_name, cpp in _LLAMA_NAMES.items():
+            w = sd[f"model.layers.{i}.{hf_name}.weight"]
+            if cpp == "attn_q":
+                w = permute_for_llama_cpp(w, cfg["num_attention_heads"])
+            elif cpp == "attn_k":
+                w = permute_for_llama_cpp(w, cfg["num_key_value_heads"])
+            tensors[f"blk.{i}.{cpp}.weight"] = w
+            if cpp in kinds:
+                all_types[f"blk.{i}.{cpp}.weight"] = kinds[cpp]
+    all_types.update({name: kind for name, kind in types.items() if name in tensors})
+    kv = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
+          "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
+          "attention.head_count": cfg["num_attention_heads"], "attention.head_count_kv": cfg["num_key_value_heads"],
+          "rope.freq_base": float(cfg["rope_parameters"]["rope_theta"]),
+          "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]), "vocab_size": cfg["vocab_size"],
+          "rope.dimension_count": cfg["hidden_size"] // cfg["num_attention_heads"]}
+    return write_gguf(path, "llama", kv, tensors, all_types)

@@ -285,8 +285,6 @@ def test_stage_split_and_fields_named(tiny_models):
         LLM(tiny_models["llama"], pipeline_parallel_size=4, **ENGINE)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
         LLM(tiny_models["llama"], pipeline_parallel_size=0)
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 cannot be combined with quantization"):
-        LLM(tiny_models["llama"], pipeline_parallel_size=2, quantization="int8")
 
 
 def test_an_error_in_a_later_stage_is_reported_with_its_rank(tiny_models):

@@ -264,42 +264,15 @@ def test_gguf_blocks_run_as_stored(tiny_models, tmp_path, embed_type, tied):
     """A Llama GGUF with Q4_0, Q4_1 and Q8_0 tensors: ``quantization="gguf"`` keeps their blocks
     (a fused q/k/v of mixed types stays dequantized) and a kept-type ``token_embd`` as the
     embedding's blocks (shared with a tied head), and equals the dequantized GGUF."""
-    from gguf_writer import permute_for_llama_cpp, write_gguf
+    from gguf_writer import llama_gguf
     from tapllm.quant.linear import QuantLinear
 
-    folder = tiny_models["llama"]
-    cfg = json.loads((folder / "config.json").read_text())
-    sd = load_file(folder / "model.safetensors")
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     kinds = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
              "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
-    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
-               "output.weight": sd["lm_head.weight"]}
-    types = {"output.weight": "Q8_0"}
-    if tied:
-        del tensors["output.weight"], types["output.weight"]
+    types = {"output.weight": "Q8_0", "blk.0.attn_v.weight": "Q8_0"}  # block 0's q/k/v mix types: not kept
     if embed_type is not None:
         types["token_embd.weight"] = embed_type
-    for i in range(cfg["num_hidden_layers"]):
-        for hf_name, cpp in names.items():
-            w = sd[f"model.layers.{i}.{hf_name}.weight"]
-            if cpp == "attn_q":
-                w = permute_for_llama_cpp(w, cfg["num_attention_heads"])
-            elif cpp == "attn_k":
-                w = permute_for_llama_cpp(w, cfg["num_key_value_heads"])
-            tensors[f"blk.{i}.{cpp}.weight"] = w
-            if cpp in kinds:
-                types[f"blk.{i}.{cpp}.weight"] = kinds[cpp]
-    types["blk.0.attn_v.weight"] = "Q8_0"  # block 0's q/k/v mix types: that fused weight is not kept
-    kv = {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
-          "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
-          "attention.head_count": cfg["num_attention_heads"], "attention.head_count_kv": cfg["num_key_value_heads"],
-          "rope.freq_base": float(cfg["rope_parameters"]["rope_theta"]),
-          "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]), "vocab_size": cfg["vocab_size"],
-          "rope.dimension_count": cfg["hidden_size"] // cfg["num_attention_heads"]}
-    path = write_gguf(tmp_path / "tiny-q.gguf", "llama", kv, tensors, types)
+    path = llama_gguf(tiny_models["llama"], tmp_path / "tiny-q.gguf", kinds, types, tied)
     prompts = random_prompts([7, 18], seed=9)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, hidden_states=SPEC)
     want = LLM(path, dtype="float32", block_size=4).generate(prompts, params, use_tqdm=False)

@@ -16,7 +16,7 @@ tied LM head still reads the embedding's blocks when those are of a kept type.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +49,14 @@ def gguf_source(model: str | Path | None) -> Path:
     return path
 
 
-def _raw_tensors(path: Path, config: Any) -> dict[str, torch.Tensor]:
+Cut = Callable[[str, np.ndarray, int], "np.ndarray | None"]
+
+
+def raw_tensors(path: Path, config: Any, cut: Cut | None = None) -> dict[str, torch.Tensor]:
     """``{Hugging Face name: uint8 [N, K/g, B]}`` for every tensor of a kept type, with the
-    architecture's row fix-ups (Llama's q/k permutation acts on rows, so it applies to blocks)."""
+    architecture's row fix-ups (Llama's q/k permutation acts on rows, so it applies to blocks).
+    ``cut(name, blocks, K)``: the part of a tensor's blocks to keep (None: none of it), taken from the
+    file's memory map before anything is copied (a tensor-parallel rank's slice)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -69,8 +74,74 @@ def _raw_tensors(path: Path, config: Any) -> dict[str, torch.Tensor]:
         blocks = np.asarray(t.data).reshape(n, k // inputs, nbytes)
         if mapping.fix is not None:
             blocks = mapping.fix(name, blocks, config)
+        if cut is not None:
+            blocks = cut(name, blocks, k)
+            if blocks is None:
+                continue
         out[name] = torch.from_numpy(np.array(blocks, dtype=np.uint8, order="C", copy=True))
     return out
+
+
+# What a kept linear becomes: (module it replaces, inputs, outputs, (rows, (blocks, bytes)) per part) -> the
+# quantized layer, or None to keep the module in float
+LayerFor = Callable[[nn.Module, int, int, list[tuple[int, tuple[int, int]]]], "nn.Module | None"]
+
+
+def quant_layer(quant: Quantization, linear_type: type) -> LayerFor:
+    """One process's kept linears: a :class:`QuantLinear` per ``linear_type`` module, a
+    :class:`SplitQuantLinear` where the parts' layouts differ."""
+    def make(module: nn.Module, k: int, n: int, parts: list[tuple[int, tuple[int, int]]]) -> nn.Module | None:
+        if type(module) is not linear_type:
+            return None
+        bias, dtype = module.bias is not None, module.weight.dtype
+        if len({shape for _, shape in parts}) == 1:
+            return QuantLinear(k, n, bias, dtype, quant, shape=parts[0][1])
+        # a fused weight whose parts differ in type (Q4_K_M's Q6_K attn_v beside Q4_K q and k)
+        return SplitQuantLinear(k, parts, bias, dtype, quant)
+    return make
+
+
+def checkpoint_sources(model: nn.Module, folder: Path) -> tuple[dict[str, Path], dict[str, list[tuple[int, str]]]]:
+    """The dequantized ``folder``'s tensors (name -> file), and each of ``model``'s parameters with the
+    ``(first row, checkpoint name)`` of the tensors that fill it."""
+    sources: dict[str, list[tuple[int, str]]] = {}
+    names = {}
+    for f in weight_files(folder):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                names[name] = f
+                shape = st.get_slice(name).get_shape()
+                for target, offset, _ in model.checkpoint_names(name, torch.empty(shape, device="meta")):
+                    sources.setdefault(target, []).append((offset or 0, name))
+    return names, sources
+
+
+def place_blocks(model: nn.Module, raw: dict[str, torch.Tensor], sources: dict[str, list[tuple[int, str]]],
+                 layer_for: LayerFor) -> set[str]:
+    """Swap each of ``model``'s linears whose checkpoint tensors are all in ``raw`` (and tile its rows) for
+    ``layer_for``'s quantized layer; returns the checkpoint names those layers take as stored."""
+    modules = dict(model.named_modules())
+    kept: set[str] = set()
+    for target, placed in sources.items():
+        module = modules.get(target.removesuffix(".weight"))
+        weight = getattr(module, "weight", None)
+        if not target.endswith(".weight") or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        placed.sort()
+        srcs = [name for _, name in placed]
+        n, k = module.weight.shape
+        if any(s not in raw or block_kind(k, *raw[s].shape[1:]) is None for s in srcs):
+            continue  # some source is not kept as stored
+        rows = [raw[s].shape[0] for s in srcs]
+        if [off for off, _ in placed] != [sum(rows[:i]) for i in range(len(rows))] or sum(rows) != n:
+            continue  # the parts do not tile the fused rows
+        layer = layer_for(module, k, n, [(r, tuple(raw[s].shape[1:])) for r, s in zip(rows, srcs, strict=True)])
+        if layer is None:
+            continue
+        parent, _, attr = target.removesuffix(".weight").rpartition(".")
+        setattr(modules[parent] if parent else model, attr, layer)
+        kept.update(srcs)
+    return kept
 
 
 def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_type: type,
@@ -81,42 +152,11 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_typ
     type), and return the weights to load: those layers' blocks as stored, every other
     tensor from the dequantized ``folder``. ``quant``: the ``"gguf"`` choice (with its activation
     rounding), ``Quantization("gguf")`` when omitted."""
-    raw = _raw_tensors(gguf_path, model.cfg.hf_config)
+    raw = raw_tensors(gguf_path, model.cfg.hf_config)
     quant = quant or Quantization("gguf")
-    sources: dict[str, list[tuple[int, str]]] = {}  # linear parameter -> (first row, checkpoint name) filling it
-    names = {}
-    for f in weight_files(folder):
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                names[name] = f
-                shape = st.get_slice(name).get_shape()
-                for target, offset, _ in model.checkpoint_names(name, torch.empty(shape, device="meta")):
-                    sources.setdefault(target, []).append((offset or 0, name))
-    modules = dict(model.named_modules())
-    kept: set[str] = set()
-    for target, placed in sources.items():
-        module = modules.get(target.removesuffix(".weight"))
-        if type(module) is not linear_type or not target.endswith(".weight"):
-            continue
-        placed.sort()
-        srcs = [name for _, name in placed]
-        n, k = module.weight.shape
-        if any(s not in raw or block_kind(k, *raw[s].shape[1:]) is None for s in srcs):
-            continue  # some source is not kept as stored
-        shapes = [tuple(raw[s].shape[1:]) for s in srcs]
-        rows = [raw[s].shape[0] for s in srcs]
-        if [off for off, _ in placed] != [sum(rows[:i]) for i in range(len(rows))] or sum(rows) != n:
-            continue  # the parts do not tile the fused rows
-        parent, _, attr = target.removesuffix(".weight").rpartition(".")
-        bias, dtype = module.bias is not None, module.weight.dtype
-        if len(set(shapes)) == 1:
-            layer = QuantLinear(k, n, bias, dtype, quant, shape=shapes[0])
-        else:  # a fused weight whose parts differ in type (Q4_K_M's Q6_K attn_v beside Q4_K q and k)
-            layer = SplitQuantLinear(k, list(zip(rows, shapes, strict=True)), bias, dtype, quant)
-        setattr(modules[parent] if parent else model, attr, layer)
-        kept.update(srcs)
-    embed_kept = (embedding and EMBED in raw and EMBED in names
-                  and block_kind(model.cfg.hidden_size, *raw[EMBED].shape[1:]) is not None
+    names, sources = checkpoint_sources(model, folder)
+    kept = place_blocks(model, raw, sources, quant_layer(quant, linear_type))
+    embed_kept = (embedding and embed_blocks_kept(model, raw, names)
                   and quantize_embedding(model, quant, shape=tuple(raw[EMBED].shape[1:])))
     if embed_kept:
         kept.add(EMBED)
@@ -126,14 +166,25 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_typ
     model.head_blocks = raw[EMBED] if tied and not embed_kept else None
     logger.info("GGUF as stored: %d of %d checkpoint tensors kept in their blocks%s", len(kept), len(names),
                 " (and the tied LM head)" if tied else "")
-    return _weights(names, kept, raw)
+    return stored_or_folder(names, kept, raw)
 
 
-def _weights(names: dict[str, Path], kept: set[str], raw: dict[str, torch.Tensor]
-             ) -> Iterator[tuple[str, torch.Tensor]]:
+def embed_blocks_kept(model: nn.Module, raw: dict[str, torch.Tensor], names: dict[str, Path]) -> bool:
+    """Whether the file's embedding table is of a kept type ``model``'s width can take."""
+    return EMBED in raw and EMBED in names and block_kind(model.cfg.hidden_size, *raw[EMBED].shape[1:]) is not None
+
+
+def stored_or_folder(names: dict[str, Path], kept: set[str], raw: dict[str, torch.Tensor],
+                     read: Callable[[str, Path], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights to load: the ``kept`` tensors' blocks as stored, every other one read from its file
+    (``read(name, file)``; the whole tensor by default)."""
     for name, f in names.items():
         if name in kept:
             yield name, raw[name]
+        elif read is not None:
+            value = read(name, f)
+            if value is not None:
+                yield name, value
         else:
             with safe_open(str(f), framework="pt") as st:
                 yield name, st.get_tensor(name)

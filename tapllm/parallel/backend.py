@@ -26,5 +26,6 @@ def shard_backend(device: torch.device, dtype: torch.dtype, size: int, enforce_e
 
 def prepare_shard(model: CausalLM, backend: Backend) -> None:
     """After loading a rank's weights: pack its linears and hand its modules the backend's ops."""
-    model.prepare_for_inference(backend.prepack, backend.pack_rows)
+    # quantized weights are never prepacked (as in one process); a float layer beside them is not either
+    model.prepare_for_inference(backend.prepack and getattr(model, "quant", None) is None, backend.pack_rows)
     model.use_backend(backend)

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 from tapllm.backends import Backend
 from tapllm.config import EngineConfig, ModelConfig
+from tapllm.loader.gguf_blocks import gguf_source
 from tapllm.models.base import CausalLM
 from tapllm.parallel.backend import prepare_shard
 from tapllm.parallel.group import TensorParallelError, collective_timeout_s
@@ -38,7 +39,8 @@ from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import CopyBlocks, InitCache, Shutdown, dumps
 from tapllm.parallel.ranks import join
 from tapllm.parallel.relay import StageInbox
-from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, load_shard, stages_of, weight_bytes
+from tapllm.parallel.shard_load import ShardWeights, load_shard
+from tapllm.parallel.sharding import kv_bytes_per_token, layout_for, stages_of, weight_bytes
 from tapllm.parallel.worker import WorkerArgs, run_worker
 
 
@@ -88,13 +90,16 @@ class TensorParallel:
         self.pp = pp = engine_config.pipeline_parallel_size
         self.world = world = size * pp
         self.in_flight = engine_config.batches_in_flight()  # batches (engine/pipelined_step.py)
-        self.layout: ShardLayout = layout_for(model_config, 0, size)  # checks the model can be split first
+        quant = engine_config.quant()
+        gguf = gguf_source(engine_config.model) if quant is not None and quant.method == "gguf" else None
+        self.weights = ShardWeights(quant, engine_config.quantize_embedding, gguf)
+        self.layout: ShardLayout = layout_for(model_config, 0, size, quant)  # checks the model can be split first
         self.stages = stages_of(model_config, pp)  # and that its blocks can
         self.mcfg = model_config
         self.executor = engine_config.distributed_executor_backend  # "mp" or "ray"
         # each rank's, every block it holds (ranks of an uneven split hold different numbers of KV heads)
         self.kv_bytes_per_token = [
-            kv_bytes_per_token(model_config, layout_for(model_config, r % size, size))
+            kv_bytes_per_token(model_config, layout_for(model_config, r % size, size, quant))
             * (self.stages[r // size][1] - self.stages[r // size][0]) // model_config.num_layers
             for r in range(world)]
         dummy = engine_config.seed if engine_config.load_format == "dummy" else None
@@ -122,7 +127,7 @@ class TensorParallel:
                                                wait_for_workers=False)
             parent_pid = os.getpid() if ray_workers is None else None
             args = [WorkerArgs(rank, size, store.port, model_config, dummy, timeout_s, threads, parent_pid,
-                               engine_config.enforce_eager, engine_config.backend, host, pp)
+                               engine_config.enforce_eager, engine_config.backend, host, pp, self.weights)
                     for rank in range(1, world)]
             if ray_workers is not None:
                 procs, conns = ray_workers.start(args, START_TIMEOUT_S)
@@ -135,7 +140,8 @@ class TensorParallel:
             self.group = self.ranks.group
             self.group.explain = self._explain
             self.group.gone = self._gone
-            self.model: CausalLM = load_shard(model_config, self.layout, self.group, dummy, self.ranks.stage, 0)
+            self.model: CausalLM = load_shard(model_config, self.layout, self.group, dummy, self.ranks.stage, 0,
+                                              self.weights)
             own = weight_bytes(self.model)  # before packing: the packed copies are not parameters
             prepare_shard(self.model, backend)
             ready = self._wait_for("ready", None)

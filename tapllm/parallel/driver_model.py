@@ -148,8 +148,6 @@ def start_tensor_parallel(model_config: ModelConfig, engine_config: EngineConfig
     what = "tensor_parallel_size > 1 or pipeline_parallel_size > 1"
     if device.type != "cpu":
         raise ValueError(f"{what} runs on the CPU (gloo) only so far, not on {device.type}")
-    if engine_config.quantization is not None:
-        raise ValueError(f"{what} cannot be combined with quantization yet")
     if engine_config.backend == "cuda":
         raise ValueError(f"{what} runs the CPU backend (gloo) only so far, not backend='cuda'")
     size = engine_config.tensor_parallel_size

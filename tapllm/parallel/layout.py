@@ -34,10 +34,13 @@ class ShardLayout:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    # MLP neurons are split in runs of this many (a quantized down_proj's input block: 32, a group, 256), so
+    # every rank's slice of its inputs starts and ends on a block boundary
+    neuron_unit: int = 1
 
     def __post_init__(self) -> None:
         problems = divisibility_problems(self.size, self.num_heads, self.num_kv_heads, self.intermediate_size,
-                                         self.vocab_size)
+                                         self.vocab_size, self.neuron_unit)
         if problems:
             raise ValueError(f"tensor_parallel_size={self.size} does not divide the model: " + "; ".join(problems))
         if not 0 <= self.rank < self.size:
@@ -71,10 +74,14 @@ class ShardLayout:
         """KV heads of every rank, in rank order (replicated ones counted on each rank holding them)."""
         return [self._kv_part(r)[1] for r in range(self.size)]
 
+    def _neuron_part(self, rank: int) -> tuple[int, int]:
+        start, count = balanced(self.intermediate_size // self.neuron_unit, self.size, rank)
+        return start * self.neuron_unit, count * self.neuron_unit
+
     @property
     def neuron_counts(self) -> list[int]:
         """MLP neurons of every rank, in rank order."""
-        return [balanced(self.intermediate_size, self.size, r)[1] for r in range(self.size)]
+        return [self._neuron_part(r)[1] for r in range(self.size)]
 
     @property
     def vocab_counts(self) -> list[int]:
@@ -95,7 +102,7 @@ class ShardLayout:
     @property
     def neurons(self) -> int:
         """This rank's MLP neurons."""
-        return balanced(self.intermediate_size, self.size, self.rank)[1]
+        return self._neuron_part(self.rank)[1]
 
     @property
     def vocab(self) -> int:
@@ -113,7 +120,7 @@ class ShardLayout:
 
     @property
     def neuron_start(self) -> int:
-        return balanced(self.intermediate_size, self.size, self.rank)[0]
+        return self._neuron_part(self.rank)[0]
 
     @property
     def vocab_start(self) -> int:
@@ -138,7 +145,7 @@ class ShardLayout:
 
 
 def divisibility_problems(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
-                          vocab_size: int) -> list[str]:
+                          vocab_size: int, neuron_unit: int = 1) -> list[str]:
     """Each config field that ``size`` ranks cannot split, even unevenly, with its value (empty: it splits).
 
     Heads, neurons and vocabulary rows may split unevenly, but every rank needs at least one of each;
@@ -157,7 +164,10 @@ def divisibility_problems(size: int, num_heads: int, num_kv_heads: int, intermed
         elif num_heads % size:
             out.append(f"num_attention_heads={num_heads} is not a multiple of {size} (needed where the "
                        f"num_key_value_heads={num_kv_heads} are replicated over the ranks)")
-    if intermediate_size < size:
+    if neuron_unit > 1 and (intermediate_size % neuron_unit or intermediate_size // neuron_unit < size):
+        out.append(f"intermediate_size={intermediate_size} does not split into at least {size} runs of "
+                   f"{neuron_unit} neurons (the quantized down_proj's blocks of inputs)")
+    elif intermediate_size < size:
         out.append(f"intermediate_size={intermediate_size} is fewer than the {size} ranks")
     if vocab_size < size:
         out.append(f"vocab_size={vocab_size} is fewer than the {size} ranks")

@@ -29,7 +29,8 @@ from tapllm.models.shapes import mlp_width
 from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layers import GatheredHead, RowParallelLinear, ShardedRMSNorm, VocabParallelEmbedding
 from tapllm.parallel.layout import ShardLayout, stage_layers
-from tapllm.parallel.pipeline import keep_stage
+from tapllm.parallel.quant_shard import check_head_split, input_block
+from tapllm.quant.schemes import Quantization
 from tapllm.utils.hf_config import HFConfig
 
 @dataclass(frozen=True, slots=True)
@@ -84,12 +85,21 @@ def stages_of(cfg: ModelConfig, stages: int) -> list[tuple[int, int]]:
     return stage_layers(cfg.num_layers, stages, cfg.vocab_size * cfg.hidden_size / (attention + mlp))
 
 
-def layout_for(cfg: ModelConfig, rank: int, size: int) -> ShardLayout:
-    """The split of ``cfg``'s model over ``size`` ranks (``ValueError`` names a field it cannot split)."""
+def layout_for(cfg: ModelConfig, rank: int, size: int, quant: Quantization | None = None) -> ShardLayout:
+    """The split of ``cfg``'s model over ``size`` ranks (``ValueError`` names a field it cannot split). With
+    ``quant``, MLP neurons split on the quantized down_proj's blocks, and a head split that cuts o_proj's
+    blocks is refused (:mod:`tapllm.parallel.quant_shard`)."""
     if cfg.architecture not in RULES:
         raise ValueError(f"tensor_parallel_size > 1 is not supported for {cfg.architecture} yet; "
                          f"supported: {', '.join(SHARDABLE)}")
-    return ShardLayout(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, mlp_width(cfg), cfg.vocab_size)
+    neurons = mlp_width(cfg)
+    layout = ShardLayout(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, neurons, cfg.vocab_size,
+                         neuron_unit=input_block(quant, neurons))
+    if quant is not None:
+        counts = layout.head_counts
+        check_head_split(quant, cfg.num_heads, cfg.head_dim,
+                         [(sum(counts[:r]), c) for r, c in enumerate(counts)], size)
+    return layout
 
 
 def local_config(cfg: ModelConfig, layout: ShardLayout) -> ModelConfig:
@@ -199,21 +209,22 @@ class Stage:
         return self.first or rule is None or rule.unit != "vocab"
 
 
-def shard_weights(folder: Path, layout: ShardLayout, architecture: str, stage: Stage | None = None
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def shard_weights(folder: Path, layout: ShardLayout, architecture: str, stage: Stage | None = None,
+                  skip: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every checkpoint tensor of ``folder`` as this rank's slice of it (safetensors: only the slice is read);
-    with ``stage``, only the tensors of that pipeline stage."""
+    with ``stage``, only the tensors of that pipeline stage; none named in ``skip``."""
+    skip = skip or set()
     for file in weight_files(folder):
         if file.suffix != ".safetensors":  # PyTorch .bin files have no partial reads: read, then cut
             for name, tensor in iter_weights(folder):
-                if stage is not None and not stage.holds(name, architecture):
+                if name in skip or (stage is not None and not stage.holds(name, architecture)):
                     continue
                 split = split_of(name, layout, tensor.dim(), architecture)
                 yield name, tensor if split is None else _cut(tensor, *split)
             return
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if stage is not None and not stage.holds(name, architecture):
+                if name in skip or (stage is not None and not stage.holds(name, architecture)):
                     continue
                 piece = f.get_slice(name)
                 split = split_of(name, layout, len(piece.get_shape()), architecture)
@@ -226,28 +237,13 @@ def shard_weights(folder: Path, layout: ShardLayout, architecture: str, stage: S
                 yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
-def load_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup, dummy_seed: int | None = None,
-               stage: Stage | None = None, rank: int | None = None) -> CausalLM:
-    """Build this rank's model and read its weights (``dummy_seed``: random weights, nothing read); with
-    ``stage``, only what that pipeline stage holds. ``rank``: the rank among every stage's (seeds dummy weights)."""
-    model = build_shard(cfg, layout, group)
-    if stage is not None:
-        keep_stage(model, stage.start, stage.stop, stage.first)
-    if dummy_seed is not None:
-        from tapllm.loader.dummy import fill_dummy_weights
-
-        fill_dummy_weights(model, dummy_seed + (layout.rank if rank is None else rank))
-    else:
-        model.load_weights(shard_weights(cfg.path, layout, cfg.architecture, stage))
-    model.eval()
-    return model
-
-
 def weight_bytes_by_dtype(model: torch.nn.Module) -> dict[torch.dtype, int]:
-    """Bytes of ``model``'s parameters by dtype (a tied head counted once), from the parameters themselves:
-    a shard on the meta device counts as its loaded twin does. What ``describe()`` and a plan both report."""
+    """Bytes of ``model``'s parameters and quantized layers' packed blocks by dtype (a tied head counted once),
+    from the tensors themselves: a shard on the meta device counts as its loaded twin does. What ``describe()``
+    and a plan both report."""
     out: dict[torch.dtype, int] = {}
-    for p in model.parameters():  # parameters() yields a shared (tied) tensor once
+    blocks = [b for name, b in model.named_buffers() if name.rpartition(".")[2] == "blocks"]
+    for p in [*model.parameters(), *blocks]:  # both yield a shared (tied) tensor once
         out[p.dtype] = out.get(p.dtype, 0) + p.numel() * p.element_size()
     return out
 

@@ -32,7 +32,8 @@ from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.messages import CopyBlocks, Forward, InitCache, Lens, Logits, Shutdown
 from tapllm.parallel.ranks import Ranks, forward_stage, join
 from tapllm.parallel.shard_tap import ShardTap, StepSteering
-from tapllm.parallel.sharding import Stage, layout_for, load_shard, weight_bytes
+from tapllm.parallel.shard_load import ShardWeights, load_shard
+from tapllm.parallel.sharding import Stage, layout_for, weight_bytes
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class WorkerArgs:
     backend: str
     host: str = "127.0.0.1"  # where rank 0 serves the group's TCPStore
     stages: int = 1  # pipeline_parallel_size
+    weights: ShardWeights = ShardWeights()  # quantization
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -81,8 +83,8 @@ def serve_rank(args: WorkerArgs, conn: Connection) -> int:
         group = ranks.group
         if args.parent_pid is not None:
             group.gone = lambda: "rank 0 exited" if os.getppid() != args.parent_pid else None
-        layout = layout_for(args.model_config, args.rank % args.size, args.size)
-        model = load_shard(args.model_config, layout, group, args.dummy_seed, ranks.stage, args.rank)
+        layout = layout_for(args.model_config, args.rank % args.size, args.size, args.weights.quant)
+        model = load_shard(args.model_config, layout, group, args.dummy_seed, ranks.stage, args.rank, args.weights)
         own = weight_bytes(model)  # before packing: the packed copies are not parameters
         backend = shard_backend(torch.device("cpu"), args.model_config.dtype, args.size, args.enforce_eager,
                                 args.backend)

@@ -36,10 +36,12 @@ def block_shape(quant: Quantization, in_features: int) -> tuple[int, int] | None
     return None if group is None else (in_features // group, 4 + group // 2)
 
 
-def fill_rows(blocks: torch.Tensor, k: int, quant: Quantization, offset: int | None, value: torch.Tensor) -> None:
+def fill_rows(blocks: torch.Tensor, k: int, quant: Quantization, offset: int | None, value: torch.Tensor,
+              amax: torch.Tensor | None = None) -> None:
     """Write rows ``offset..`` (``None``: from 0) of packed ``blocks`` ``uint8 [N, G, B]`` of a
     ``k``-input weight: float rows ``[n, K]`` are quantized into its layout, packed rows
-    ``uint8 [n, G, B]`` of that layout are copied as they are."""
+    ``uint8 [n, G, B]`` of that layout are copied as they are. ``amax`` (int8 rows only): each row's
+    largest magnitude to scale by, where the rows are a slice of longer ones (a tensor-parallel rank's)."""
     start = 0 if offset is None else offset
     rows, groups, nbytes = blocks.shape
     if value.dtype == torch.uint8:
@@ -60,11 +62,18 @@ def fill_rows(blocks: torch.Tensor, k: int, quant: Quantization, offset: int | N
     if kind not in quantizers:
         raise ValueError(f"{kind} blocks come from a GGUF file as stored; float rows cannot be packed into them")
     quantize = quantizers[kind]
+    if amax is not None and (kind != "int8" or groups != 1 or amax.shape != (value.shape[0],)):
+        raise ValueError(f"a row scale (amax) of shape {tuple(amax.shape)} applies to {value.shape[0]} int8 rows "
+                         f"of one block each, not {kind} in {groups} blocks")
     # small chunks straight into place: no packed copy of the whole tensor is held, and the float
     # temporaries stay a few MB (the heap keeps its high-water mark, see tapllm.utils.platform)
     for i in range(0, value.shape[0], _FILL_ROWS):
         chunk = value[i : i + _FILL_ROWS]
-        blocks[start + i : start + i + chunk.shape[0]] = quantize(chunk, group)
+        rows = slice(start + i, start + i + chunk.shape[0])
+        if amax is None:
+            blocks[rows] = quantize(chunk, group)
+        else:
+            blocks[rows] = quantize_int8(chunk, None, amax=amax[i : i + chunk.shape[0]])
 
 
 class QuantLinear(nn.Module):
@@ -108,9 +117,13 @@ class QuantLinear(nn.Module):
         return self.quant.act_bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T + bias`` (a row-parallel layer passes None, adding its bias after the all-reduce)."""
         if self.ops is not None:
-            return self.ops.quant_linear(x, self.blocks, self.bias, self.act_bits)
-        bias = None if self.bias is None else self.bias.float()
+            return self.ops.quant_linear(x, self.blocks, bias, self.act_bits)
+        bias = None if bias is None else bias.float()
         xf = round_activations(x) if self.act_bits else x.float()
         return F.linear(xf, self.dequantized(), bias).to(x.dtype)
 

@@ -82,10 +82,10 @@ def _int4_rows(w: torch.Tensor, group: int) -> torch.Tensor:
     return torch.cat((_halves(d16), _halves(m16), pack_nibbles(q)), dim=-1)
 
 
-def _int8_rows(w: torch.Tensor, group: int) -> torch.Tensor:
+def _int8_rows(w: torch.Tensor, group: int, amax: torch.Tensor | None = None) -> torch.Tensor:
     n, k = w.shape
     wg = w.float().reshape(n, k // group, group)
-    d16 = (wg.abs().amax(-1) / 127).to(torch.float16)
+    d16 = ((wg.abs().amax(-1) if amax is None else amax.float().reshape(n, 1)) / 127).to(torch.float16)
     d = d16.float()
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = torch.round(wg / safe[..., None]).clamp_(-127, 127).to(torch.int8)
@@ -100,13 +100,18 @@ def quantize_int4(w: torch.Tensor, group: int) -> torch.Tensor:
     return torch.cat([_int4_rows(w[i : i + _ROWS], group) for i in range(0, w.shape[0], _ROWS)])
 
 
-def quantize_int8(w: torch.Tensor, group: int | None = None) -> torch.Tensor:
-    """Symmetric 8-bit blocks: one scale per output channel (``group=None``) or per ``group`` inputs."""
+def quantize_int8(w: torch.Tensor, group: int | None = None, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Symmetric 8-bit blocks: one scale per output channel (``group=None``) or per ``group`` inputs.
+    ``amax`` ``[N]`` (per output channel only): each row's largest magnitude to scale by, where ``w`` holds
+    a slice of longer rows (a tensor-parallel rank's); by default its own."""
     k = w.shape[1]
     group = k if group is None else group
     if group % 32 or k % group:
         raise ValueError(f"int8 blocks need a multiple of 32 inputs dividing the input size {k}, got {group}")
-    return torch.cat([_int8_rows(w[i : i + _ROWS], group) for i in range(0, w.shape[0], _ROWS)])
+    if amax is not None and group != k:
+        raise ValueError("a row scale (amax) applies to one scale per output channel (group=None)")
+    return torch.cat([_int8_rows(w[i : i + _ROWS], group, None if amax is None else amax[i : i + _ROWS])
+                      for i in range(0, w.shape[0], _ROWS)])
 
 
 def _q4_k_rows(w: torch.Tensor) -> torch.Tensor:
