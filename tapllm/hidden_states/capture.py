@@ -112,6 +112,22 @@ class RequestCapture:
         sink.write(dest, rows)
         self._keep(point, a, dest)
 
+    def fold_kind(self, point: str) -> str | None:
+        """How a chunk of ``point`` may be folded to one row before it reaches :meth:`consume_folded` (its
+        reducer's ``fold_kind``), or None: the request needs every row (no reduction, a projection, a lens,
+        SAE features, or a reducer that does not fold)."""
+        if (self.reducers is None or self.proj is not None or self.lens is not None or self.features is not None
+                or point not in self.sel.points or point == "attn_pattern"):
+            return None
+        return getattr(self.reducers[point], "fold_kind", None)
+
+    def consume_folded(self, point: str, row: torch.Tensor, a: int, b: int) -> None:
+        """Take positions ``[a, b)`` of ``point`` folded (:meth:`fold_kind`) to one row ``[1, layers, *shape]``
+        (every head: the request's ``heads`` are kept here)."""
+        if self.heads is not None and point in QUERY_HEAD_POINTS:
+            row = row.index_select(2, self.heads)
+        self.reducers[point].fold_in(row[0].float().reshape(row.shape[1], -1), b - a)
+
     def take(self, point: str, rows: torch.Tensor, a: int, b: int) -> None:
         """Keep host rows ``[b - a, layers, *shape]`` of positions ``[a, b)`` as they are (a view of a step's
         host buffer, filled by the time the engine reads results); only when :attr:`takes_host_rows`."""

@@ -11,7 +11,7 @@ advances its high-water mark. A step without capturing requests builds no plan.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +51,30 @@ class _PointPlan:
     rows: slice | torch.Tensor  # batch rows gathered into the stage
     num_rows: int
     stage: torch.Tensor | None = field(default=None)
+    folds: Folds | None = None  # each entry's chunk folded to one row (CapturePlan.fold): the stage holds those
+
+
+@dataclass(frozen=True, slots=True)
+class Folds:
+    """Each entry's rows ``[row, row + n)`` of a step, and how they fold to one row (``fold_kind``)."""
+
+    spans: tuple[tuple[int, int], ...]
+    kinds: tuple[str, ...]
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        """``[len(spans), *t.shape[1:]]`` float32: each span of ``t``'s rows folded to one."""
+        out = torch.empty((len(self.spans), *t.shape[1:]), dtype=torch.float32, device=t.device)
+        for i, ((row, n), kind) in enumerate(zip(self.spans, self.kinds, strict=True)):
+            rows = t[row : row + n].float()
+            if kind == "sum":
+                out[i] = rows.sum(0)
+            elif kind == "max":
+                out[i] = rows.amax(0)
+            elif kind == "min":
+                out[i] = rows.amin(0)
+            else:
+                out[i] = rows[0 if kind == "first" else -1]
+        return out
 
 
 Target = tuple[_PointPlan, int]  # the point's stage, and the layer's slot in it
@@ -107,6 +131,23 @@ class CapturePlan:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
+    def fold(self, points: Iterable[str]) -> dict[str, Folds]:
+        """Fold each of ``points`` whose every entry's request reduces it with a reducer that folds
+        (:meth:`RequestCapture.fold_kind`): from now on its stage holds one row per entry, the entry's chunk
+        folded (:func:`record_folded` takes rows folded elsewhere, :func:`record_at` folds whole ones).
+        Returns the points folded. Called before the forward records anything."""
+        out = {}
+        for pp in self.points:
+            if pp.point not in points or pp.stage is not None:
+                continue
+            kinds = [e.capture.fold_kind(pp.point) for e, _, _ in pp.entries]
+            if None in kinds:
+                continue
+            pp.folds = Folds(tuple((e.row, e.b - e.a) for e, _, _ in pp.entries), tuple(kinds))
+            pp.num_rows = len(pp.entries)
+            out[pp.point] = pp.folds
+        return out
+
     def wants_pattern(self, layer: int) -> bool:
         """True when some entry captures block ``layer``'s attention pattern."""
         return layer in self.patterns
@@ -148,14 +189,17 @@ class CapturePlan:
             except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                 failed[e.capture] = f"hidden_states: capturing 'attn_pattern' failed: {type(exc).__name__}: {exc}"
         for pp in self.points:
-            for e, offset, subset in pp.entries:
+            for i, (e, offset, subset) in enumerate(pp.entries):
                 if e.capture in failed or pp.point not in e.capture.sel.points:
                     continue
-                rows = pp.stage[offset : offset + e.b - e.a]
+                rows = pp.stage[offset : offset + e.b - e.a] if pp.folds is None else pp.stage[i : i + 1]
                 if subset is not None:
                     rows = rows.index_select(1, subset)
                 try:
-                    e.capture.consume(pp.point, rows, e.a, e.b, self.sink)
+                    if pp.folds is None:
+                        e.capture.consume(pp.point, rows, e.a, e.b, self.sink)
+                    else:
+                        e.capture.consume_folded(pp.point, rows, e.a, e.b)
                 except Exception as exc:  # noqa: BLE001 - belongs to this request alone
                     failed[e.capture] = f"hidden_states: capturing {pp.point!r} failed: {type(exc).__name__}: {exc}"
         if self.features:
@@ -173,12 +217,25 @@ class CapturePlan:
 
 
 def record_at(target: Target, t: torch.Tensor) -> None:
-    """Copy the planned rows of ``t`` into ``target``'s slot of its point's stage tensor."""
+    """Copy the planned rows of ``t`` into ``target``'s slot of its point's stage tensor (a folded point's
+    rows folded first)."""
     pp, slot = target
+    if pp.folds is not None:
+        record_folded(target, pp.folds.apply(t))
+        return
     if pp.stage is None:
         pp.stage = t.new_empty((pp.num_rows, len(pp.keys), *t.shape[1:]))
     src = t[pp.rows] if isinstance(pp.rows, slice) else t.index_select(0, pp.rows)
     pp.stage[:, slot].copy_(src)
+
+
+def record_folded(target: Target, folded: torch.Tensor) -> None:
+    """Copy a folded point's rows ``[entries, *shape]`` (:meth:`Folds.apply` of the step's rows) into
+    ``target``'s slot."""
+    pp, slot = target
+    if pp.stage is None:
+        pp.stage = folded.new_empty((pp.num_rows, len(pp.keys), *folded.shape[1:]))
+    pp.stage[:, slot].copy_(folded)
 
 
 def _rows(entries: list[CaptureEntry], device: torch.device) -> slice | torch.Tensor:

@@ -9,6 +9,12 @@ the device the model runs on, and keeps only its running state there::
     ...                                 # once per chunk; a chunk never repeats a position
     result = r.finish()                 # a tensor whose first dimension is num_layers
 
+A reducer may also take a chunk already folded to one row (tensor parallelism folds each rank's
+part of a chunk before the ranks' parts are gathered, so only that row moves): its ``fold_kind``
+(``"sum"``, ``"max"``, ``"min"``, ``"first"`` or ``"last"``) says how a chunk folds, and
+``fold_in(row, count)`` takes the folded ``[num_layers, width]`` row of ``count`` positions. The
+built-ins all have both; a reducer without them gets every row.
+
 ``finish`` may come without any ``update`` when the selection turned out empty (a request
 that stopped at its first generated token has no generated positions); the built-ins then
 return NaN.
@@ -98,6 +104,14 @@ class SumReducer(_Fold):
             if self.pending_rows == _SUM_BLOCK:
                 self._fold()
 
+    fold_kind = "sum"
+
+    def fold_in(self, row: torch.Tensor, count: int) -> None:
+        """Add a chunk's sum ``[num_layers, width]`` (after the rows pending in a block)."""
+        if self.pending_rows:
+            self._fold()
+        self.acc = row.clone() if self.acc is None else self.acc.add_(row)
+
     def _fold(self) -> None:
         s = self.block[: self.pending_rows].sum(0)  # one block of one shape: its sum does not depend on the chunks
         self.acc = s if self.acc is None else self.acc.add_(s)
@@ -120,6 +134,10 @@ class MeanReducer(SumReducer):
         super().update(rows, positions)
         self.count += rows.shape[0]
 
+    def fold_in(self, row: torch.Tensor, count: int) -> None:
+        super().fold_in(row, count)
+        self.count += count
+
     def finish(self) -> torch.Tensor:
         return super().finish() / self.count
 
@@ -127,32 +145,50 @@ class MeanReducer(SumReducer):
 class MaxReducer(_Fold):
     """Element-wise maximum over positions."""
 
+    fold_kind = "max"
+
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        m = rows.amax(0)
-        self.acc = m if self.acc is None else torch.maximum(self.acc, m)
+        self.fold_in(rows.amax(0), rows.shape[0])
+
+    def fold_in(self, row: torch.Tensor, count: int) -> None:
+        self.acc = row.clone() if self.acc is None else torch.maximum(self.acc, row)
 
 
 class MinReducer(_Fold):
     """Element-wise minimum over positions."""
 
+    fold_kind = "min"
+
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        m = rows.amin(0)
-        self.acc = m if self.acc is None else torch.minimum(self.acc, m)
+        self.fold_in(rows.amin(0), rows.shape[0])
+
+    def fold_in(self, row: torch.Tensor, count: int) -> None:
+        self.acc = row.clone() if self.acc is None else torch.minimum(self.acc, row)
 
 
 class FirstReducer(_Fold):
     """The row of the first selected position."""
 
+    fold_kind = "first"
+
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        self.fold_in(rows[0], 1)
+
+    def fold_in(self, row: torch.Tensor, count: int) -> None:
         if self.acc is None:
-            self.acc = rows[0].clone()
+            self.acc = row.clone()
 
 
 class LastReducer(_Fold):
     """The row of the last selected position."""
 
+    fold_kind = "last"
+
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        self.acc = rows[-1].clone()
+        self.fold_in(rows[-1], 1)
+
+    def fold_in(self, row: torch.Tensor, count: int) -> None:
+        self.acc = row.clone()
 
 
 BUILTIN_REDUCERS: dict[str, ReducerFactory] = {

@@ -14,6 +14,7 @@ import torch
 
 from tapllm.backends import Backend
 from tapllm.config import EngineConfig, ModelConfig
+from tapllm.hidden_states.plan import Folds
 from tapllm.models.base import KVCache
 from tapllm.parallel.backend import shard_backend
 from tapllm.parallel.driver import TensorParallel
@@ -64,15 +65,24 @@ class DriverModel:
         from_rank0 = frozenset(k for k, ops in steer_ops.items() if not all(isinstance(op, PLAIN_OPS) for op in ops))
         steer_ops = {k: ops for k, ops in steer_ops.items() if k not in from_rank0}
         pattern_layers = frozenset(i for i in range(self.num_layers) if inner.wants_pattern(i))
-        gathered = {k: _rows_asked(tap, k, input_ids.shape[0]) for k in keys if k[0] in SHARDED_DIMS}
+        folded: dict[tuple[str, int], Folds] = {}
+        capture = getattr(tap, "capture", None)
+        if capture is not None and self.tp.pp == 1:  # (a later pipeline stage relays whole points)
+            folds = capture.fold(SHARDED_DIMS)
+            # a steered key is gathered whole (the steer needs it); the tap then folds it on rank 0
+            folded = {k: folds[k[0]] for k in keys if k[0] in folds and k not in steer_ops and k not in from_rank0}
+        gathered = {k: _rows_asked(tap, k, input_ids.shape[0]) for k in keys
+                    if k[0] in SHARDED_DIMS and k not in folded}
         layers = frozenset(layer for _, layer in keys)
         sent = copy.copy(meta)
         sent.attn = None  # a handle of this process's kernels: each rank attaches its own
         targets = getattr(tap, "targets", {}) or {}
         relayed = frozenset(k for k, (_, target) in targets.items() if target is not None)
         self.tp.send(Forward(input_ids, positions, sent, num_layers, steer_ops, gathered, layers, pattern_layers,
-                             from_rank0, kernels=meta.attn is not None, relayed=relayed, seq=self.forwards))
-        shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers, from_rank0)
+                             from_rank0, kernels=meta.attn is not None, relayed=relayed, seq=self.forwards,
+                             folded=folded))
+        shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers, from_rank0,
+                             folded)
         with self._joined("the forward"):
             if self.tp.pp == 1:
                 hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)

@@ -60,6 +60,7 @@ class Forward:
     kernels: bool = False  # rank 0's step attends with the backend's kernels (meta.attn was set)
     relayed: frozenset[tuple[str, int]] = frozenset()  # points rank 0's tap captures (another stage sends them)
     seq: int = 0  # the step's number: tags its residual's sends between pipeline stages
+    folded: dict[tuple[str, int], Any] = field(default_factory=dict)  # point -> Folds: folded, then gathered
 
 
 @dataclass(slots=True)

@@ -5,7 +5,9 @@ there as it would on one device: steering identically on every rank, capture on 
 sharded point (``q``, ``k``, ``v``, ``z`` by head, ``mlp_post`` by neuron) that some request of
 the step steers or captures is gathered from the ranks into the whole tensor, the step's tap
 runs on that, and each rank keeps its own part of the result; points nobody asked for are never
-gathered. Attention patterns are computed on rank 0 from the gathered queries and key cache.
+gathered. A point captured only by requests whose reductions fold (a mean, a max, ...: see
+:meth:`~tapllm.hidden_states.plan.CapturePlan.fold`) is folded on each rank first, so one row per
+request moves, not one per position. Attention patterns are computed on rank 0 from the gathered queries and key cache.
 
 Rank 0 runs the engine's tap inside :class:`ShardTap`; the other ranks run :class:`StepSteering`
 (the same steering operations, no capture). Operations that cannot travel to the other ranks (an SAE
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tapllm.hidden_states.plan import Folds, record_folded
 from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layout import ShardLayout
 from tapllm.tap import Tap
@@ -69,9 +72,11 @@ class ShardTap:
 
     def __init__(self, inner: Tap, layout: ShardLayout, group: TPGroup,
                  gathered: Mapping[tuple[str, int], torch.Tensor | None], layers: Iterable[int],
-                 pattern_layers: Iterable[int], from_rank0: Iterable[tuple[str, int]] = ()) -> None:
+                 pattern_layers: Iterable[int], from_rank0: Iterable[tuple[str, int]] = (),
+                 folded: Mapping[tuple[str, int], Folds] | None = None) -> None:
         self.inner, self.layout, self.group = inner, layout, group
         self.gathered = dict(gathered)
+        self.folded = dict(folded or {})
         self.from_rank0 = frozenset(from_rank0)
         self.layers = frozenset(layers) | frozenset(pattern_layers)
         self.pattern_layers = frozenset(pattern_layers)
@@ -79,6 +84,9 @@ class ShardTap:
 
     def __call__(self, point: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         key = (point, layer)
+        if key in self.folded:  # captured only, by reductions that fold: each rank folds its part, then gathers
+            self._record_folded(key, self.gather(point, self.folded[key].apply(x)))
+            return x
         sharded = point in SHARDED_DIMS and key in self.gathered
         rows = self.gathered.get(key) if sharded else None
         y = self._run(point, layer, self.gather(point, x, rows) if sharded else x)
@@ -101,6 +109,15 @@ class ShardTap:
         except Exception as exc:  # noqa: BLE001 - raised again by raise_held(), after the last collective
             self.error = exc
             return x
+
+    def _record_folded(self, key: tuple[str, int], whole: torch.Tensor) -> None:
+        targets = getattr(self.inner, "targets", None)  # rank 0's step tap; the other ranks record nothing
+        if not targets or self.error is not None:
+            return
+        try:
+            record_folded(targets[key][1], whole)
+        except Exception as exc:  # noqa: BLE001 - see _run
+            self.error = exc
 
     def raise_held(self) -> None:
         """Raise the inner tap's error, if it raised during the forward."""
