@@ -132,3 +132,27 @@ def test_plugin_discovered_through_entry_point(setup, tmp_path, monkeypatch):
     for engine in (llm, chunked):
         for hs, ref in zip(_run(engine, prompts, **BASE, reduce="absmax"), full):
             assert_close(hs["final"], ref["final"].abs().amax(0))
+
+
+@pytest.mark.parametrize("name", ["mean", "sum", "max", "min", "first", "last"])
+def test_folded_chunks_equal_rows(name):
+    """A built-in fed chunks folded to one row each (``Folds.apply``, then ``fold_in``: what tensor parallelism
+    gathers) gives what it gives fed the chunks' rows, after rows it already holds."""
+    from tapllm.hidden_states.plan import Folds
+    from tapllm.hidden_states.reducers import BUILTIN_REDUCERS
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(150, 2, 24, generator=g)
+    cuts = [0, 7, 70, 71, 150]
+    a, b = BUILTIN_REDUCERS[name](), BUILTIN_REDUCERS[name]()
+    for r in (a, b):
+        r.start(2, 24, torch.device("cpu"))
+    for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+        chunk = rows[lo:hi]
+        a.update(chunk, torch.arange(lo, hi))
+        if i == 0:  # rows first, then folded chunks
+            b.update(chunk, torch.arange(lo, hi))
+        else:
+            folded = Folds(((0, hi - lo),), (b.fold_kind,)).apply(chunk)
+            b.fold_in(folded[0], hi - lo)
+    torch.testing.assert_close(b.finish(), a.finish(), rtol=1e-6, atol=1e-5)

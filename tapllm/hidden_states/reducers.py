@@ -148,7 +148,8 @@ class MaxReducer(_Fold):
     fold_kind = "max"
 
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        self.fold_in(rows.amax(0), rows.shape[0])
+        m = rows.amax(0)
+        self.acc = m if self.acc is None else torch.maximum(self.acc, m)
 
     def fold_in(self, row: torch.Tensor, count: int) -> None:
         self.acc = row.clone() if self.acc is None else torch.maximum(self.acc, row)
@@ -160,7 +161,8 @@ class MinReducer(_Fold):
     fold_kind = "min"
 
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        self.fold_in(rows.amin(0), rows.shape[0])
+        m = rows.amin(0)
+        self.acc = m if self.acc is None else torch.minimum(self.acc, m)
 
     def fold_in(self, row: torch.Tensor, count: int) -> None:
         self.acc = row.clone() if self.acc is None else torch.minimum(self.acc, row)
@@ -172,7 +174,8 @@ class FirstReducer(_Fold):
     fold_kind = "first"
 
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        self.fold_in(rows[0], 1)
+        if self.acc is None:
+            self.acc = rows[0].clone()
 
     def fold_in(self, row: torch.Tensor, count: int) -> None:
         if self.acc is None:
@@ -185,7 +188,7 @@ class LastReducer(_Fold):
     fold_kind = "last"
 
     def update(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        self.fold_in(rows[-1], 1)
+        self.acc = rows[-1].clone()
 
     def fold_in(self, row: torch.Tensor, count: int) -> None:
         self.acc = row.clone()
