@@ -88,3 +88,30 @@ def test_a_point_some_request_steers_or_needs_whole_is_gathered_whole(pair):
         if a.hidden_states is not None:
             for point in a.hidden_states.points:
                 assert_close(b.hidden_states[point], a.hidden_states[point], 1e-5)
+
+
+def test_only_the_query_heads_asked_are_gathered(pair):
+    """Requests keeping some query heads of q and z have only those gathered, each rank's part padded to the
+    most any rank holds (head 3 alone: rank 1's one head, rank 0 padding); with a request wanting every head,
+    all are."""
+    one, two = pair
+    group = two.engine.runner.tp.group
+    prompts = random_prompts([60, 11], seed=4)
+
+    def spec(heads):
+        return HiddenStatesSpec(layers="all", points=["q", "z"], positions="all", heads=heads)
+
+    cases = [[spec([3]), spec([3])], [spec([1, 2]), spec([2])], [spec([0]), spec(None)]]
+    moved = []
+    for specs in cases:
+        params = [greedy(3, hidden_states=s) for s in specs]
+        want = one.generate(prompts, params, use_tqdm=False)
+        before = group.bytes_moved
+        got = two.generate(prompts, params, use_tqdm=False)
+        moved.append(group.bytes_moved - before)
+        for a, b in zip(want, got, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for point in ("q", "z"):
+                assert a.hidden_states[point].shape == b.hidden_states[point].shape
+                assert_close(b.hidden_states[point], a.hidden_states[point], 1e-5)
+    assert moved[0] == moved[1] < moved[2]

@@ -24,6 +24,7 @@ from tapllm.parallel.ranks import start_rank0
 from tapllm.parallel.shard_tap import SHARDED_DIMS, ShardTap
 from tapllm.steering.plan import PLAIN_OPS
 from tapllm.tap import Tap, no_tap
+from tapllm.tap.points import QUERY_HEAD_POINTS
 
 
 class DriverModel:
@@ -73,6 +74,7 @@ class DriverModel:
             folded = {k: folds[k[0]] for k in keys if k[0] in folds and k not in steer_ops and k not in from_rank0}
         gathered = {k: _rows_asked(tap, k, input_ids.shape[0]) for k in keys
                     if k[0] in SHARDED_DIMS and k not in folded}
+        heads = {k: h for k in gathered if (h := _heads_asked(tap, k)) is not None} if self.tp.pp == 1 else {}
         layers = frozenset(layer for _, layer in keys)
         sent = copy.copy(meta)
         sent.attn = None  # a handle of this process's kernels: each rank attaches its own
@@ -80,9 +82,9 @@ class DriverModel:
         relayed = frozenset(k for k, (_, target) in targets.items() if target is not None)
         self.tp.send(Forward(input_ids, positions, sent, num_layers, steer_ops, gathered, layers, pattern_layers,
                              from_rank0, kernels=meta.attn is not None, relayed=relayed, seq=self.forwards,
-                             folded=folded))
+                             folded=folded, heads=heads))
         shard_tap = ShardTap(inner, self.tp.layout, self.tp.group, gathered, layers, pattern_layers, from_rank0,
-                             folded)
+                             folded, heads)
         with self._joined("the forward"):
             if self.tp.pp == 1:
                 hidden = self.shard(input_ids, positions, kv_caches, meta, shard_tap, num_layers=num_layers)
@@ -149,6 +151,21 @@ def _rows_asked(tap: Any, key: tuple[str, int], num_rows: int) -> torch.Tensor |
     if bool(mask.all()):
         return None
     return mask.nonzero().flatten()
+
+
+def _heads_asked(tap: Any, key: tuple[str, int]) -> tuple[int, ...] | None:
+    """The query heads the step's requests capture at a ``q`` or ``z`` key nobody steers, when every one of
+    them keeps only some heads (sorted); None: all of them are gathered."""
+    ops, target = tap.targets[key]
+    if ops or target is None or key[0] not in QUERY_HEAD_POINTS:
+        return None
+    heads: set[int] = set()
+    for entry, _, _ in target[0].entries:
+        capture = entry.capture
+        if capture.sel.heads is None or capture.features is not None or key[0] not in capture.sel.points:
+            return None
+        heads.update(capture.sel.heads)
+    return tuple(sorted(heads))
 
 
 def start_tensor_parallel(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device

@@ -61,6 +61,7 @@ class Forward:
     relayed: frozenset[tuple[str, int]] = frozenset()  # points rank 0's tap captures (another stage sends them)
     seq: int = 0  # the step's number: tags its residual's sends between pipeline stages
     folded: dict[tuple[str, int], Any] = field(default_factory=dict)  # point -> Folds: folded, then gathered
+    heads: dict[tuple[str, int], tuple[int, ...]] = field(default_factory=dict)  # q/z -> the only heads gathered
 
 
 @dataclass(slots=True)

@@ -73,10 +73,12 @@ class ShardTap:
     def __init__(self, inner: Tap, layout: ShardLayout, group: TPGroup,
                  gathered: Mapping[tuple[str, int], torch.Tensor | None], layers: Iterable[int],
                  pattern_layers: Iterable[int], from_rank0: Iterable[tuple[str, int]] = (),
-                 folded: Mapping[tuple[str, int], Folds] | None = None) -> None:
+                 folded: Mapping[tuple[str, int], Folds] | None = None,
+                 heads: Mapping[tuple[str, int], tuple[int, ...]] | None = None) -> None:
         self.inner, self.layout, self.group = inner, layout, group
         self.gathered = dict(gathered)
         self.folded = dict(folded or {})
+        self.heads = dict(heads or {})
         self.from_rank0 = frozenset(from_rank0)
         self.layers = frozenset(layers) | frozenset(pattern_layers)
         self.pattern_layers = frozenset(pattern_layers)
@@ -89,6 +91,9 @@ class ShardTap:
             return x
         sharded = point in SHARDED_DIMS and key in self.gathered
         rows = self.gathered.get(key) if sharded else None
+        if key in self.heads:  # captured only, of some query heads: those are gathered, nothing is written back
+            self._run(point, layer, self.gather_heads(x, rows, self.heads[key]))
+            return x
         y = self._run(point, layer, self.gather(point, x, rows) if sharded else x)
         if key in self.from_rank0:  # steered by operations only rank 0 holds: its result for all
             y = self.group.broadcast(y, src=0)
@@ -137,6 +142,23 @@ class ShardTap:
             return whole
         full = whole.new_zeros((x.shape[0], *whole.shape[1:]))
         return full.index_copy_(0, rows, whole)
+
+    def gather_heads(self, x: torch.Tensor, rows: torch.Tensor | None, heads: tuple[int, ...]) -> torch.Tensor:
+        """The whole ``q`` or ``z`` (``[T, heads, head_dim]``) with only query ``heads`` (sorted) gathered from
+        the ranks that hold them, on ``rows`` (None: every row); every other head and row is zero."""
+        lay = self.layout
+        counts = lay.head_counts
+        starts = [sum(counts[:r]) for r in range(lay.size)]
+        per_rank = [sum(1 for h in heads if s <= h < s + c) for s, c in zip(starts, counts, strict=True)]
+        mine = torch.tensor([h - lay.head_start for h in heads if lay.head_start <= h < lay.head_start + lay.heads],
+                            dtype=torch.long)
+        part = (x if rows is None else x.index_select(0, rows)).index_select(1, mine)
+        got = self.group.all_gather(part, 1, per_rank if len(set(per_rank)) > 1 else None)
+        asked = x.new_zeros((got.shape[0], lay.num_heads, *x.shape[2:])).index_copy_(
+            1, torch.tensor(heads, dtype=torch.long), got)
+        if rows is None:
+            return asked
+        return x.new_zeros((x.shape[0], *asked.shape[1:])).index_copy_(0, rows, asked)
 
     def sizes(self, point: str) -> list[int] | None:
         """Every rank's length of ``point`` along its split dim where the split is uneven (None: even)."""

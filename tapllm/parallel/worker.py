@@ -124,7 +124,7 @@ def _serve(conn: Connection, args: WorkerArgs, model: torch.nn.Module, layout: S
                     forward_stage(msg, model, kv, layout, ranks, conn)
                     continue
                 tap = ShardTap(StepSteering(msg.steer_ops, msg.pattern_layers), layout, group, msg.gathered,
-                               msg.layers, msg.pattern_layers, msg.from_rank0, msg.folded)
+                               msg.layers, msg.pattern_layers, msg.from_rank0, msg.folded, msg.heads)
                 model(msg.input_ids, msg.positions, kv, msg.meta, tap, num_layers=msg.num_layers)
             elif isinstance(msg, Logits):  # sent to stage 0's ranks only: the head is theirs
                 model.compute_logits(msg.hidden)
