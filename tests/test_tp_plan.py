@@ -180,3 +180,31 @@ def test_kv_heads_fewer_than_ranks_are_replicated_in_the_plan():
     assert [r.layout.kv_head_start for r in plan.ranks[:4]] == [0, 0, 1, 1]
     assert plan.ranks[0].kv_bytes_per_token == 40960  # one KV head a rank, as at TP 8
     assert "1 of 8 KV heads (each held by 2 ranks)" in str(plan)
+
+
+@pytest.mark.parametrize("quant", [dict(quantization="int8"), dict(quantization="int4", quantization_group_size=32),
+                                   dict(quantization="q4_k", quantize_embedding=False)], ids=["int8", "int4", "q4_k"])
+def test_quantized_plan_equals_what_a_quantized_tp2_engine_holds(quant, tiny_models):
+    """The plan's bytes per rank, packed blocks included, are what a running quantized TP 2 engine holds."""
+    plan = plan_split(tiny_models["llama3-rope-tied"], 2, "float32", **quant)
+    assert plan.quantization.startswith(quant["quantization"]) and "weights, tensor_parallel_size" in str(plan)
+    two = LLM(tiny_models["llama3-rope-tied"], tensor_parallel_size=2, dtype="float32", kv_cache_blocks=8, **quant)
+    try:
+        assert two.engine.runner.tp.weight_bytes == [r.weight_bytes for r in plan.ranks]
+    finally:
+        two.close()
+    one = LLM(tiny_models["llama3-rope-tied"], dtype="float32", kv_cache_blocks=8, **quant)
+    assert plan.model_weight_bytes == weight_bytes(one.engine.runner.model)
+    for rank in plan.ranks:
+        assert torch.uint8 in rank.weight_bytes_by_dtype
+        assert rank.weight_bytes <= plan.model_weight_bytes * (1 / 2 + 0.05)
+
+
+def test_70b_in_int4_at_tp2_plans_its_blocks():
+    """Llama-3.3-70B in int4 (groups of 128 with a float16 scale and min: 4.25 bits a weight): 37.5 GB, 18.7 GB
+    a rank at TP 2; gguf has no layouts without its file."""
+    plan = plan_split(LLAMA_70B, 2, "bfloat16", quantization="int4", kv_tokens=8192, gpu_memory_gib=80)
+    assert 36 * GB < plan.model_weight_bytes < 42 * GB
+    assert all(r.weight_bytes <= plan.model_weight_bytes * (1 / 2 + 0.05) for r in plan.ranks) and plan.fits
+    with pytest.raises(ValueError, match="quantization='gguf' cannot be planned"):
+        plan_split(LLAMA_70B, 2, quantization="gguf")

@@ -27,6 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="each rank's device memory, to check the fit")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="the share of --gpu-memory-gib weights and KV cache may fill (default 0.9)")
+    p.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "q4_k"],
+                   help="plan the weights quantized as the engine quantizes them (each rank's packed blocks)")
+    p.add_argument("--quantization-group-size", type=int, default=None, choices=[32, 64, 128],
+                   help="with --quantization int4: inputs per group (default 128)")
+    p.add_argument("--no-quantize-embedding", dest="quantize_embedding", action="store_false",
+                   help="with --quantization, keep the embedding table in --dtype")
     p.add_argument("--quiet", action="store_true", help="only print the plan")
 
 
@@ -37,5 +43,7 @@ def run(args: argparse.Namespace) -> int:
     print(plan_split(args.model, args.tensor_parallel_size, args.dtype, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs, kv_tokens=args.kv_tokens, gpu_memory_gib=args.gpu_memory_gib,
                      gpu_memory_utilization=args.gpu_memory_utilization,
-                     pipeline_parallel_size=args.pipeline_parallel_size))
+                     pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
+                     quantization_group_size=args.quantization_group_size,
+                     quantize_embedding=args.quantize_embedding))
     return 0

@@ -21,11 +21,16 @@ from typing import Any
 import torch
 
 from tapllm.config import ModelConfig, resolve_dtype
+from tapllm.layers.linear import Linear
 from tapllm.models import build_model
 from tapllm.parallel.layout import ShardLayout
 from tapllm.parallel.pipeline import keep_stage
+from tapllm.parallel.quant_shard import finish_tied_head, quantize_shard
 from tapllm.parallel.sharding import (build_shard, kv_bytes_per_token, layout_for, stages_of, weight_bytes,
                                       weight_bytes_by_dtype)
+from tapllm.quant.embedding import quantize_embedding
+from tapllm.quant.linear import quantize_linears
+from tapllm.quant.schemes import Quantization, parse_quantization
 from tapllm.utils.dtypes import dtype_name
 
 DEFAULT_MEMORY_UTILIZATION = 0.9  # the engine's (and vLLM's) default share of a GPU's memory
@@ -69,6 +74,7 @@ class SplitPlan:
     gpu_memory_bytes: int | None = None
     gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
     pipeline_parallel_size: int = 1
+    quantization: str | None = None  # e.g. "int4-g128"; None: weights in ``dtype``
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -107,7 +113,8 @@ class SplitPlan:
     def __str__(self) -> str:
         lay, n, pp = self.ranks[0].layout, len(self.ranks), self.pipeline_parallel_size
         lines = [
-            f"plan: {self.model} ({self.architecture}), {dtype_name(self.dtype)}, tensor_parallel_size="
+            f"plan: {self.model} ({self.architecture}), {dtype_name(self.dtype)}"
+            f"{f' with {self.quantization} weights' if self.quantization else ''}, tensor_parallel_size="
             f"{self.tensor_parallel_size}" + (f", pipeline_parallel_size={pp}" if pp > 1 else ""),
             f"model: {self.num_layers} blocks, hidden {self.hidden_size}; weights {_gb(self.model_weight_bytes)} "
             f"in one process",
@@ -147,7 +154,8 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
                max_model_len: int | None = None, max_num_seqs: int = 1, kv_tokens: int | None = None,
                gpu_memory_gib: float | None = None,
                gpu_memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
-               pipeline_parallel_size: int = 1) -> SplitPlan:
+               pipeline_parallel_size: int = 1, quantization: str | None = None,
+               quantization_group_size: int | None = None, quantize_embedding: bool = True) -> SplitPlan:
     """Plan ``config``'s model over ``tensor_parallel_size`` x ``pipeline_parallel_size`` ranks, each rank's
     shard built on the meta device.
 
@@ -165,19 +173,26 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
         pipeline_parallel_size: stages of blocks (``ValueError`` when more than the blocks), each
             stage's blocks split over ``tensor_parallel_size`` ranks; stage 0 also holds the embedding,
             the final norm and the LM head (as the engine splits them).
+        quantization, quantization_group_size, quantize_embedding: weights quantized as the engine quantizes
+            them (``"int8"``, ``"int4"``, ``"q4_k"``; ``"gguf"`` takes its layouts from a file and is refused),
+            each rank's packed blocks counted with its weights.
     """
     size = tensor_parallel_size
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    quant = parse_quantization(quantization, quantization_group_size)
+    if quant is not None and quant.method == "gguf":
+        raise ValueError("quantization='gguf' cannot be planned: its blocks' layouts come from the GGUF file; "
+                         "plan 'int8', 'int4' or 'q4_k'")
     cfg = _model_config(config, dtype)
-    layouts = [layout_for(cfg, r, size) for r in range(size)]  # checks the model can be split first
+    layouts = [layout_for(cfg, r, size, quant) for r in range(size)]  # checks the model can be split first
     stages = stages_of(cfg, pipeline_parallel_size)  # and that its blocks can
     ranks: list[RankPlan] = []
     built: dict[tuple[int, ...], tuple[dict[torch.dtype, int], int]] = {}
     with torch.device("meta"):
-        whole = weight_bytes(build_model(cfg))
+        whole = weight_bytes(_whole(cfg, quant, quantize_embedding))
         for s, (start, stop) in enumerate(stages):
             for layout in layouts:
                 # A shard's modules depend only on its local sizes (and blocks), equal on every rank of an
@@ -188,8 +203,12 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
                     shard = build_shard(cfg, layout, None)
                     if len(stages) > 1:
                         keep_stage(shard, start, stop, s == 0)
-                    built[key] = (weight_bytes_by_dtype(shard),
-                                  sum(b.numel() * b.element_size() for b in shard.buffers()))
+                    if quant is not None:
+                        quantize_shard(shard, quant, None, quantize_embedding, cfg)
+                        finish_tied_head(shard)
+                    blocks = {id(b) for n, b in shard.named_buffers() if n.rpartition(".")[2] == "blocks"}
+                    built[key] = (weight_bytes_by_dtype(shard), sum(b.numel() * b.element_size()
+                                                                    for b in shard.buffers() if id(b) not in blocks))
                 by_dtype, buffers = built[key]
                 kv = kv_bytes_per_token(cfg, layout) * (stop - start) // cfg.num_layers
                 ranks.append(RankPlan(layout, by_dtype, buffers, kv, s, (start, stop) if len(stages) > 1 else None))
@@ -201,7 +220,20 @@ def plan_split(config: Any, tensor_parallel_size: int, dtype: str | torch.dtype 
         model=cfg.path.name or str(cfg.path), architecture=cfg.architecture, dtype=cfg.dtype,
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ranks=tuple(ranks), model_weight_bytes=whole,
         kv_tokens=kv_tokens, gpu_memory_bytes=None if gpu_memory_gib is None else int(gpu_memory_gib * 2**30),
-        gpu_memory_utilization=gpu_memory_utilization, pipeline_parallel_size=pipeline_parallel_size)
+        gpu_memory_utilization=gpu_memory_utilization, pipeline_parallel_size=pipeline_parallel_size,
+        quantization=quant.describe() if quant is not None else None)
+
+
+def _whole(cfg: ModelConfig, quant: Quantization | None, embedding: bool) -> torch.nn.Module:
+    """The whole model on the current (meta) device, quantized as one process quantizes it."""
+    model = build_model(cfg)
+    if quant is not None:
+        model.quant = quant
+        quantize_linears(model, quant, Linear)
+        if embedding:
+            quantize_embedding(model, quant)
+        model.prepare_for_inference(False)  # a tied head: over the table's blocks, or quantized from it
+    return model
 
 
 def _model_config(config: Any, dtype: str | torch.dtype) -> ModelConfig:

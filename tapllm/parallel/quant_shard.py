@@ -18,7 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tapllm.config import ModelConfig
 from tapllm.layers.linear import Linear
+from tapllm.models.shapes import mlp_width
 from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layers import GatheredHead, RowParallelLinear, VocabParallelEmbedding
 from tapllm.quant.embedding import QuantEmbedding
@@ -171,17 +173,23 @@ def finish_tied_head(model: nn.Module) -> None:
         model.lm_head = model.lm_head.build(model.embed_tokens)
 
 
-def quantize_shard(model: nn.Module, quant: Quantization, group: TPGroup, embedding: bool,
-                   row_inputs: dict[str, int]) -> None:
+def row_inputs(cfg: ModelConfig) -> dict[str, int]:
+    """The whole model's inputs of each row-parallel layer, by its name."""
+    return {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": mlp_width(cfg)}
+
+
+def quantize_shard(model: nn.Module, quant: Quantization, group: TPGroup | None, embedding: bool,
+                   cfg: ModelConfig) -> None:
     """Swap a rank's built (not yet loaded) layers for quantized ones with empty storage, as
-    ``quantize_linears`` / ``quantize_embedding`` do in one process. ``row_inputs``: the whole model's
-    inputs of each row-parallel layer by its name (``o_proj``: heads x head_dim, ``down_proj``: neurons)."""
+    ``quantize_linears`` / ``quantize_embedding`` do in one process (``cfg``: the whole model's config;
+    ``group`` None: a shard only measured, never run)."""
+    inputs = row_inputs(cfg)
     model.quant = quant
     quantize_linears(model, quant, Linear)  # column-parallel: whole rows
 
     def row(name: str, layer: nn.Module) -> QuantRowParallelLinear | None:
         n, k_local = layer.weight.shape
-        shape = slice_shape(quant, row_inputs[name], k_local)
+        shape = slice_shape(quant, inputs[name], k_local)
         if shape is None:
             return None
         return QuantRowParallelLinear(k_local, n, layer.bias is not None, layer.weight.dtype, quant, shape, group)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from tapllm.config import ModelConfig
 from tapllm.models.base import CausalLM
-from tapllm.models.shapes import mlp_width
 from tapllm.parallel.gguf_shard import gguf_shard_weights
 from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layout import ShardLayout
@@ -49,8 +48,7 @@ def load_shard(cfg: ModelConfig, layout: ShardLayout, group: TPGroup, dummy_seed
                                               group))
     else:
         if quant is not None:
-            quantize_shard(model, quant, group, weights.embedding,
-                           {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": mlp_width(cfg)})
+            quantize_shard(model, quant, group, weights.embedding, cfg)
         model.load_weights(shard_weights(cfg.path, layout, cfg.architecture, stage))
     finish_tied_head(model)
     model.eval()
