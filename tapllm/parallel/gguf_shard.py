@@ -16,7 +16,8 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.layers.linear import Linear
-from tapllm.loader.gguf_blocks import EMBED, checkpoint_sources, embed_blocks_kept, place_blocks, quant_layer, raw_tensors
+from tapllm.loader.gguf_blocks import (EMBED, Cut, checkpoint_sources, embed_blocks_kept, place_blocks, quant_layer,
+                                      raw_tensors)
 from tapllm.parallel.group import TPGroup
 from tapllm.parallel.layers import GatheredHead, RowParallelLinear, VocabParallelEmbedding
 from tapllm.parallel.layout import ShardLayout
@@ -26,7 +27,7 @@ from tapllm.parallel.sharding import Stage, shard_weights, split_of
 from tapllm.quant.schemes import Quantization
 
 
-def _cutter(layout: ShardLayout, architecture: str, stage: Stage | None):
+def _cutter(layout: ShardLayout, architecture: str, stage: Stage | None) -> Cut:
     def cut(name: str, blocks: np.ndarray, k: int) -> np.ndarray | None:
         if stage is not None and not stage.holds(name, architecture):
             return None
