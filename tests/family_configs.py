@@ -47,3 +47,28 @@ def family_configs() -> dict[str, Any]:
     for config in configs.values():  # what save_pretrained of the model would write
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     return configs
+
+
+def moe_configs() -> dict[str, Any]:
+    """name -> a transformers config of a tiny mixture-of-experts model (4 experts, top-2, 32-wide experts).
+
+    Kept apart from :func:`family_configs` (whose families every engine path runs) until the MoE families
+    run on those paths too. Between them they cover: renormalised and raw top-k weights, a shared expert,
+    a dense block among sparse ones (Qwen2-MoE's ``mlp_only_layers``), per-head and whole-projection q/k
+    norms, and OLMoE's ``clip_qkv``.
+    """
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    moe = dict(vocab_size=VOCAB, tie_word_embeddings=False, num_experts_per_tok=2, **{**SMALL, "intermediate_size": 32})
+    configs = {
+        "mixtral": MixtralConfig(num_local_experts=4, **moe),
+        "qwen2_moe": Qwen2MoeConfig(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                    norm_topk_prob=False, mlp_only_layers=[1], **{**moe, "intermediate_size": 96}),
+        "qwen3_moe": Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32, **moe),
+        "olmoe": OlmoeConfig(num_experts=4, norm_topk_prob=False, clip_qkv=2.0, eos_token_id=0, **moe),
+    }
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for config in configs.values():
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    return configs

@@ -1,0 +1,182 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) through the shared family harness.
+
+Each family's tiny random model (``family_configs.moe_configs``) is saved with ``save_pretrained``
+(per-expert tensors) and compared with transformers in float32: greedy tokens and logprobs alone,
+batched, chunked, after prefix-cache hits and through preemption, on the eager path and on the
+default (fused CPU) path, whose C++ block runner does not take MoE blocks; every residual-width
+point within 1e-5 of its scale, the logits likewise; the attention points; steering. The grouped
+expert computation is also checked against a plain loop over tokens, and transformers' stacked
+in-memory expert layout (``experts.gate_up_proj``) loads as well as the per-expert one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_matches_reference, hf_greedy, random_prompts, save_tiny_model
+from family_configs import moe_configs
+from family_harness import HFLayout, assert_close_states, check_points, check_situations, check_steering
+from tapllm import LLM, HiddenStatesSpec, SamplingParams
+from tapllm.models.moe import Routing, grouped_experts, route
+
+FAMILIES = sorted(moe_configs())
+
+LAYOUT = HFLayout(
+    blocks=lambda m: m.model.layers,
+    attn_out=lambda b: b.self_attn,
+    mlp_out=lambda b: b.mlp,  # the sparse block's output, shared expert included
+    final_norm=lambda m: m.model.norm,
+)
+
+
+def _init(model) -> None:
+    """Norm weights away from 1 and random q/k/v biases, so every norm and bias really acts."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory, default_model_folder):
+    """family -> (checkpoint folder, the transformers model read back from it)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for name, cfg in moe_configs().items():
+        # Mixtral's checkpoint is sharded, so the shard index path is exercised with per-expert tensors too
+        folder = save_tiny_model(root / name, cfg, default_model_folder, shard="2MB" if name == "mixtral" else "10GB",
+                                 init=_init)
+        out[name] = (folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+    assert len(list(out["mixtral"][0].glob("*.safetensors"))) > 1
+    return out
+
+
+def _naive_experts(x, weights, ids, gate_up, down):
+    out = torch.zeros_like(x)
+    inter = down.shape[-1]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = gate_up[e] @ x[t]
+            out[t] += (weights[t, j] * (down[e] @ (F.silu(h[:inter]) * h[inter:]))).to(x.dtype)
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_grouped_experts_equal_a_loop_over_tokens(renormalize):
+    g = torch.Generator().manual_seed(3)
+    tokens, hidden, inter, experts = 9, 16, 8, 6
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3
+    down = torch.randn(experts, hidden, inter, generator=g) * 0.3
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, 5] = -1e4  # an expert no token picks: skipped
+    weights, ids = route(logits, Routing(experts, 2, renormalize))
+    assert 5 not in ids.tolist() and len(set(ids.flatten().tolist())) > 2
+    if renormalize:
+        assert torch.allclose(weights.sum(-1), torch.ones(tokens))
+    got = grouped_experts(x, weights, ids, gate_up, down, F.silu)
+    assert torch.allclose(got, _naive_experts(x, weights, ids, gate_up, down), atol=1e-5)
+
+
+def _hf_routes(model, prompt: list[int]) -> list[torch.Tensor]:
+    """The experts transformers' routers pick for each token, per sparse block."""
+    picks = []
+    handles = [layer.mlp.gate.register_forward_hook(lambda m, i, o: picks.append(o[2]))
+               for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt]))
+    finally:
+        for h in handles:
+            h.remove()
+    return picks
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_tiny_models_route_tokens_to_every_expert(family, moe_models):
+    """Not vacuous: a router sends the tokens of one prompt to every expert (in one block at least), so a
+    wrongly placed expert weight or a wrong route shows."""
+    _, model = moe_models[family]
+    picks = _hf_routes(model, random_prompts([40], seed=9)[0])
+    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    assert len(picks) == len(sparse) >= 2
+    if family == "qwen2_moe":
+        assert sparse == [0, 2]  # block 1 is in mlp_only_layers: a dense MLP
+    chosen = [set(ids.flatten().tolist()) for ids in picks]
+    assert any(c == {0, 1, 2, 3} for c in chosen), chosen
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "default"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_situations(family, eager, moe_models):
+    """Tokens and logprobs equal transformers alone, batched, chunked, after cache hits, preempted; the
+    default path runs every block in Python on the fused ops (no C++ block runner for MoE blocks)."""
+    folder, model = moe_models[family]
+    llms = check_situations(folder, model, random_prompts([3, 14, 27], seed=31), 8, enforce_eager=eager)
+    for llm in llms:
+        runner = llm.engine.runner
+        assert runner.model.stack is None
+        if eager:
+            assert runner.backend.name == "eager"
+        else:
+            assert runner.backend.stack is not None  # a dense model would run its untapped decode blocks there
+        path = "fused" if runner.backend.fused else "eager"
+        assert {p for _, _, p in runner.model.last_runs} == {path}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_point_and_the_logits(family, moe_models):
+    """Residual-width points within 1e-5 of their scale, attention points, and the logits; no mlp_post."""
+    folder, model = moe_models[family]
+    llm = LLM(folder, dtype="float32")
+    prompts = random_prompts([1, 9, 22], seed=32)
+    check_points(llm, model, LAYOUT, prompts, 5, tol=1e-5, mlp_post=False)
+    spec = HiddenStatesSpec(points=["final"], positions="all")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, hidden_states=spec),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        seq = (prompt + out.outputs[0].token_ids)[:-1]
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([seq])).logits[0]
+            got = llm.engine.runner.model.compute_logits(out.hidden_states["final"][:, 0])
+        assert_close_states(got[:, None], ref[:, None], f"logits (prompt {len(prompt)} tokens)", 1e-5)
+    with pytest.raises(ValueError, match="does not expose 'mlp_post'"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, hidden_states=HiddenStatesSpec(points=["mlp_post"])),
+                     use_tqdm=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_steering(family, moe_models):
+    folder, model = moe_models[family]
+    check_steering(folder, model, LAYOUT)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stacked_expert_checkpoint(family, moe_models, tmp_path):
+    """A checkpoint in transformers' in-memory layout (``experts.gate_up_proj`` ``[E, 2I, H]``,
+    ``experts.down_proj`` ``[E, H, I]``) loads as well as the per-expert tensors save_pretrained writes."""
+    from safetensors.torch import save_file
+
+    folder, model = moe_models[family]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") and v.dim() == 3 for k, v in state.items())
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (folder / name).is_file():
+            (tmp_path / name).write_bytes((folder / name).read_bytes())
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == model.config.architectures
+    prompts = random_prompts([5, 19], seed=41)
+    refs = [hf_greedy(model, p, 6) for p in prompts]
+    outs = LLM(tmp_path, dtype="float32").generate(
+        prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)
+    assert_matches_reference(outs, refs)
