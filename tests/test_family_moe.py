@@ -180,3 +180,45 @@ def test_stacked_expert_checkpoint(family, moe_models, tmp_path):
     outs = LLM(tmp_path, dtype="float32").generate(
         prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)
     assert_matches_reference(outs, refs)
+
+
+def test_cuda_backend_runs_moe_steps_eagerly(moe_models):
+    """The CUDA backend (Triton interpreted here) takes no CUDA graphs of an MoE model, whose expert
+    grouping reads row counts on the host, and says why; its tokens still equal transformers'."""
+    folder, model = moe_models["qwen2_moe"]
+    prompts = random_prompts([4, 11], seed=43)
+    refs = [hf_greedy(model, p, 5) for p in prompts]
+    llm = LLM(folder, dtype="float32", backend="cuda")
+    runner = llm.engine.runner
+    assert runner.backend.name == "cuda" and runner.graph_step is None
+    assert "row counts on the host" in runner.policy.off
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    assert_matches_reference(outs, refs)
+
+
+def test_batch_invariant_is_refused(moe_models):
+    folder, _ = moe_models["mixtral"]
+    with pytest.raises(ValueError, match="batch_invariant=True is not supported for MixtralForCausalLM"):
+        LLM(folder, dtype="float32", batch_invariant=True)
+
+
+def test_quantization_keeps_routers_and_experts_in_the_model_dtype(moe_models):
+    """int8 quantizes attention and the shared expert; routers (a rounding there changes the route) and
+    the stacked experts stay float."""
+    from tapllm.models.moe import Router, SparseMoE
+    from tapllm.quant.linear import QuantLinear
+
+    folder, _ = moe_models["qwen2_moe"]
+    llm = LLM(folder, dtype="float32", quantization="int8")
+    model = llm.engine.runner.model
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert len(moes) == 2
+    for moe in moes:
+        assert type(moe.gate) is Router and type(moe.shared_expert_gate) is Router
+        assert isinstance(moe.shared_expert.gate_up_proj, QuantLinear)
+        assert moe.experts.gate_up_proj.dtype == torch.float32
+    assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
+    out = llm.generate([random_prompts([6], seed=44)[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

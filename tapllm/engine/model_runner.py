@@ -114,6 +114,8 @@ class ModelRunner:
             off = "off" if self.backend.name == "cuda" else f"none on the {self.backend.name} backend"
         elif self.model.needs_prompt_lengths:
             off = f"off: {model_config.architecture} reads each row's prompt length"
+        elif self.model.graphs_off:
+            off = f"off: {model_config.architecture} {self.model.graphs_off}"
         else:
             self.graph_step = GraphStep(self.model, self.kv_caches, self.block_tables, graphs, self.backend.attention,
                                         {**{p: (model_config.hidden_size,) for p in HIDDEN_POINTS},

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tapllm.backends import Backend
 from tapllm.config import ModelConfig
 from tapllm.layers.linear import Linear
 from tapllm.models.base import GatedMLP, Placement, activation, qkv_fused
@@ -81,6 +82,12 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     return torch.zeros_like(x).index_add_(0, tokens, scaled)
 
 
+class Router(Linear):
+    """A router's linear (and Qwen2-MoE's one-row shared-expert gate): kept in the model's dtype when the
+    other linears are quantized (``quantize_linears`` takes plain :class:`Linear` modules only), as vLLM
+    keeps MoE gates unquantized: a rounding there changes which experts run."""
+
+
 class Experts(nn.Module):
     """Every expert's weights, stacked (see the module docstring)."""
 
@@ -108,10 +115,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.routing = routing
         self.act = act
-        self.gate = Linear(cfg.hidden_size, routing.num_experts, False, cfg.dtype)  # the router
+        self.gate = Router(cfg.hidden_size, routing.num_experts, False, cfg.dtype)
         self.experts = Experts(routing.num_experts, cfg.hidden_size, inter, cfg.dtype)
         self.shared_expert = GatedMLP(cfg, act, intermediate=shared_inter) if shared_inter else None
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, cfg.dtype) if shared_inter else None
+        self.shared_expert_gate = Router(cfg.hidden_size, 1, False, cfg.dtype) if shared_inter else None
 
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
         logits = tap("router_logits", i, self.gate(x))
@@ -145,6 +152,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     shared expert, :meth:`shared_expert_size`."""
 
     stack_block = None  # the C++ block runner takes dense gated MLPs only: these blocks run in Python
+    graphs_off = "reads its experts' row counts on the host every step"
 
     def routing(self) -> Routing:
         """The family's routing, from its config."""
@@ -167,6 +175,14 @@ class MoEForCausalLM(LlamaForCausalLM):
         if not self.is_sparse(layer):
             return DenseMLP(self.cfg, act)
         return SparseMoE(self.cfg, self.routing(), self.expert_size(), act, self.shared_expert_size())
+
+    def use_backend(self, backend: Backend | None) -> None:
+        """As :meth:`CausalLM.use_backend`; ``ValueError`` for a batch-invariant backend, which the grouped
+        expert GEMMs (rows of other requests in one call) are not."""
+        if backend is not None and backend.batch_invariant:
+            raise ValueError(f"batch_invariant=True is not supported for {self.cfg.architecture} yet: its experts "
+                             "run one GEMM over the rows of every request routed to them")
+        super().use_backend(backend)
 
     def fused(self) -> list[tuple[str, str, int]]:
         return qkv_fused(self.cfg)  # gate/up rows are placed by checkpoint_names: their widths differ by module
