@@ -222,3 +222,33 @@ def test_quantization_keeps_routers_and_experts_in_the_model_dtype(moe_models):
     out = llm.generate([random_prompts([6], seed=44)[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_logits_equal_transformers_output_router_logits(family, moe_models):
+    """``router_logits`` at every block and position of a batched, chunked generate equals transformers'
+    ``output_router_logits``; NaN at a dense block (Qwen2-MoE's ``mlp_only_layers``)."""
+    folder, model = moe_models[family]
+    llm = LLM(folder, dtype="float32", max_num_batched_tokens=8)  # the 19-token prompt runs in chunks
+    prompts = random_prompts([1, 19, 6], seed=45)
+    spec = HiddenStatesSpec(layers="all", points=["router_logits"], positions="all")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, hidden_states=spec),
+                        use_tqdm=False)
+    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    for prompt, out in zip(prompts, outs):
+        seq = (prompt + out.outputs[0].token_ids)[:-1]
+        got = out.hidden_states["router_logits"]
+        assert got.shape == (len(seq), len(model.model.layers), 4)
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([seq]), output_router_logits=True).router_logits
+        assert len(ref) == len(sparse)
+        assert_close_states(got[:, sparse], torch.stack(list(ref), 1), f"router_logits (prompt {len(prompt)})", 1e-5)
+        dense = [i for i in range(len(model.model.layers)) if i not in sparse]
+        assert got[:, dense].isnan().all()
+
+
+def test_dense_models_do_not_expose_router_logits(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32")
+    with pytest.raises(ValueError, match="does not expose 'router_logits'"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, hidden_states=HiddenStatesSpec(points=["router_logits"])),
+                     use_tqdm=False)

@@ -131,9 +131,16 @@ class SparseMoE(nn.Module):
 
 class DenseMLP(GatedMLP):
     """A dense block's gated MLP inside a mixture-of-experts model (Qwen-MoE's ``mlp_only_layers``): no
-    ``mlp_post`` point, which a model exposes only where every block has the same neurons."""
+    ``mlp_post`` point, which a model exposes only where every block has the same neurons; its
+    ``router_logits`` are NaN (the block has no router), so a capture over every block keeps its shape."""
+
+    def __init__(self, cfg: ModelConfig, act: Activation, num_experts: int) -> None:
+        super().__init__(cfg, act)
+        self.num_experts = num_experts
 
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
+        if tap.touches(i):
+            tap("router_logits", i, x.new_full((x.shape[0], self.num_experts), float("nan")))
         return super().forward(x)
 
 
@@ -172,9 +179,10 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def block_mlp(self, layer: int) -> nn.Module:
         act = activation(getattr(self.cfg.hf_config, "hidden_act", "silu"))
+        routing = self.routing()
         if not self.is_sparse(layer):
-            return DenseMLP(self.cfg, act)
-        return SparseMoE(self.cfg, self.routing(), self.expert_size(), act, self.shared_expert_size())
+            return DenseMLP(self.cfg, act, routing.num_experts)
+        return SparseMoE(self.cfg, routing, self.expert_size(), act, self.shared_expert_size())
 
     def use_backend(self, backend: Backend | None) -> None:
         """As :meth:`CausalLM.use_backend`; ``ValueError`` for a batch-invariant backend, which the grouped

@@ -15,14 +15,17 @@ def point_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
     The dimensions come from its first attention and MLP modules (every block of the
     families here has the same); a point whose module the model lacks is left out. A
-    mixture-of-experts model has no ``mlp_post`` (its experts' neurons are not one row).
+    mixture-of-experts model has ``router_logits`` and no ``mlp_post`` (its experts' neurons are
+    not one row).
     """
     dims: dict[str, int] = {}
-    moe = any(isinstance(m, SparseMoE) for m in model.modules())
+    moe = next((m for m in model.modules() if isinstance(m, SparseMoE)), None)
+    if moe is not None:
+        dims["n_experts"] = moe.routing.num_experts
     for m in model.modules():
         if isinstance(m, Attention) and "heads" not in dims:
             dims.update(heads=m.num_heads, kv_heads=m.num_kv, head_dim=m.head_dim)
-        elif isinstance(m, GatedMLP | MLP) and "d_mlp" not in dims and not moe:
+        elif isinstance(m, GatedMLP | MLP) and "d_mlp" not in dims and moe is None:
             dims["d_mlp"] = m.inter
     return {name: shape for name, shape in row_shapes(dims).items() if name not in HIDDEN_POINTS}
 
@@ -35,7 +38,9 @@ def config_point_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     loaded engine reads its modules instead.
     """
     dims = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
-    if not num_experts(config):
+    if num_experts(config):
+        dims["n_experts"] = num_experts(config)
+    else:
         dims["d_mlp"] = mlp_width(config)
     return {name: shape for name, shape in row_shapes(dims).items() if name not in HIDDEN_POINTS}
 
