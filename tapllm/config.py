@@ -37,6 +37,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "tapllm.models.qwen_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "tapllm.models.qwen_moe:Qwen3MoeForCausalLM",
     "OlmoeForCausalLM": "tapllm.models.olmoe:OlmoeForCausalLM",
+    "GptOssForCausalLM": "tapllm.models.gpt_oss:GptOssForCausalLM",
 }
 
 

@@ -1,9 +1,10 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) through the shared family harness.
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) through the family harness.
 
 Each family's tiny random model (``family_configs.moe_configs``) is saved with ``save_pretrained``
 (per-expert tensors) and compared with transformers in float32: greedy tokens and logprobs alone,
 batched, chunked, after prefix-cache hits and through preemption, on the eager path and on the
-default (fused CPU) path, whose C++ block runner does not take MoE blocks; every residual-width
+default (fused CPU) path, whose C++ block runner does not take MoE blocks (gpt-oss, whose attention
+sinks only the PyTorch attention computes, runs the eager step on both); every residual-width
 point within 1e-5 of its scale, the logits likewise; the attention points; steering. The grouped
 expert computation is also checked against a plain loop over tokens, and transformers' stacked
 in-memory expert layout (``experts.gate_up_proj``) loads as well as the per-expert one.
@@ -21,7 +22,7 @@ from conftest import assert_matches_reference, hf_greedy, random_prompts, save_t
 from family_configs import moe_configs
 from family_harness import HFLayout, assert_close_states, check_points, check_situations, check_steering
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
-from tapllm.models.moe import Routing, grouped_experts, route
+from tapllm.models.moe import Routing, gated, grouped_experts, route
 
 FAMILIES = sorted(moe_configs())
 
@@ -34,14 +35,20 @@ LAYOUT = HFLayout(
 
 
 def _init(model) -> None:
-    """Norm weights away from 1 and random q/k/v biases, so every norm and bias really acts."""
+    """Norm weights away from 1, random biases (gpt-oss's experts and router too) and attention sinks, so
+    every norm, bias and sink really acts."""
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("bias", "sinks")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+
+
+def _router(mlp):
+    """transformers' router module of a sparse block (``gate``; gpt-oss: ``router``), or None (a dense MLP)."""
+    return getattr(mlp, "gate", None) or getattr(mlp, "router", None)
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +91,15 @@ def test_grouped_experts_equal_a_loop_over_tokens(renormalize):
     assert 5 not in ids.tolist() and len(set(ids.flatten().tolist())) > 2
     if renormalize:
         assert torch.allclose(weights.sum(-1), torch.ones(tokens))
-    got = grouped_experts(x, weights, ids, gate_up, down, F.silu)
+    got = grouped_experts(x, weights, ids, gate_up, down, gated(F.silu))
     assert torch.allclose(got, _naive_experts(x, weights, ids, gate_up, down), atol=1e-5)
 
 
 def _hf_routes(model, prompt: list[int]) -> list[torch.Tensor]:
     """The experts transformers' routers pick for each token, per sparse block."""
     picks = []
-    handles = [layer.mlp.gate.register_forward_hook(lambda m, i, o: picks.append(o[2]))
-               for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    handles = [_router(layer.mlp).register_forward_hook(lambda m, i, o: picks.append(o[2]))
+               for layer in model.model.layers if _router(layer.mlp) is not None]
     try:
         with torch.no_grad():
             model(input_ids=torch.tensor([prompt]))
@@ -108,7 +115,7 @@ def test_the_tiny_models_route_tokens_to_every_expert(family, moe_models):
     wrongly placed expert weight or a wrong route shows."""
     _, model = moe_models[family]
     picks = _hf_routes(model, random_prompts([40], seed=9)[0])
-    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    sparse = [i for i, layer in enumerate(model.model.layers) if _router(layer.mlp) is not None]
     assert len(picks) == len(sparse) >= 2
     if family == "qwen2_moe":
         assert sparse == [0, 2]  # block 1 is in mlp_only_layers: a dense MLP
@@ -126,7 +133,7 @@ def test_situations(family, eager, moe_models):
     for llm in llms:
         runner = llm.engine.runner
         assert runner.model.stack is None
-        if eager:
+        if eager or family == "gpt_oss":  # gpt-oss's attention sinks: the eager step only
             assert runner.backend.name == "eager"
         else:
             assert runner.backend.stack is not None  # a dense model would run its untapped decode blocks there
@@ -234,7 +241,7 @@ def test_router_logits_equal_transformers_output_router_logits(family, moe_model
     spec = HiddenStatesSpec(layers="all", points=["router_logits"], positions="all")
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, hidden_states=spec),
                         use_tqdm=False)
-    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    sparse = [i for i, layer in enumerate(model.model.layers) if _router(layer.mlp) is not None]
     for prompt, out in zip(prompts, outs):
         seq = (prompt + out.outputs[0].token_ids)[:-1]
         got = out.hidden_states["router_logits"]

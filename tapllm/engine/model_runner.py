@@ -154,7 +154,10 @@ class ModelRunner:
         ec = engine_config
         sizes = default_graph_sizes(ec.max_num_seqs, ec.max_num_batched_tokens, ec.cuda_graph_sizes,
                                     ec.cuda_graph_token_sizes)
-        self.backend: Backend = select_backend(device, model_config.dtype, enforce_eager=ec.enforce_eager,
+        if self.model.eager_only and not ec.enforce_eager:
+            logger.info("%s runs the eager step: %s", model_config.architecture, self.model.eager_only)
+        self.backend: Backend = select_backend(device, model_config.dtype,
+                                               enforce_eager=ec.enforce_eager or bool(self.model.eager_only),
                                                backend=ec.backend,
                                                graphs=sizes if sizes.decode or sizes.mixed else None,
                                                batch_invariant=ec.batch_invariant)

@@ -218,6 +218,7 @@ class CausalLM(nn.Module):
     stack_block: type | None = None  # the family's block type that the C++ runner implements, if any
     needs_prompt_lengths = False  # True: the runner fills AttentionMetadata.prompt_lens each step
     graphs_off: str | None = None  # why the family's steps cannot be CUDA graphs (a host sync inside), or None
+    eager_only: str | None = None  # why the family runs the eager step only (what the kernels lack), or None
     # True: blocks take and hand on a Residual (models/residual.py), so a block's end add is done in the
     # next norm's kernel, and the norms, rotary and activation apply a graph step's sites (tapllm.tap.fused).
     fused_blocks = False

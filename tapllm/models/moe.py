@@ -32,6 +32,7 @@ from tapllm.models.llama import LlamaForCausalLM
 from tapllm.tap import Tap, no_tap
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> what the down projection reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +43,16 @@ class Routing:
     top_k: int
     renormalize: bool  # divide the chosen experts' probabilities by their sum (``norm_topk_prob``; Mixtral always)
     float_weights: bool = False  # scale the experts' outputs by float32 weights (Mixtral), else in the model's dtype
+    topk_first: bool = False  # gpt-oss: the top-k of the logits, then a softmax over them (in the logits' dtype)
 
 
 def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights, ids)``, each ``[T, top_k]``: the softmax over every expert (in float32), its top-k,
-    renormalised over the chosen ones where the family does."""
+    renormalised over the chosen ones where the family does (or, ``topk_first``, the softmax of the top-k
+    logits)."""
+    if routing.topk_first:
+        top, ids = torch.topk(logits, routing.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, routing.top_k, dim=-1)
     if routing.renormalize:
@@ -54,14 +60,22 @@ def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.T
     return (weights if routing.float_weights else weights.to(logits.dtype)), ids
 
 
+def gated(act: Activation) -> Glu:
+    """The usual gated activation, ``act(gate) * up`` (SwiGLU with SiLU)."""
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return act(gate) * up
+    return glu
+
+
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, act: Activation) -> torch.Tensor:
+                    down: torch.Tensor, glu: Glu, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every row ``t`` of ``x`` ``[T, hidden]``.
 
-    ``gate_up`` is ``[E, 2I, hidden]`` and ``down`` ``[E, hidden, I]``; an expert is
-    ``down(act(gate(x)) * up(x))``. The ``T * top_k`` pairs are sorted by expert (stable, so
-    each expert's rows keep token order); each expert with rows is one GEMM pair over them; the
-    weighted rows are added back to their tokens.
+    ``gate_up`` is ``[E, 2I, hidden]`` and ``down`` ``[E, hidden, I]`` (biases, where the family has
+    them, ``[E, 2I]`` and ``[E, hidden]``); an expert is ``down(glu(gate(x), up(x)))``. The
+    ``T * top_k`` pairs are sorted by expert (stable, so each expert's rows keep token order); each
+    expert with rows is one GEMM pair over them; the weighted rows are added back to their tokens.
     """
     k = ids.shape[1]
     flat = ids.reshape(-1)
@@ -75,8 +89,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
     for expert, n in enumerate(counts):
         if n == 0:
             continue
-        h = F.linear(rows[start:start + n], gate_up[expert])
-        out[start:start + n] = F.linear(act(h[:, :inter]) * h[:, inter:], down[expert])
+        h = F.linear(rows[start:start + n], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+        out[start:start + n] = F.linear(glu(h[:, :inter], h[:, inter:]), down[expert],
+                                        None if down_bias is None else down_bias[expert])
         start += n
     scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, scaled)
@@ -91,16 +106,22 @@ class Router(Linear):
 class Experts(nn.Module):
     """Every expert's weights, stacked (see the module docstring)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, bias: bool = False) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * inter, hidden, dtype=dtype),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts * hidden, inter, dtype=dtype), requires_grad=False)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:  # gpt-oss: [E, 2I] ([gate; up] as the weights) and [E, hidden]
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype),
+                                                  requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act: Activation) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, glu: Glu) -> torch.Tensor:
         e, h, i = self.num_experts, self.hidden, self.inter
-        return grouped_experts(x, weights, ids, self.gate_up_proj.view(e, 2 * i, h), self.down_proj.view(e, h, i), act)
+        return grouped_experts(x, weights, ids, self.gate_up_proj.view(e, 2 * i, h), self.down_proj.view(e, h, i),
+                               glu, self.gate_up_proj_bias, self.down_proj_bias)
 
 
 class SparseMoE(nn.Module):
@@ -111,19 +132,21 @@ class SparseMoE(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, routing: Routing, inter: int, act: Activation,
-                 shared_inter: int | None = None) -> None:
+                 shared_inter: int | None = None, glu: Glu | None = None, bias: bool = False) -> None:
+        """``glu`` replaces ``act(gate) * up`` inside the experts; ``bias``: the router and the experts
+        have biases (gpt-oss)."""
         super().__init__()
         self.routing = routing
-        self.act = act
-        self.gate = Router(cfg.hidden_size, routing.num_experts, False, cfg.dtype)
-        self.experts = Experts(routing.num_experts, cfg.hidden_size, inter, cfg.dtype)
+        self.glu = glu if glu is not None else gated(act)
+        self.gate = Router(cfg.hidden_size, routing.num_experts, bias, cfg.dtype)
+        self.experts = Experts(routing.num_experts, cfg.hidden_size, inter, cfg.dtype, bias)
         self.shared_expert = GatedMLP(cfg, act, intermediate=shared_inter) if shared_inter else None
         self.shared_expert_gate = Router(cfg.hidden_size, 1, False, cfg.dtype) if shared_inter else None
 
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
         logits = tap("router_logits", i, self.gate(x))
         weights, ids = route(logits, self.routing)
-        out = self.experts(x, weights, ids, self.act)
+        out = self.experts(x, weights, ids, self.glu)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
