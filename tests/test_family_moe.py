@@ -257,5 +257,6 @@ def test_router_logits_equal_transformers_output_router_logits(family, moe_model
 def test_dense_models_do_not_expose_router_logits(tiny_models):
     llm = LLM(tiny_models["llama"], dtype="float32")
     with pytest.raises(ValueError, match="does not expose 'router_logits'"):
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, hidden_states=HiddenStatesSpec(points=["router_logits"])),
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2,
+                                                 hidden_states=HiddenStatesSpec(points=["router_logits"])),
                      use_tqdm=False)
