@@ -260,3 +260,19 @@ def test_dense_models_do_not_expose_router_logits(tiny_models):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2,
                                                  hidden_states=HiddenStatesSpec(points=["router_logits"])),
                      use_tqdm=False)
+
+
+def test_router_logits_mean_over_a_prompt_through_encode(moe_models):
+    """``router_logits`` goes through the reductions like every point: its mean over a prompt (encode, run
+    in chunks, twice) equals the mean of transformers' router logits."""
+    folder, model = moe_models["olmoe"]
+    llm = LLM(folder, dtype="float32", block_size=4, max_num_batched_tokens=5)
+    prompt = random_prompts([13], seed=46)[0]
+    spec = HiddenStatesSpec(layers=[0, -1], points=["router_logits"], positions="prompt", reduce="mean")
+    first, again = (llm.encode([prompt], spec, use_tqdm=False)[0] for _ in range(2))
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([prompt]), output_router_logits=True).router_logits
+    want = torch.stack([ref[0].mean(0), ref[-1].mean(0)])
+    for out in (first, again):
+        assert out.hidden_states["router_logits"].shape == (2, 4)
+        assert torch.allclose(out.hidden_states["router_logits"], want, atol=1e-5)
