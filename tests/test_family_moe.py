@@ -276,3 +276,12 @@ def test_router_logits_mean_over_a_prompt_through_encode(moe_models):
     for out in (first, again):
         assert out.hidden_states["router_logits"].shape == (2, 4)
         assert torch.allclose(out.hidden_states["router_logits"], want, atol=1e-5)
+
+
+def test_describe_says_how_moe_models_run(moe_models):
+    """``LLM.describe`` names what runs: no C++ block runner for MoE blocks; gpt-oss's eager step and why."""
+    text = LLM(moe_models["qwen3_moe"][0], dtype="float32").describe()
+    assert "untapped decode blocks: Python (not Qwen3MoeForCausalLM's blocks)" in text
+    text = LLM(moe_models["gpt_oss"][0], dtype="float32").describe()
+    assert "forward backend: eager" in text and "enforce_eager=True" not in text
+    assert "GptOssForCausalLM: attention sinks are computed by the PyTorch attention only" in text
