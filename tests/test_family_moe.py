@@ -285,3 +285,42 @@ def test_describe_says_how_moe_models_run(moe_models):
     text = LLM(moe_models["gpt_oss"][0], dtype="float32").describe()
     assert "forward backend: eager" in text and "enforce_eager=True" not in text
     assert "GptOssForCausalLM: attention sinks are computed by the PyTorch attention only" in text
+
+
+def test_qwen3_moe_gguf_in_llama_cpp_layout_loads_and_matches(moe_models, tmp_path):
+    """A Qwen3-MoE GGUF (``qwen3moe``: router ``ffn_gate_inp``, experts stacked as ``ffn_{gate,up,down}_exps``)
+    loads to the same model: tapllm on the GGUF equals transformers on the folder."""
+    from gguf_writer import write_gguf
+
+    folder, model = moe_models["qwen3_moe"]
+    cfg = model.config
+    sd = model.state_dict()
+    inter = cfg.moe_intermediate_size
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+    tensors = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+               "output.weight": sd["lm_head.weight"]}
+    for i in range(cfg.num_hidden_layers):
+        for hf_name, cpp in names.items():
+            tensors[f"blk.{i}.{cpp}.weight"] = sd[f"model.layers.{i}.{hf_name}.weight"]
+        gate_up = sd[f"model.layers.{i}.mlp.experts.gate_up_proj"]  # [E, 2I, H]
+        tensors[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :inter].contiguous()
+        tensors[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, inter:].contiguous()
+        tensors[f"blk.{i}.ffn_down_exps.weight"] = sd[f"model.layers.{i}.mlp.experts.down_proj"]  # [E, H, I]
+    kv = {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+          "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+          "expert_feed_forward_length": inter, "expert_count": cfg.num_experts,
+          "expert_used_count": cfg.num_experts_per_tok, "attention.head_count": cfg.num_attention_heads,
+          "attention.head_count_kv": cfg.num_key_value_heads, "attention.key_length": cfg.head_dim,
+          "attention.value_length": cfg.head_dim, "rope.freq_base": float(cfg.rope_parameters["rope_theta"]),
+          "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps), "vocab_size": cfg.vocab_size,
+          "rope.dimension_count": cfg.head_dim}
+    path = write_gguf(tmp_path / "tiny-qwen3moe.gguf", "qwen3moe", kv, tensors)
+    prompts = random_prompts([5, 19], seed=47)
+    refs = [hf_greedy(model, p, 6) for p in prompts]
+    llm = LLM(path, dtype="float32")
+    assert llm.engine.model_config.architecture == "Qwen3MoeForCausalLM"
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    assert_matches_reference(outs, refs)

@@ -170,6 +170,7 @@ class DenseMLP(GatedMLP):
 # A checkpoint's per-expert tensor: its module prefix, expert index and projection.
 _EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 _STACKED = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_HALVES = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate|up)_exps$")  # GGUF: every expert's gate (or up), [E, I, H]
 _GATED = re.compile(r"(layers\.\d+\.mlp(?:\.shared_expert)?)\.(gate_proj|up_proj)\.(weight|bias)$")
 # projection -> (stacked parameter, half of an expert's gate_up rows or None)
 _PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
@@ -226,6 +227,9 @@ class MoEForCausalLM(LlamaForCausalLM):
             e = int(m.group(2))
             offset = e * experts.hidden if half is None else (2 * e + half) * experts.inter
             return [(f"{m.group(1)}.{target}", offset, tensor)]
+        if m := _HALVES.match(name):
+            inter, half = tensor.shape[1], 0 if m.group(2) == "gate" else 1
+            return [(f"{m.group(1)}.gate_up_proj", (2 * e + half) * inter, tensor[e]) for e in range(tensor.shape[0])]
         if _STACKED.match(name):  # transformers' in-memory layout, [E, rows, cols]
             return [(name, None, tensor.reshape(-1, tensor.shape[-1]))]
         if m := _GATED.match(name):
