@@ -33,6 +33,11 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "tapllm.models.gemma3:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "tapllm.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "tapllm.models.olmo2:Olmo2ForCausalLM",
+    "MixtralForCausalLM": "tapllm.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "tapllm.models.qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "tapllm.models.qwen_moe:Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM": "tapllm.models.olmoe:OlmoeForCausalLM",
+    "GptOssForCausalLM": "tapllm.models.gpt_oss:GptOssForCausalLM",
 }
 
 

@@ -47,3 +47,34 @@ def family_configs() -> dict[str, Any]:
     for config in configs.values():  # what save_pretrained of the model would write
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     return configs
+
+
+def moe_configs() -> dict[str, Any]:
+    """name -> a transformers config of a tiny mixture-of-experts model (4 experts, top-2, 32-wide experts).
+
+    Kept apart from :func:`family_configs` (whose families every engine path runs) until the MoE families
+    run on those paths too. Between them they cover: renormalised and raw top-k weights, a shared expert,
+    a dense block among sparse ones (Qwen2-MoE's ``mlp_only_layers``), per-head and whole-projection q/k
+    norms, OLMoE's ``clip_qkv``, and gpt-oss (attention sinks, alternating sliding windows, YaRN, a biased
+    router, biased experts with a clamped SwiGLU).
+    """
+    from transformers import GptOssConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    moe = dict(vocab_size=VOCAB, tie_word_embeddings=False, num_experts_per_tok=2, **{**SMALL, "intermediate_size": 32})
+    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}  # 4 x 128 = max_position_embeddings
+    configs = {
+        "mixtral": MixtralConfig(num_local_experts=4, **moe),
+        "qwen2_moe": Qwen2MoeConfig(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                    norm_topk_prob=False, mlp_only_layers=[1], **{**moe, "intermediate_size": 96}),
+        "qwen3_moe": Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=32, **moe),
+        "olmoe": OlmoeConfig(num_experts=4, norm_topk_prob=False, clip_qkv=2.0, eos_token_id=0, **moe),
+        # a small window and SwiGLU limit, so the sliding layers and the clamps really act in tiny runs
+        "gpt_oss": GptOssConfig(num_local_experts=4, head_dim=16, sliding_window=8, swiglu_limit=1.0,
+                                rope_parameters=yarn, eos_token_id=0, pad_token_id=1, **moe),
+    }
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for config in configs.values():
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    return configs

@@ -25,7 +25,7 @@ from tapllm.kernels import triton_fused_sites as fs
 from tapllm.kernels import triton_tap
 from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU, RMS_LLAMA
 from tapllm.tap.fused import HeadSites, KernelSites, NormSites
-from tapllm.tap.points import POINTS
+from tapllm.tap.points import DENSE_POINTS as POINTS  # the dense models here have no router
 from tapllm.tap.sites import Sites
 from tapllm.tap.tables import NO_END, OP_ADD, SlotCapture, SlotOp, TapTables
 from test_graph_step import DECODE, MIXED, _close, _eager, _same

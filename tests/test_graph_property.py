@@ -38,7 +38,7 @@ from tapllm import LLM, SAE, HiddenStatesSpec, SamplingParams, Steer, Structured
 from tapllm.kernels import triton_tap
 from tapllm.sae.sae_config import SAEConfig
 from tapllm.steering.spec import OPS
-from tapllm.tap.points import BY_NAME, HIDDEN_POINTS, LENS_POINTS, POINTS, RESIDUAL_POINTS, STEER_POINTS
+from tapllm.tap.points import BY_NAME, DENSE_POINTS, HIDDEN_POINTS, LENS_POINTS, RESIDUAL_POINTS, STEER_POINTS
 
 # The graph path on the CPU (Triton's interpreter, graphs emulated), and with real graphs on a GPU (``-m cuda``).
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not triton_tap.available(torch.device("cpu")),
@@ -69,7 +69,7 @@ SAE_EDIT = "a steer edits SAE features"
 OVERFLOWS = {"its steering operands exceed the graph's steering tables": {"steered"},
              "a request's captured record exceeds the capture buffer": {"states", "features"},
              "the step's captures exceed the capture buffer": {"states", "features"}}
-CAPTURE_POINTS = tuple(p for p in POINTS if p != "attn_pattern")  # attention patterns: one request of their own
+CAPTURE_POINTS = tuple(p for p in DENSE_POINTS if p != "attn_pattern")  # attention patterns: one request of their own
 POSITIONS = ("all", "prompt", "generated", "last", "last_prompt", "window")
 REDUCERS = (None, "mean", "sum", "max", "min", "first", "last")
 CHOICES = ["yes", "no", "maybe later"]

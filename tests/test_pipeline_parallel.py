@@ -21,7 +21,7 @@ from helpers import assert_close, greedy
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
 from tapllm.parallel import TensorParallelError
 from tapllm.parallel.layout import stage_layers
-from tapllm.tap.points import POINTS
+from tapllm.tap.points import DENSE_POINTS as POINTS  # the dense models here have no router
 from test_tensor_parallel import FAMILIES, _same, family_folders, same_as_each_alone  # noqa: F401 - a fixture
 
 ENGINE = dict(dtype="float32", kv_cache_blocks=96, max_num_batched_tokens=32)

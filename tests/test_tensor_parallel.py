@@ -24,7 +24,7 @@ from conftest import random_prompts
 from helpers import assert_close, greedy
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
 from tapllm.parallel import ShardLayout, TensorParallelError, divisibility_problems
-from tapllm.tap.points import POINTS
+from tapllm.tap.points import DENSE_POINTS as POINTS  # the dense models here have no router
 
 ENGINE = dict(dtype="float32", kv_cache_blocks=96, max_num_batched_tokens=32)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 import torch
 
 from tapllm.backends import Backend, select_backend
@@ -114,6 +115,8 @@ class ModelRunner:
             off = "off" if self.backend.name == "cuda" else f"none on the {self.backend.name} backend"
         elif self.model.needs_prompt_lengths:
             off = f"off: {model_config.architecture} reads each row's prompt length"
+        elif self.model.graphs_off:
+            off = f"off: {model_config.architecture} {self.model.graphs_off}"
         else:
             self.graph_step = GraphStep(self.model, self.kv_caches, self.block_tables, graphs, self.backend.attention,
                                         {**{p: (model_config.hidden_size,) for p in HIDDEN_POINTS},
@@ -152,10 +155,15 @@ class ModelRunner:
         ec = engine_config
         sizes = default_graph_sizes(ec.max_num_seqs, ec.max_num_batched_tokens, ec.cuda_graph_sizes,
                                     ec.cuda_graph_token_sizes)
-        self.backend: Backend = select_backend(device, model_config.dtype, enforce_eager=ec.enforce_eager,
+        self.backend: Backend = select_backend(device, model_config.dtype,
+                                               enforce_eager=ec.enforce_eager or bool(self.model.eager_only),
                                                backend=ec.backend,
                                                graphs=sizes if sizes.decode or sizes.mixed else None,
                                                batch_invariant=ec.batch_invariant)
+        if self.model.eager_only and not ec.enforce_eager:  # the family's reason, not the user's option
+            why = f"{model_config.architecture}: {self.model.eager_only}, so the plain PyTorch step"
+            logger.info("%s", why)
+            self.backend = replace(self.backend, notes=(why,))
         self.model.prepare_for_inference(self.backend.prepack and self.quant is None, self.backend.pack_rows)
         if device.type == "cpu":
             trim_heap()  # the load's freed temporaries leave the resident set
@@ -172,9 +180,14 @@ class ModelRunner:
         mc, ec = self.mcfg, self.ecfg
         linear = self.backend.linear_path(mc.dtype) if self.quant is None else self.quant.describe()
         graphs = self.backend.describe_graphs() if self.graph_step is not None else (self.policy.off or "off")
+        backend = self.backend.describe().replace(f"CUDA graphs: {self.backend.describe_graphs()}",
+                                                  f"CUDA graphs: {graphs}")
+        if self.backend.stack is not None and self.model.stack is None:  # the family's blocks are not the runner's
+            backend = backend.replace("untapped decode blocks: one C++ call per run of blocks",
+                                      f"untapped decode blocks: Python (not {mc.architecture}'s blocks)")
         return "\n".join([
             f"model: {mc.architecture} ({mc.path.name}), {mc.num_layers} blocks, hidden {mc.hidden_size}, {mc.dtype}",
-            self.backend.describe().replace(f"CUDA graphs: {self.backend.describe_graphs()}", f"CUDA graphs: {graphs}"),
+            backend,
             f"linear layers: {linear}",
             f"KV cache: {self.num_blocks} blocks of {ec.block_size} tokens "
             f"({self.num_blocks * ec.block_size * mc.kv_bytes_per_token / 1e9:.2f} GB"

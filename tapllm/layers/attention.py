@@ -91,6 +91,9 @@ class AttentionOptions:
     window: int | None = None  # a query at position i sees keys i - window < j <= i
     softcap: float | None = None  # scores -> tanh(scores / softcap) * softcap before the softmax
     invariant: bool = False  # batch_invariant: PyTorch attends (and patterns) one row at a time (row_attention.py)
+    # gpt-oss: a learned logit per query head [H] joining every softmax's denominator (a "sink" no value reads);
+    # the PyTorch paths only (a model with sinks runs the eager step)
+    sinks: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -196,6 +199,8 @@ def paged_attention(
         # attention weight; 0 * NaN is NaN, so a value that is not finite (one request's overflow)
         # must never reach the cache where another request could read it that way.
         v_cache.view(num_kv, -1, dim).index_copy_(1, meta.slot_mapping, _finite(v).transpose(0, 1))
+    if opts.sinks is not None and (meta.attn is not None or opts.invariant):
+        raise ValueError("attention sinks are computed by the PyTorch attention only (the eager step)")
     if meta.attn is None and opts.invariant:
         return attend_rows(q, k_cache, v_cache, _sequences(meta), opts.scale, opts.window, opts.softcap)
     if meta.unified is not None:
@@ -247,22 +252,34 @@ def _sequences(meta: AttentionMetadata) -> list[tuple[int, int, int, torch.Tenso
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, opts: AttentionOptions) -> torch.Tensor:
     """Causal attention of queries at positions ``context..`` over keys ``0..``: [B, H, n, D] -> [B, H, n, D]."""
     n, total = q.shape[2], k.shape[2]
-    if opts.softcap is None and context == 0 and opts.window is None:
+    plain = opts.softcap is None and opts.sinks is None
+    if plain and context == 0 and opts.window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=opts.scale, enable_gqa=True)
     qpos = torch.arange(context, context + n, device=q.device)[:, None]
     keys = torch.arange(total, device=q.device)[None, :]
     allowed = keys <= qpos
     if opts.window is not None:
         allowed &= keys > qpos - opts.window
-    if opts.softcap is None:
+    if plain:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=opts.scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * opts.scale
-    scores = torch.tanh(scores / opts.softcap) * opts.softcap
-    probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1).to(q.dtype)
+    if opts.softcap is not None:
+        scores = torch.tanh(scores / opts.softcap) * opts.softcap
+    sinks = opts.sinks.view(1, -1, 1, 1) if opts.sinks is not None else None
+    probs = _softmax(scores.masked_fill_(~allowed, float("-inf")), sinks).to(q.dtype)
     return torch.matmul(probs, v)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax over the last dimension of float32 ``scores``; with ``sinks`` (broadcast over the
+    scores' rows) each row's sink logit joins the denominator and its weight is dropped."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
 
 
 def _decode_attention(
@@ -286,7 +303,8 @@ def _decode_attention(
     if opts.softcap is not None:
         scores = torch.tanh(scores / opts.softcap) * opts.softcap
     # masked_fill, not an added -inf bias: a stale key slot can make its score +inf or NaN.
-    probs = scores.masked_fill_(meta.decode_mask_for(opts.window), float("-inf")).softmax(-1).to(q.dtype)
+    sinks = opts.sinks.view(kv_heads, 1, h // kv_heads, 1) if opts.sinks is not None else None
+    probs = _softmax(scores.masked_fill_(meta.decode_mask_for(opts.window), float("-inf")), sinks).to(q.dtype)
     return torch.matmul(probs, vd).transpose(0, 1).reshape(b, h, d)
 
 
@@ -312,7 +330,8 @@ def attention_probs(q: torch.Tensor, keys: torch.Tensor, first: int, opts: Atten
     allowed = kpos <= qpos
     if opts.window is not None:
         allowed &= kpos > qpos - opts.window
-    return scores.masked_fill_(~allowed[:, None, :], float("-inf")).softmax(-1)
+    sinks = opts.sinks.view(1, -1, 1) if opts.sinks is not None else None
+    return _softmax(scores.masked_fill_(~allowed[:, None, :], float("-inf")), sinks)
 
 
 def _finite(v: torch.Tensor) -> torch.Tensor:

@@ -202,11 +202,29 @@ def _phi3_configure(cfg: dict[str, Any], meta: dict[str, Any], shapes: dict[str,
     cfg["rope_parameters"] = rope
 
 
+# llama.cpp's mixture-of-experts blocks: the router, and every expert's gate/up/down stacked ([E, out, in]);
+# the stacked gate and up halves are placed into tapllm's [gate; up] rows by the model's checkpoint_names.
+_MOE_BLOCK = {
+    **_LLAMA_BLOCK,
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_exps",
+    "ffn_up_exps.weight": "mlp.experts.up_exps",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+}
+
+
+def _moe_configure(cfg: dict[str, Any], meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """The experts' width, which transformers' GGUF reader leaves at its config's default."""
+    if "expert_feed_forward_length" in meta:
+        cfg["moe_intermediate_size"] = int(meta["expert_feed_forward_length"])
+
+
 # llama.cpp architecture name -> its mapping. A family adds its entry here.
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP, fix=_llama_fix),
     "qwen2": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
     "qwen3": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
+    "qwen3moe": GGUFArch(_MOE_BLOCK, _LLAMA_TOP, configure=_moe_configure),
     "gpt2": GGUFArch(_GPT2_BLOCK, _GPT2_TOP, block_prefix="transformer.h.", fix=_gpt2_fix,
                      architecture="GPT2LMHeadModel", configure=_gpt2_configure),
     # gpt_neox (Pythia): transformers' GGUF reader does not support the architecture.

@@ -57,6 +57,7 @@ class Attention(nn.Module):
     ops: ElementwiseOps | None = None  # the backend's fused rotary (see CausalLM.use_backend)
     fused_kv_write: bool = False  # ``ops`` has rotary_kv_write (RotaryKVWriteOps): rotary and KV write in one kernel
     fused_sites: bool = False  # ``ops`` applies a graph step's q/k/v sites in that kernel (FusedSiteOps)
+    clip_qkv: float | None = None  # q, k (after their norms) and v clamped to [-clip, clip] (OLMoE)
 
     def __init__(self, cfg: ModelConfig, layer: int, *, qkv_bias: bool, o_bias: bool, scale: float | None = None,
                  softcap: float | None = None, rotary_dim: int | None = None) -> None:
@@ -86,6 +87,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.norm_qk(q, k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv, self.head_dim)
         v = v.reshape(t, self.num_kv, self.head_dim)
@@ -213,6 +217,8 @@ class CausalLM(nn.Module):
     stack: DecoderStack | None = None  # runs untapped blocks of decode steps in C++ (see use_backend)
     stack_block: type | None = None  # the family's block type that the C++ runner implements, if any
     needs_prompt_lengths = False  # True: the runner fills AttentionMetadata.prompt_lens each step
+    graphs_off: str | None = None  # why the family's steps cannot be CUDA graphs (a host sync inside), or None
+    eager_only: str | None = None  # why the family runs the eager step only (what the kernels lack), or None
     # True: blocks take and hand on a Residual (models/residual.py), so a block's end add is done in the
     # next norm's kernel, and the norms, rotary and activation apply a graph step's sites (tapllm.tap.fused).
     fused_blocks = False

@@ -59,15 +59,18 @@ class LlamaForCausalLM(CausalLM):
         hf = cfg.hf_config
         self.rotary = RotaryEmbedding(hf, cfg.head_dim, cfg.max_model_len)
         qkv_bias, o_bias = self.attention_biases()
-        mlp_bias = bool(getattr(hf, "mlp_bias", False))
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, self.attention_cls(cfg, i, qkv_bias=qkv_bias, o_bias=o_bias),
-                         GatedMLP(cfg, F.silu, mlp_bias))
+                         self.block_mlp(i))
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, float(hf.rms_norm_eps), cfg.dtype)
         self.lm_head = None if self.tied else Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
+
+    def block_mlp(self, layer: int) -> nn.Module:
+        """Block ``layer``'s MLP: a gated SiLU MLP here (mixture-of-experts families return their sparse block)."""
+        return GatedMLP(self.cfg, F.silu, bool(getattr(self.cfg.hf_config, "mlp_bias", False)))
 
     def attention_biases(self) -> tuple[bool, bool]:
         """(q/k/v bias, output bias) as the family's config declares them."""

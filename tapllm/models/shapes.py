@@ -6,6 +6,7 @@ from torch import nn
 
 from tapllm.config import ModelConfig
 from tapllm.models.base import MLP, Attention, GatedMLP
+from tapllm.models.moe import SparseMoE
 from tapllm.tap.points import HIDDEN_POINTS, row_shapes
 
 
@@ -13,13 +14,18 @@ def point_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """One position's row shape at one block, per point inside attention and the MLP that ``model`` has.
 
     The dimensions come from its first attention and MLP modules (every block of the
-    families here has the same); a point whose module the model lacks is left out.
+    families here has the same); a point whose module the model lacks is left out. A
+    mixture-of-experts model has ``router_logits`` and no ``mlp_post`` (its experts' neurons are
+    not one row).
     """
     dims: dict[str, int] = {}
+    moe = next((m for m in model.modules() if isinstance(m, SparseMoE)), None)
+    if moe is not None:
+        dims["n_experts"] = moe.routing.num_experts
     for m in model.modules():
         if isinstance(m, Attention) and "heads" not in dims:
             dims.update(heads=m.num_heads, kv_heads=m.num_kv, head_dim=m.head_dim)
-        elif isinstance(m, GatedMLP | MLP) and "d_mlp" not in dims:
+        elif isinstance(m, GatedMLP | MLP) and "d_mlp" not in dims and moe is None:
             dims["d_mlp"] = m.inter
     return {name: shape for name, shape in row_shapes(dims).items() if name not in HIDDEN_POINTS}
 
@@ -31,8 +37,11 @@ def config_point_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     For checks made before the weights load (``tapllm collect`` refuses a bad point first); a
     loaded engine reads its modules instead.
     """
-    dims = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-            "d_mlp": mlp_width(config)}
+    dims = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
+    if num_experts(config):
+        dims["n_experts"] = num_experts(config)
+    else:
+        dims["d_mlp"] = mlp_width(config)
     return {name: shape for name, shape in row_shapes(dims).items() if name not in HIDDEN_POINTS}
 
 
@@ -40,3 +49,9 @@ def mlp_width(config: ModelConfig) -> int:
     """The MLP's hidden width (neurons) of the model ``config`` describes (GPT-2: ``n_inner``, or 4 x hidden)."""
     hf = config.hf_config
     return int(getattr(hf, "intermediate_size", None) or getattr(hf, "n_inner", None) or 4 * config.hidden_size)
+
+
+def num_experts(config: ModelConfig) -> int:
+    """The experts of each sparse block of the model ``config`` describes; 0 for a dense model."""
+    hf = config.hf_config
+    return int(getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0)

@@ -4,8 +4,8 @@ Names follow TransformerLens' hook names. A point means the same thing in every 
 ``attn_out``/``mlp_out`` are exactly what the sublayer adds to the residual stream, ``embed``
 is the residual stream entering block 0 and ``final`` what the unembedding reads. The row
 shape of one position at one layer is written with the model's dimensions (``hidden``,
-``heads``, ``kv_heads``, ``head_dim``, ``d_mlp``; ``keys`` for the attention pattern's key
-axis); :func:`row_shapes` fills them in from numbers read off the model's modules.
+``heads``, ``kv_heads``, ``head_dim``, ``d_mlp``, ``n_experts``; ``keys`` for the attention
+pattern's key axis); :func:`row_shapes` fills them in from numbers read off the model's modules.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class Point:
     steerable: bool
     heads: str | None = None  # "query" or "kv": dim 0 of the row is a head; None: not per head
     lens: bool = False  # a residual-stream state the logit lens can read
+    moe: bool = False  # only mixture-of-experts models have it
 
 
 TABLE: tuple[Point, ...] = (
@@ -44,6 +45,8 @@ TABLE: tuple[Point, ...] = (
     Point("attn_pattern", "attention", "softmax weights per query head over the keys", ("heads", "keys"), False,
           "query"),
     Point("mlp_post", "mlp", "neuron activations (times the gate in gated MLPs)", ("d_mlp",), True),
+    Point("router_logits", "mlp", "the router's logit per expert, before its softmax (NaN in a dense block)",
+          ("n_experts",), False, moe=True),
 )
 BY_NAME: dict[str, Point] = {p.name: p for p in TABLE}
 
@@ -58,6 +61,8 @@ LENS_POINTS = tuple(p.name for p in TABLE if p.lens)
 STEER_POINTS = tuple(p.name for p in TABLE if p.steerable)
 HEAD_STEER_POINTS = tuple(p.name for p in TABLE if p.steerable and p.heads is not None)  # q/z query, k/v KV heads
 RESIDUAL_STEER_POINTS = tuple(p for p in STEER_POINTS if p in RESIDUAL_POINTS)
+MOE_POINTS = tuple(p.name for p in TABLE if p.moe)  # a dense model does not expose them
+DENSE_POINTS = tuple(p.name for p in TABLE if not p.moe)  # what a dense model may expose
 
 
 def row_shapes(dims: Mapping[str, int]) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,239 @@
+"""The sparse mixture-of-experts MLP, and what every MoE family shares on top of the Llama block.
+
+A router (``gate``, a linear to one logit per expert) picks each token's top-k experts; the
+families differ in their :class:`Routing` (renormalise the chosen probabilities or not, scale
+in float32 or in the model's dtype) and in a shared expert that Qwen2-MoE adds, scaled by
+``sigmoid(shared_expert_gate(x))``. The experts are computed grouped: the step's (token,
+choice) pairs are sorted by expert once, and every expert that has rows runs one GEMM over
+them (:func:`grouped_experts`); no per-token Python.
+
+The experts' weights are stacked, as transformers keeps them in memory: ``experts.gate_up_proj``
+holds every expert's [gate; up] rows (stored ``[E * 2I, hidden]``, seen as ``[E, 2I, hidden]``)
+and ``experts.down_proj`` every expert's down projection (``[E * hidden, I]``, seen as
+``[E, hidden, I]``), so a checkpoint's per-expert tensors (``experts.N.gate_proj``, Mixtral's
+``experts.N.w1/w2/w3``) load as row ranges, and stacked ones whole.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tapllm.backends import Backend
+from tapllm.config import ModelConfig
+from tapllm.layers.linear import Linear
+from tapllm.models.base import GatedMLP, Placement, activation, qkv_fused
+from tapllm.models.llama import LlamaForCausalLM
+from tapllm.tap import Tap, no_tap
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> what the down projection reads
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How a family's router turns logits into the chosen experts and their weights."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool  # divide the chosen experts' probabilities by their sum (``norm_topk_prob``; Mixtral always)
+    float_weights: bool = False  # scale the experts' outputs by float32 weights (Mixtral), else in the model's dtype
+    topk_first: bool = False  # gpt-oss: the top-k of the logits, then a softmax over them (in the logits' dtype)
+
+
+def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, ids)``, each ``[T, top_k]``: the softmax over every expert (in float32), its top-k,
+    renormalised over the chosen ones where the family does (or, ``topk_first``, the softmax of the top-k
+    logits)."""
+    if routing.topk_first:
+        top, ids = torch.topk(logits, routing.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if routing.float_weights else weights.to(logits.dtype)), ids
+
+
+def gated(act: Activation) -> Glu:
+    """The usual gated activation, ``act(gate) * up`` (SwiGLU with SiLU)."""
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return act(gate) * up
+    return glu
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, glu: Glu, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every row ``t`` of ``x`` ``[T, hidden]``.
+
+    ``gate_up`` is ``[E, 2I, hidden]`` and ``down`` ``[E, hidden, I]`` (biases, where the family has
+    them, ``[E, 2I]`` and ``[E, hidden]``); an expert is ``down(glu(gate(x), up(x)))``. The
+    ``T * top_k`` pairs are sorted by expert (stable, so each expert's rows keep token order); each
+    expert with rows is one GEMM pair over them; the weighted rows are added back to their tokens.
+    """
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    tokens = order // k  # the token of each sorted pair
+    rows = x.index_select(0, tokens)
+    out = torch.empty_like(rows)
+    inter = down.shape[-1]
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        h = F.linear(rows[start:start + n], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+        out[start:start + n] = F.linear(glu(h[:, :inter], h[:, inter:]), down[expert],
+                                        None if down_bias is None else down_bias[expert])
+        start += n
+    scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+
+class Router(Linear):
+    """A router's linear (and Qwen2-MoE's one-row shared-expert gate): kept in the model's dtype when the
+    other linears are quantized (``quantize_linears`` takes plain :class:`Linear` modules only), as vLLM
+    keeps MoE gates unquantized: a rounding there changes which experts run."""
+
+
+class Experts(nn.Module):
+    """Every expert's weights, stacked (see the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * inter, hidden, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts * hidden, inter, dtype=dtype), requires_grad=False)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:  # gpt-oss: [E, 2I] ([gate; up] as the weights) and [E, hidden]
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype),
+                                                  requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, glu: Glu) -> torch.Tensor:
+        e, h, i = self.num_experts, self.hidden, self.inter
+        return grouped_experts(x, weights, ids, self.gate_up_proj.view(e, 2 * i, h), self.down_proj.view(e, h, i),
+                               glu, self.gate_up_proj_bias, self.down_proj_bias)
+
+
+class SparseMoE(nn.Module):
+    """Router, top-k experts, and (Qwen2-MoE) a gated shared expert: what the MLP sublayer adds.
+
+    ``router_logits`` ``[T, n_experts]`` passes through the tap (before the softmax); the
+    shared expert's neurons are not a point (``mlp_post`` is a dense MLP's).
+    """
+
+    def __init__(self, cfg: ModelConfig, routing: Routing, inter: int, act: Activation,
+                 shared_inter: int | None = None, glu: Glu | None = None, bias: bool = False) -> None:
+        """``glu`` replaces ``act(gate) * up`` inside the experts; ``bias``: the router and the experts
+        have biases (gpt-oss)."""
+        super().__init__()
+        self.routing = routing
+        self.glu = glu if glu is not None else gated(act)
+        self.gate = Router(cfg.hidden_size, routing.num_experts, bias, cfg.dtype)
+        self.experts = Experts(routing.num_experts, cfg.hidden_size, inter, cfg.dtype, bias)
+        self.shared_expert = GatedMLP(cfg, act, intermediate=shared_inter) if shared_inter else None
+        self.shared_expert_gate = Router(cfg.hidden_size, 1, False, cfg.dtype) if shared_inter else None
+
+    def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
+        logits = tap("router_logits", i, self.gate(x))
+        weights, ids = route(logits, self.routing)
+        out = self.experts(x, weights, ids, self.glu)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DenseMLP(GatedMLP):
+    """A dense block's gated MLP inside a mixture-of-experts model (Qwen-MoE's ``mlp_only_layers``): no
+    ``mlp_post`` point, which a model exposes only where every block has the same neurons; its
+    ``router_logits`` are NaN (the block has no router), so a capture over every block keeps its shape."""
+
+    def __init__(self, cfg: ModelConfig, act: Activation, num_experts: int) -> None:
+        super().__init__(cfg, act)
+        self.num_experts = num_experts
+
+    def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
+        if tap.touches(i):
+            tap("router_logits", i, x.new_full((x.shape[0], self.num_experts), float("nan")))
+        return super().forward(x)
+
+
+# A checkpoint's per-expert tensor: its module prefix, expert index and projection.
+_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+_STACKED = re.compile(r"layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_HALVES = re.compile(r"(layers\.\d+\.mlp\.experts)\.(gate|up)_exps$")  # GGUF: every expert's gate (or up), [E, I, H]
+_GATED = re.compile(r"(layers\.\d+\.mlp(?:\.shared_expert)?)\.(gate_proj|up_proj)\.(weight|bias)$")
+# projection -> (stacked parameter, half of an expert's gate_up rows or None)
+_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None),
+          "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None)}
+
+
+class MoEForCausalLM(LlamaForCausalLM):
+    """A pre-norm Llama-style decoder whose MLPs are :class:`SparseMoE` blocks (dense ones where the
+    family says, :meth:`is_sparse`). A family sets :meth:`routing`, :meth:`expert_size` and, with a
+    shared expert, :meth:`shared_expert_size`."""
+
+    stack_block = None  # the C++ block runner takes dense gated MLPs only: these blocks run in Python
+    graphs_off = "reads its experts' row counts on the host every step"
+
+    def routing(self) -> Routing:
+        """The family's routing, from its config."""
+        raise NotImplementedError
+
+    def expert_size(self) -> int:
+        """One expert's hidden width."""
+        return int(self.cfg.hf_config.intermediate_size)
+
+    def shared_expert_size(self) -> int | None:
+        """The shared expert's width, or None when the family has none."""
+        return None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block ``layer``'s MLP is a mixture of experts (every block's by default)."""
+        return True
+
+    def block_mlp(self, layer: int) -> nn.Module:
+        act = activation(getattr(self.cfg.hf_config, "hidden_act", "silu"))
+        routing = self.routing()
+        if not self.is_sparse(layer):
+            return DenseMLP(self.cfg, act, routing.num_experts)
+        return SparseMoE(self.cfg, routing, self.expert_size(), act, self.shared_expert_size())
+
+    def use_backend(self, backend: Backend | None) -> None:
+        """As :meth:`CausalLM.use_backend`; ``ValueError`` for a batch-invariant backend, which the grouped
+        expert GEMMs (rows of other requests in one call) are not."""
+        if backend is not None and backend.batch_invariant:
+            raise ValueError(f"batch_invariant=True is not supported for {self.cfg.architecture} yet: its experts "
+                             "run one GEMM over the rows of every request routed to them")
+        super().use_backend(backend)
+
+    def fused(self) -> list[tuple[str, str, int]]:
+        return qkv_fused(self.cfg)  # gate/up rows are placed by checkpoint_names: their widths differ by module
+
+    def checkpoint_names(self, name: str, tensor: torch.Tensor) -> Placement:
+        name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+        if (m := _EXPERT.match(name)) and m.group(3) in _PARTS:
+            experts = self.get_submodule(m.group(1))
+            target, half = _PARTS[m.group(3)]
+            e = int(m.group(2))
+            offset = e * experts.hidden if half is None else (2 * e + half) * experts.inter
+            return [(f"{m.group(1)}.{target}", offset, tensor)]
+        if m := _HALVES.match(name):
+            inter, half = tensor.shape[1], 0 if m.group(2) == "gate" else 1
+            return [(f"{m.group(1)}.gate_up_proj", (2 * e + half) * inter, tensor[e]) for e in range(tensor.shape[0])]
+        if _STACKED.match(name):  # transformers' in-memory layout, [E, rows, cols]
+            return [(name, None, tensor.reshape(-1, tensor.shape[-1]))]
+        if m := _GATED.match(name):
+            mlp = self.get_submodule(m.group(1))
+            return [(f"{m.group(1)}.gate_up_proj.{m.group(3)}", 0 if m.group(2) == "gate_proj" else mlp.inter,
+                     tensor)]
+        return super().checkpoint_names(name, tensor)
