@@ -29,6 +29,7 @@ from tapllm.config import ModelConfig
 from tapllm.layers.linear import Linear
 from tapllm.models.base import GatedMLP, Placement, activation, qkv_fused
 from tapllm.models.llama import LlamaForCausalLM
+from tapllm.models.moe_taps import dense_router_points, tapped_route
 from tapllm.tap import Tap, no_tap
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -127,8 +128,10 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """Router, top-k experts, and (Qwen2-MoE) a gated shared expert: what the MLP sublayer adds.
 
-    ``router_logits`` ``[T, n_experts]`` passes through the tap (before the softmax); the
-    shared expert's neurons are not a point (``mlp_post`` is a dense MLP's).
+    ``router_logits`` ``[T, n_experts]`` passes through the tap (before the softmax); when the tap
+    touches the block, the routing passes ``router_probs``, ``routing_weights`` and ``experts_chosen``
+    through it too, and applies the router's steers (:func:`~tapllm.models.moe_taps.tapped_route`).
+    The shared expert's neurons are not a point (``mlp_post`` is a dense MLP's).
     """
 
     def __init__(self, cfg: ModelConfig, routing: Routing, inter: int, act: Activation,
@@ -144,8 +147,12 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Router(cfg.hidden_size, 1, False, cfg.dtype) if shared_inter else None
 
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
-        logits = tap("router_logits", i, self.gate(x))
-        weights, ids = route(logits, self.routing)
+        raw = self.gate(x)
+        if tap.touches(i):  # steers at the router keep its logits as computed: a forced expert's weight
+            logits = tap("router_logits", i, raw.clone() if tap.steers("router_logits", i) else raw)
+            weights, ids = tapped_route(raw, logits, self.routing, tap, i)
+        else:
+            weights, ids = route(tap("router_logits", i, raw), self.routing)
         out = self.experts(x, weights, ids, self.glu)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -155,7 +162,7 @@ class SparseMoE(nn.Module):
 class DenseMLP(GatedMLP):
     """A dense block's gated MLP inside a mixture-of-experts model (Qwen-MoE's ``mlp_only_layers``): no
     ``mlp_post`` point, which a model exposes only where every block has the same neurons; its
-    ``router_logits`` are NaN (the block has no router), so a capture over every block keeps its shape."""
+    router points are NaN (the block has no router), so a capture over every block keeps its shape."""
 
     def __init__(self, cfg: ModelConfig, act: Activation, num_experts: int) -> None:
         super().__init__(cfg, act)
@@ -163,7 +170,7 @@ class DenseMLP(GatedMLP):
 
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
         if tap.touches(i):
-            tap("router_logits", i, x.new_full((x.shape[0], self.num_experts), float("nan")))
+            dense_router_points(x, self.num_experts, tap, i)
         return super().forward(x)
 
 
