@@ -51,8 +51,8 @@ class Steer:
             at ``router_logits`` also ``"ban"`` and ``"force"`` (``tapllm.steering.router``).
         vector: the direction of ``add``/``ablate``/``clamp``: a tensor of the point's last
             dimension (``[hidden]``; ``[head_dim]`` for a per-head point, applied to every selected
-            head, or ``[heads, head_dim]``; ``[d_mlp]`` or ``[len(neurons)]`` for ``mlp_post``), or
-            ``{layer: tensor}``.
+            head, or ``[heads, head_dim]``; ``[d_mlp]`` or ``[len(neurons)]`` for ``mlp_post``;
+            ``[n_experts]`` for ``router_logits``, a bias on the logits), or ``{layer: tensor}``.
         scale: multiplies the vector for ``add``; the factor of ``scale``.
         value: the coefficient ``clamp`` sets along the direction.
         values: what ``set`` writes: a ``HiddenStates`` holding this point (its positions and
