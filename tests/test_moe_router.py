@@ -413,3 +413,13 @@ def test_the_prefix_cache_salt_covers_the_experts_and_the_op():
              Steer(layers=[1], point="router_logits", op="ban", experts=[1]).digest()}
     assert len(salts) == 6
     assert digest(op="ban", experts=[1]) == digest(op="ban", experts=[1])
+
+
+def test_the_server_steering_extension_takes_experts():
+    """The ``steering`` extension's entries carry ``experts`` to the engine's ``Steer`` (and its checks)."""
+    from tapllm.server.schema import SteerRequest
+
+    steer = SteerRequest(layers=[0], point="router_logits", op="ban", experts=[2]).to_steer()
+    assert (steer.point, steer.op, steer.experts, steer.layers) == ("router_logits", "ban", [2], [0])
+    with pytest.raises(ValueError, match="steering.experts is required for op='force'"):
+        SteerRequest(layers=[0], point="router_logits", op="force").to_steer()
