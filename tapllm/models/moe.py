@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,36 +28,11 @@ from tapllm.config import ModelConfig
 from tapllm.layers.linear import Linear
 from tapllm.models.base import GatedMLP, Placement, activation, qkv_fused
 from tapllm.models.llama import LlamaForCausalLM
-from tapllm.models.moe_taps import dense_router_points, tapped_route
+from tapllm.models.routing import Routing, dense_router_points, route, tapped_route
 from tapllm.tap import Tap, no_tap
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> what the down projection reads
-
-
-@dataclass(frozen=True, slots=True)
-class Routing:
-    """How a family's router turns logits into the chosen experts and their weights."""
-
-    num_experts: int
-    top_k: int
-    renormalize: bool  # divide the chosen experts' probabilities by their sum (``norm_topk_prob``; Mixtral always)
-    float_weights: bool = False  # scale the experts' outputs by float32 weights (Mixtral), else in the model's dtype
-    topk_first: bool = False  # gpt-oss: the top-k of the logits, then a softmax over them (in the logits' dtype)
-
-
-def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights, ids)``, each ``[T, top_k]``: the softmax over every expert (in float32), its top-k,
-    renormalised over the chosen ones where the family does (or, ``topk_first``, the softmax of the top-k
-    logits)."""
-    if routing.topk_first:
-        top, ids = torch.topk(logits, routing.top_k, dim=-1)
-        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
-    if routing.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return (weights if routing.float_weights else weights.to(logits.dtype)), ids
 
 
 def gated(act: Activation) -> Glu:
@@ -130,7 +104,7 @@ class SparseMoE(nn.Module):
 
     ``router_logits`` ``[T, n_experts]`` passes through the tap (before the softmax); when the tap
     touches the block, the routing passes ``router_probs``, ``routing_weights`` and ``experts_chosen``
-    through it too, and applies the router's steers (:func:`~tapllm.models.moe_taps.tapped_route`).
+    through it too, and applies the router's steers (:func:`~tapllm.models.routing.tapped_route`).
     The shared expert's neurons are not a point (``mlp_post`` is a dense MLP's).
     """
 

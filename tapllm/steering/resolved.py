@@ -149,7 +149,8 @@ def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int,
                                  torch.tensor(index) if index is not None else None,
                                  factor=factor, value=float(s.value)))
     if router is not None:
-        check_routing(out, router)
+        check_routing([(s.point, s.op, s.blocks, s.index.tolist() if s.index is not None else None) for s in out],
+                      router)
     return out
 
 

@@ -28,7 +28,9 @@ from tapllm.tap.points import MOE_STEER_POINTS
 
 if TYPE_CHECKING:
     from tapllm.config import ModelConfig
-    from tapllm.steering.resolved import ResolvedSteer
+
+# One resolved steer as the limits see it: its point, op, blocks and experts (None: every expert).
+RouterSteer = tuple[str, str, Sequence[int], Sequence[int] | None]
 
 ROUTER_OPS = ("ban", "force")  # the ops only router_logits takes
 ROUTING_WEIGHT_OPS = ("scale", "ablate")  # the ops routing_weights takes
@@ -81,24 +83,24 @@ def check_router_steer(point: str, op: str, experts: list[int] | None, vector: A
     return True
 
 
-def check_routing(steers: Sequence[ResolvedSteer], limits: RouterLimits) -> None:
-    """Check one request's router steers together against the model; ``ValueError`` names the steer."""
+def check_routing(steers: Sequence[RouterSteer], limits: RouterLimits) -> None:
+    """Check one request's resolved steers together against the model's routers (``steers[i]`` is steer
+    ``i``'s point, op, blocks and experts, see :data:`RouterSteer`); ``ValueError`` names the steer."""
     banned: dict[int, set[int]] = {}
     forced: dict[int, set[int]] = {}
-    for i, s in enumerate(steers):
-        if s.point not in MOE_STEER_POINTS:
+    for i, (point, op, blocks, experts) in enumerate(steers):
+        if point not in MOE_STEER_POINTS:
             continue
         where = f"steering[{i}]"
-        dense = [b for b in s.blocks if b not in limits.sparse_layers]
+        dense = [b for b in blocks if b not in limits.sparse_layers]
         if dense:
             raise ValueError(f"{where}.layers: block {dense[0]} has a dense MLP, no router (the blocks with one: "
                              f"{list(limits.sparse_layers)})")
-        if s.op not in ROUTER_OPS:
+        if op not in ROUTER_OPS:
             continue
-        experts = set(s.index.tolist())
-        for block in s.blocks:
+        for block in blocks:
             ban, force = banned.setdefault(block, set()), forced.setdefault(block, set())
-            (ban if s.op == "ban" else force).update(experts)
+            (ban if op == "ban" else force).update(experts or ())
             both = sorted(ban & force)
             if both:
                 raise ValueError(f"{where}.experts: expert {both[0]} is both banned and forced at block {block}")

@@ -1,6 +1,7 @@
-"""The router of a mixture-of-experts block seen through the tap: its points, and its steers applied.
+"""A mixture-of-experts block's routing: how a family turns its router's logits into the chosen experts
+and their weights (:class:`Routing`, :func:`route`), and the same seen through the tap.
 
-When a step's tap touches a sparse block, :func:`tapped_route` replaces :func:`~tapllm.models.moe.route`
+When a step's tap touches a sparse block, :func:`tapped_route` replaces :func:`route`
 and passes the router's tensors through the tap, each ``[T, n_experts]``:
 
 * ``router_logits`` (before it is called here: the block taps them as the router computes them) may
@@ -15,23 +16,45 @@ and passes the router's tensors through the tap, each ``[T, n_experts]``:
   experts' outputs are multiplied by;
 * ``experts_chosen``: 1 where the token is routed, else 0 (capture only).
 
-Without steers the result is bit for bit :func:`~tapllm.models.moe.route`'s. A dense block of an MoE
+Without steers the result is bit for bit :func:`route`'s. A dense block of an MoE
 model (:func:`dense_router_points`) taps the same points as NaN rows, so a capture over every block
 keeps its shape.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from tapllm.tap import Tap
 
-if TYPE_CHECKING:
-    from tapllm.models.moe import Routing
-
 ROUTER_POINTS = ("router_logits", "router_probs", "routing_weights", "experts_chosen")
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How a family's router turns logits into the chosen experts and their weights."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool  # divide the chosen experts' probabilities by their sum (``norm_topk_prob``; Mixtral always)
+    float_weights: bool = False  # scale the experts' outputs by float32 weights (Mixtral), else in the model's dtype
+    topk_first: bool = False  # gpt-oss: the top-k of the logits, then a softmax over them (in the logits' dtype)
+
+
+def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, ids)``, each ``[T, top_k]``: the softmax over every expert (in float32), its top-k,
+    renormalised over the chosen ones where the family does (or, ``topk_first``, the softmax of the top-k
+    logits)."""
+    if routing.topk_first:
+        top, ids = torch.topk(logits, routing.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if routing.float_weights else weights.to(logits.dtype)), ids
 
 
 def tapped_route(raw: torch.Tensor, logits: torch.Tensor, routing: Routing, tap: Tap, layer: int
