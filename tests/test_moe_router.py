@@ -289,6 +289,78 @@ def test_routing_steer_equals_transformers_with_the_same_edit(family, op, moe, l
     assert not torch.allclose(ref_logits[:n], plain[:n], atol=1e-3), f"{what}: the edit changed nothing"
 
 
+@contextmanager
+def _hf_ban_at(model, layer: int, expert: int, positions: list[int]) -> Iterator[None]:
+    """transformers' router of block ``layer`` with ``expert``'s logit -inf at ``positions`` only (one sequence)."""
+    router = _router(model.model.layers[layer].mlp)
+
+    def edit(x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        rows = [p for p in positions if p < x.shape[0]]
+        x[rows, expert] = float("-inf")
+        return x
+    _edited_logits(router, edit)
+    try:
+        yield
+    finally:
+        delattr(router, "forward")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen2_moe"])
+def test_a_ban_at_explicit_positions_equals_transformers_banning_there(family, moe):
+    """A steer at explicit positions (prompt and generated ones) bans the expert at those rows only, on the
+    eager path."""
+    _, model = moe[family]
+    prompt = random_prompts([11], seed=58)[0]
+    layer = _sparse(model)[-1]
+    counts = torch.bincount(_hf_routes(model, prompt)[-1][2].flatten(), minlength=4)
+    expert, positions = int(counts.argmax()), [2, 5, 9, 12, 14]
+    steer = Steer(layers=[layer], point="router_logits", op="ban", experts=[expert], positions=positions)
+    llm = LLM(moe[family][0], dtype="float32", enforce_eager=True)
+    tokens, logits = _tapllm_greedy_logits(llm, prompt, [steer], NEW)
+    with _hf_ban_at(model, layer, expert, positions):
+        ref_tokens, ref_logits = _hf_greedy_logits(model, prompt, NEW)
+    _, plain = _hf_greedy_logits(model, prompt, NEW)
+    assert tokens == ref_tokens
+    assert_close_states(logits[:, None], ref_logits[:, None], f"logits ({family})", 1e-5)
+    assert not torch.allclose(ref_logits, plain, atol=1e-3)
+    assert torch.equal(ref_logits[:2], plain[:2])  # rows before the first steered position are untouched
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_bfloat16_router_points_and_steers(family, moe):
+    """In bfloat16: capturing the router points (which routes through the tap) leaves tokens and states bit for
+    bit those of a run that captures nothing there; a ban and an expert scaled run, and the capture shows them."""
+    folder, model = moe[family]
+    llm = LLM(folder, dtype="bfloat16")
+    prompts = random_prompts([7, 16], seed=59)
+    final = HiddenStatesSpec(points=["final"], positions="all")
+    router = HiddenStatesSpec(layers="all", points=["final", *ROUTER_POINTS], positions="all")
+    plain = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, hidden_states=final),
+                         use_tqdm=False)
+    tapped = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True,
+                                                  hidden_states=router), use_tqdm=False)
+    k = model.config.num_experts_per_tok
+    sparse = _sparse(model)
+    for a, b in zip(plain, tapped):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert torch.equal(a.hidden_states["final"], b.hidden_states["final"])
+        assert b.hidden_states["experts_chosen"].dtype == torch.bfloat16
+        assert (b.hidden_states["experts_chosen"][:, sparse].sum(-1) == k).all()
+    steers = [Steer(layers=sparse, point="router_logits", op="ban", experts=[0]),
+              Steer(layers=sparse, point="routing_weights", op="scale", experts=[1], scale=0.5)]
+    out = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, steering=steers,
+                                               hidden_states=router), use_tqdm=False)
+    for o, t in zip(out, tapped):
+        hs = o.hidden_states
+        assert (hs["experts_chosen"][:, sparse, 0] == 0).all() and (hs["router_probs"][:, sparse, 0] == 0).all()
+        picked = hs["experts_chosen"][:, sparse, 1] == 1
+        assert picked.any()
+        weights = hs["routing_weights"][:, sparse, 1][picked]
+        assert (weights > 0).all()
+        assert not torch.equal(hs["final"], t.hidden_states["final"])
+
+
 def test_router_points_show_the_steered_routing(llms):
     """Captured with the steers: a banned expert's logit is -inf, its probability 0 and it is never chosen;
     a forced one's logit is +inf and it is always chosen; ablated, it keeps its place with weight 0."""
