@@ -161,7 +161,8 @@ class Draw:
         rng = self.rng
         self.decks = {"points": Deck(list(CAPTURE_POINTS), rng), "positions": Deck(list(POSITIONS), rng),
                       "reduce": Deck(list(REDUCERS), rng),
-                      "steers": Deck([(op, point) for op in OPS for point in STEER_POINTS], rng)}
+                      "steers": Deck([(op, point) for op in OPS for point in STEER_POINTS if point in DENSE_POINTS],
+                                     rng)}
 
     def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
         """A random tensor from the seed's generator."""

@@ -10,7 +10,8 @@ import pytest
 from tapllm.cli.args import SPEC_HELP
 from tapllm.hidden_states.spec import HiddenStatesSpec
 from tapllm.steering.spec import Steer
-from tapllm.tap.points import HEAD_STEER_POINTS, POINTS, QUERY_HEAD_POINTS, STEER_POINTS, TABLE, row_shapes
+from tapllm.tap.points import (HEAD_STEER_POINTS, MOE_POINTS, MOE_STEER_POINTS, POINTS, QUERY_HEAD_POINTS, STEER_POINTS,
+                               TABLE, row_shapes)
 
 POINTS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "hidden-states.md"
 
@@ -23,7 +24,9 @@ def test_the_docs_list_every_point_with_its_row_shape_in_table_order():
 
 def test_groups_follow_from_the_table():
     assert STEER_POINTS == ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "q", "k", "v", "z",
-                            "mlp_post")
+                            "mlp_post", "router_logits", "routing_weights")
+    assert MOE_POINTS == ("router_logits", "router_probs", "routing_weights", "experts_chosen")
+    assert MOE_STEER_POINTS == ("router_logits", "routing_weights")
     assert HEAD_STEER_POINTS == ("q", "k", "v", "z") and QUERY_HEAD_POINTS == ("q", "z", "attn_pattern")
     dims = {"hidden": 8, "heads": 4, "kv_heads": 2, "head_dim": 2, "d_mlp": 32}
     assert row_shapes(dims)["k"] == (2, 2) and "attn_pattern" not in row_shapes(dims)  # keys vary

@@ -29,6 +29,7 @@ from tapllm.hidden_states.spec import PSEUDO_POINTS
 from tapllm.sae.features import resolve_features
 from tapllm.sampling_params import SamplingParams
 from tapllm.steering.resolved import ResolvedSteer, resolve_steering
+from tapllm.steering.router import router_limits
 from tapllm.steering.spec import steering_digest
 from tapllm.structured.compiler import GrammarCompiler
 from tapllm.tap import PSEUDO_LAYER
@@ -50,6 +51,7 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.point_shapes = point_shapes
+        self.router = router_limits(model_config)  # an MoE model's routers (None when dense): steers checked
         self.context_limited_by_cache = context_limited_by_cache
         self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
         self._ids = itertools.count()
@@ -181,7 +183,7 @@ class InputProcessor:
             raise ValueError("steering: this instance was started with enable_steering=False")
         mc = self.model_config
         return resolve_steering(params.steering, mc.num_layers, mc.hidden_size, mc.dtype,
-                                self.config.max_steers_per_request, self.point_shapes)
+                                self.config.max_steers_per_request, self.point_shapes, self.router)
 
     def _selection(self, token_ids: list[int], params: SamplingParams, encode: bool, max_tokens: int) -> Selection:
         """Resolve the request's hidden-state spec and apply the instance policy."""

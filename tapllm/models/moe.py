@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,35 +28,11 @@ from tapllm.config import ModelConfig
 from tapllm.layers.linear import Linear
 from tapllm.models.base import GatedMLP, Placement, activation, qkv_fused
 from tapllm.models.llama import LlamaForCausalLM
+from tapllm.models.routing import Routing, dense_router_points, route, tapped_route
 from tapllm.tap import Tap, no_tap
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> what the down projection reads
-
-
-@dataclass(frozen=True, slots=True)
-class Routing:
-    """How a family's router turns logits into the chosen experts and their weights."""
-
-    num_experts: int
-    top_k: int
-    renormalize: bool  # divide the chosen experts' probabilities by their sum (``norm_topk_prob``; Mixtral always)
-    float_weights: bool = False  # scale the experts' outputs by float32 weights (Mixtral), else in the model's dtype
-    topk_first: bool = False  # gpt-oss: the top-k of the logits, then a softmax over them (in the logits' dtype)
-
-
-def route(logits: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights, ids)``, each ``[T, top_k]``: the softmax over every expert (in float32), its top-k,
-    renormalised over the chosen ones where the family does (or, ``topk_first``, the softmax of the top-k
-    logits)."""
-    if routing.topk_first:
-        top, ids = torch.topk(logits, routing.top_k, dim=-1)
-        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
-    if routing.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return (weights if routing.float_weights else weights.to(logits.dtype)), ids
 
 
 def gated(act: Activation) -> Glu:
@@ -127,8 +102,10 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """Router, top-k experts, and (Qwen2-MoE) a gated shared expert: what the MLP sublayer adds.
 
-    ``router_logits`` ``[T, n_experts]`` passes through the tap (before the softmax); the
-    shared expert's neurons are not a point (``mlp_post`` is a dense MLP's).
+    ``router_logits`` ``[T, n_experts]`` passes through the tap (before the softmax); when the tap
+    touches the block, the routing passes ``router_probs``, ``routing_weights`` and ``experts_chosen``
+    through it too, and applies the router's steers (:func:`~tapllm.models.routing.tapped_route`).
+    The shared expert's neurons are not a point (``mlp_post`` is a dense MLP's).
     """
 
     def __init__(self, cfg: ModelConfig, routing: Routing, inter: int, act: Activation,
@@ -144,8 +121,12 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Router(cfg.hidden_size, 1, False, cfg.dtype) if shared_inter else None
 
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
-        logits = tap("router_logits", i, self.gate(x))
-        weights, ids = route(logits, self.routing)
+        raw = self.gate(x)
+        if tap.touches(i):  # steers at the router keep its logits as computed: a forced expert's weight
+            logits = tap("router_logits", i, raw.clone() if tap.steers("router_logits", i) else raw)
+            weights, ids = tapped_route(raw, logits, self.routing, tap, i)
+        else:
+            weights, ids = route(tap("router_logits", i, raw), self.routing)
         out = self.experts(x, weights, ids, self.glu)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -155,7 +136,7 @@ class SparseMoE(nn.Module):
 class DenseMLP(GatedMLP):
     """A dense block's gated MLP inside a mixture-of-experts model (Qwen-MoE's ``mlp_only_layers``): no
     ``mlp_post`` point, which a model exposes only where every block has the same neurons; its
-    ``router_logits`` are NaN (the block has no router), so a capture over every block keeps its shape."""
+    router points are NaN (the block has no router), so a capture over every block keeps its shape."""
 
     def __init__(self, cfg: ModelConfig, act: Activation, num_experts: int) -> None:
         super().__init__(cfg, act)
@@ -163,7 +144,7 @@ class DenseMLP(GatedMLP):
 
     def forward(self, x: torch.Tensor, tap: Tap = no_tap, i: int = 0) -> torch.Tensor:
         if tap.touches(i):
-            tap("router_logits", i, x.new_full((x.shape[0], self.num_experts), float("nan")))
+            dense_router_points(x, self.num_experts, tap, i)
         return super().forward(x)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from tapllm.models.moe import MoEForCausalLM, Routing
 from tapllm.models.qwen3 import Qwen3Attention
+from tapllm.models.shapes import is_sparse_layer
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
@@ -26,10 +27,7 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
         return int(getattr(self.cfg.hf_config, "shared_expert_intermediate_size", 0) or 0) or None
 
     def is_sparse(self, layer: int) -> bool:
-        hf = self.cfg.hf_config
-        step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
-        return (layer not in (getattr(hf, "mlp_only_layers", None) or []) and int(hf.num_experts) > 0
-                and (layer + 1) % step == 0)
+        return is_sparse_layer(self.cfg, layer)  # not in mlp_only_layers, and where decoder_sparse_step says
 
     def attention_biases(self) -> tuple[bool, bool]:
         return bool(getattr(self.cfg.hf_config, "qkv_bias", True)), False

@@ -55,3 +55,23 @@ def num_experts(config: ModelConfig) -> int:
     """The experts of each sparse block of the model ``config`` describes; 0 for a dense model."""
     hf = config.hf_config
     return int(getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or 0)
+
+
+def experts_per_token(config: ModelConfig) -> int:
+    """How many experts each token is routed to (top-k) in the MoE model ``config`` describes; 0 when dense."""
+    return int(getattr(config.hf_config, "num_experts_per_tok", 0) or 0) if num_experts(config) else 0
+
+
+def sparse_layers(config: ModelConfig) -> tuple[int, ...]:
+    """The blocks whose MLP is a mixture of experts (with a router) in the model ``config`` describes
+    (:func:`is_sparse_layer`); none when dense."""
+    return tuple(i for i in range(config.num_layers) if is_sparse_layer(config, i))
+
+
+def is_sparse_layer(config: ModelConfig, layer: int) -> bool:
+    """Whether block ``layer``'s MLP is a mixture of experts: in an MoE model, every block but those in
+    ``mlp_only_layers`` and those ``decoder_sparse_step`` skips (Qwen-MoE's)."""
+    hf = config.hf_config
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
+    return (num_experts(config) > 0 and layer not in (getattr(hf, "mlp_only_layers", None) or [])
+            and (layer + 1) % step == 0)

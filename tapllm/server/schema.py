@@ -76,6 +76,7 @@ class SteerRequest(BaseModel):
     neurons: list[int] | None = None
     sae: str | None = None  # the name of an SAE the server serves (--sae NAME=PATH)
     features: dict[str, float] | list[int] | None = None
+    experts: list[int] | None = None  # routing steers of a mixture-of-experts model (ban, force, scale, ablate)
 
     def to_steer(self) -> Steer:
         """The engine-side ``Steer``; ``ValueError`` names the field."""
@@ -90,7 +91,7 @@ class SteerRequest(BaseModel):
         sae = served_sae(self.sae, "steering.sae") if self.sae is not None else None
         return Steer(layers=self.layers, point=self.point, op=self.op, vector=vector, scale=self.scale,
                      positions=self.positions, value=self.value, values=values, heads=self.heads,
-                     neurons=self.neurons, sae=sae, features=self.features)
+                     neurons=self.neurons, sae=sae, features=self.features, experts=self.experts)
 
 
 class JsonSchemaFormat(BaseModel):

@@ -52,6 +52,9 @@ class _Op:
         if self.op == "set":
             t[key] = self.payload
             return
+        if self.op in ("ban", "force"):  # router logits: -inf never chosen, +inf always (tapllm.steering.router)
+            t[key] = float("-inf") if self.op == "ban" else float("inf")
+            return
         x = t[key]
         if self.op == "add":
             t[key] = x + self.payload

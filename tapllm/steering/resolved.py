@@ -8,12 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tapllm.steering.router import ROUTER_OPS, RouterLimits, check_routing
 from tapllm.steering.spec import HEAD_STEER_POINTS, Steer
 from tapllm.tap import resolve_indices, resolve_layers
+from tapllm.tap.points import MOE_STEER_POINTS
 from tapllm.utils.checks import real
 
 if TYPE_CHECKING:
     from tapllm.sae.features import DeviceSAEs
+
+INSIDE_POINTS = (*HEAD_STEER_POINTS, "mlp_post", *MOE_STEER_POINTS)  # rows other than [hidden]
 
 
 @dataclass(slots=True)
@@ -22,7 +26,9 @@ class ResolvedSteer:
 
     ``payload[block]``: ``add`` the scaled vector (model dtype), ``ablate``/``clamp`` the unit
     direction (float32), ``set`` the values ``[len(positions), *row]`` (model dtype);
-    ``index`` the heads or neurons the operation is limited to (dim 1 of the point's tensor).
+    ``index`` the heads, neurons or experts the operation is limited to (dim 1 of the point's tensor);
+    ``ban``/``force`` have no payload (their experts are ``index``), an ``ablate`` at ``routing_weights``
+    is resolved to ``scale`` by 0.
     """
 
     point: str
@@ -94,11 +100,13 @@ class RequestSteering:
 
 
 def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int, dtype: torch.dtype, max_steers: int,
-                     point_shapes: dict[str, tuple[int, ...]] | None = None) -> list[ResolvedSteer]:
+                     point_shapes: dict[str, tuple[int, ...]] | None = None,
+                     router: RouterLimits | None = None) -> list[ResolvedSteer]:
     """Check steers against the model; ``ValueError`` names the steer and field (nothing moves to a device).
 
     ``point_shapes`` gives the row shape of the points inside attention and the MLP (``q``,
-    ``k``, ``v``, ``z``, ``mlp_post``), as read off the model's modules.
+    ``k``, ``v``, ``z``, ``mlp_post``, the router's), as read off the model's modules; ``router``
+    the limits of a mixture-of-experts model's routers (checked when given).
     """
     if len(steers) > max_steers:
         raise ValueError(f"steering: {len(steers)} steers, more than max_steers_per_request={max_steers}")
@@ -118,31 +126,44 @@ def resolve_steering(steers: Sequence[Steer], num_layers: int, hidden_size: int,
             out.append(ResolvedSteer(s.point, s.op, blocks, {}, s.positions, sae=edit))
             continue
         payload = {}
+        op, factor = s.op, float(s.scale)
+        if s.point == "routing_weights" and s.op == "ablate":
+            op, factor = "scale", 0.0  # an ablated expert's output weighs nothing
         if s.op == "set":
             values = _set_values(s, row, where)
             for k, block in enumerate(blocks):
                 payload[block] = _finite_in(values[:, k], dtype, where).to(dtype)
-        elif s.op != "scale":
+        elif s.op in ROUTER_OPS or op == "scale":
+            real(f"{where}.scale", factor, dtype)  # scale's factor, in the model's dtype (ban/force: 1, unused)
+        else:
             for layer, block in zip(s.layers, blocks):
-                v = _fit(s.vector_for(layer), row, where, s.point in HEAD_STEER_POINTS or s.point == "mlp_post")
+                v = _fit(s.vector_for(layer), row, where, s.point in INSIDE_POINTS)
                 if s.op == "add":
                     payload[block] = _finite_in(s.scale * v, dtype, where, f"scale * vector at layer {layer}"
                                                 ).to(dtype)
                 else:
                     payload[block] = (v / v.norm(dim=-1, keepdim=True)).to(torch.float32)
-        else:
-            real(f"{where}.scale", s.scale, dtype)  # what the state is multiplied by, in the model's dtype
         if s.op == "clamp":
             real(f"{where}.value", s.value, dtype)  # the component the state is given, in the model's dtype
-        out.append(ResolvedSteer(s.point, s.op, blocks, payload, s.positions,
+        out.append(ResolvedSteer(s.point, op, blocks, payload, s.positions,
                                  torch.tensor(index) if index is not None else None,
-                                 factor=float(s.scale), value=float(s.value)))
+                                 factor=factor, value=float(s.value)))
+    if router is not None:
+        check_routing([(s.point, s.op, s.blocks, s.index.tolist() if s.index is not None else None) for s in out],
+                      router)
     return out
 
 
 def _row(s: Steer, hidden: int, shapes: dict[str, tuple[int, ...]], where: str
          ) -> tuple[tuple[int, ...], list[int] | None]:
-    """The shape of one position's row the steer acts on (after heads/neurons), and that index."""
+    """The shape of one position's row the steer acts on (after heads/neurons/experts), and that index."""
+    if s.point in MOE_STEER_POINTS:
+        if s.point not in shapes:
+            raise ValueError(f"{where}.point: this model does not expose {s.point!r} (it has no router)")
+        n = shapes[s.point][0]
+        if s.experts is None:
+            return (n,), None
+        return (len(s.experts),), list(resolve_indices(s.experts, n, f"{where}.experts", "experts", "expert "))
     if s.point not in HEAD_STEER_POINTS and s.point != "mlp_post":
         return (hidden,), None
     if s.point not in shapes:

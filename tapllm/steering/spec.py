@@ -9,6 +9,10 @@ Operations, applied in place to the selected positions (and heads or neurons):
 * ``set``: replace the state by given ``values`` (activation patching: clean -> corrupted),
   e.g. straight from another request's ``RequestOutput.hidden_states``.
 
+At the router of a mixture-of-experts block (:mod:`tapllm.steering.router`): ``ban`` and
+``force`` ``experts`` at ``router_logits``, ``add`` a bias vector to the logits, and ``scale`` or
+``ablate`` chosen experts' outputs at ``routing_weights``.
+
 Several steers of a request compose in order.
 """
 
@@ -23,7 +27,8 @@ from typing import Any
 
 import torch
 
-from tapllm.tap.points import HEAD_STEER_POINTS, STEER_POINTS
+from tapllm.steering.router import ROUTER_OPS, check_router_steer
+from tapllm.tap.points import HEAD_STEER_POINTS, MOE_STEER_POINTS, STEER_POINTS
 from tapllm.utils.checks import as_wide_tensor, check_values, real
 from tapllm.utils.options import from_mapping
 
@@ -40,12 +45,14 @@ class Steer:
             ``{layer: vector}`` dict, whose keys then name the blocks, or when ``values`` is a
             ``HiddenStates`` (its layers then).
         point: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``, ``resid_post`` (see
-            ``tapllm.tap.points``), ``q``, ``k``, ``v``, ``z`` (per head) or ``mlp_post`` (per neuron).
-        op: ``"add"``, ``"ablate"``, ``"clamp"``, ``"scale"`` or ``"set"`` (see the module docstring).
+            ``tapllm.tap.points``), ``q``, ``k``, ``v``, ``z`` (per head), ``mlp_post`` (per neuron),
+            or, in a mixture-of-experts model, ``router_logits`` and ``routing_weights`` (per expert).
+        op: ``"add"``, ``"ablate"``, ``"clamp"``, ``"scale"`` or ``"set"`` (see the module docstring);
+            at ``router_logits`` also ``"ban"`` and ``"force"`` (``tapllm.steering.router``).
         vector: the direction of ``add``/``ablate``/``clamp``: a tensor of the point's last
             dimension (``[hidden]``; ``[head_dim]`` for a per-head point, applied to every selected
-            head, or ``[heads, head_dim]``; ``[d_mlp]`` or ``[len(neurons)]`` for ``mlp_post``), or
-            ``{layer: tensor}``.
+            head, or ``[heads, head_dim]``; ``[d_mlp]`` or ``[len(neurons)]`` for ``mlp_post``;
+            ``[n_experts]`` for ``router_logits``, a bias on the logits), or ``{layer: tensor}``.
         scale: multiplies the vector for ``add``; the factor of ``scale``.
         value: the coefficient ``clamp`` sets along the direction.
         values: what ``set`` writes: a ``HiddenStates`` holding this point (its positions and
@@ -63,6 +70,8 @@ class Steer:
             ``"ablate"`` sets them to 0 (see ``tapllm.sae.steer``).
         features: with ``sae``: ``{id: scale}`` (add), ``{id: value}`` (clamp/set), ``[ids]``
             (ablate; add with scale 1).
+        experts: expert indices: the experts ``ban``/``force`` act on at ``router_logits``, or whose
+            outputs ``scale``/``ablate`` change at ``routing_weights`` (``None`` there: all).
     """
 
     layers: Sequence[int] | None = None
@@ -77,6 +86,7 @@ class Steer:
     neurons: Sequence[int] | None = None
     sae: Any = None
     features: Any = None
+    experts: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         by_sae = self.sae is not None or self.features is not None
@@ -86,8 +96,8 @@ class Steer:
             check_sae_steer(self)  # point, layers, and add's vector, from the SAE
         if self.point not in STEER_POINTS:
             raise ValueError(f"steering.point: unknown point {self.point!r}; choose from {list(STEER_POINTS)}")
-        if self.op not in OPS:
-            raise ValueError(f"steering.op must be one of {list(OPS)}, got {self.op!r}")
+        if self.op not in OPS + ROUTER_OPS:
+            raise ValueError(f"steering.op must be one of {list(OPS + ROUTER_OPS)}, got {self.op!r}")
         for name in ("scale", "value"):  # float32 at least: the engine's steering arithmetic
             setattr(self, name, real(f"steering.{name}", getattr(self, name)))
         self.positions = _positions(self.positions)
@@ -97,6 +107,13 @@ class Steer:
             raise ValueError(f"steering.heads applies to {list(HEAD_STEER_POINTS)}, not {self.point!r}")
         if self.neurons is not None and self.point != "mlp_post":
             raise ValueError(f"steering.neurons applies to 'mlp_post', not {self.point!r}")
+        self.experts = _indices(self.experts, "experts")
+        if (self.point in MOE_STEER_POINTS or self.op in ROUTER_OPS or self.experts is not None) \
+                and check_router_steer(self.point, self.op, self.experts, self.vector, self.values):
+            if self.layers is None:
+                raise ValueError("steering.layers is required")
+            self.layers = _layer_list(self.layers)
+            return
         if by_sae and self.op != "add":
             return
         if self.op == "set":
@@ -219,6 +236,8 @@ class Steer:
         h = hashlib.blake2b(digest_size=16)
         h.update(f"{self.point}|{self.op}|{self.scale!r}|{self.value!r}|{self.positions}|{list(self.layers)}|"
                  f"{self.heads}|{self.neurons}".encode())
+        if self.experts is not None:  # a routing steer's experts (other steers' digests as before)
+            h.update(f"|experts={self.experts}".encode())
         if self.sae is not None:
             from tapllm.sae.steer import sae_steer_digest
 
@@ -228,7 +247,7 @@ class Steer:
         if self.op == "set":
             h.update(str(tuple(self.values.shape)).encode())
             h.update(self.values.numpy().tobytes())
-        elif self.op != "scale":
+        elif self.vector is not None:  # add, ablate, clamp (scale, ban, force and expert ops have none)
             for layer in self.layers:
                 h.update(self.vector_for(layer).numpy().tobytes())
         return h.digest()

@@ -46,6 +46,12 @@ TABLE: tuple[Point, ...] = (
           "query"),
     Point("mlp_post", "mlp", "neuron activations (times the gate in gated MLPs)", ("d_mlp",), True),
     Point("router_logits", "mlp", "the router's logit per expert, before its softmax (NaN in a dense block)",
+          ("n_experts",), True, moe=True),
+    Point("router_probs", "mlp", "softmax of the router's logits over every expert, before top-k (NaN in a dense "
+          "block)", ("n_experts",), False, moe=True),
+    Point("routing_weights", "mlp", "each expert's weight in the token's MLP output, 0 where not chosen (NaN in a "
+          "dense block)", ("n_experts",), True, moe=True),
+    Point("experts_chosen", "mlp", "1 for each expert the token is routed to, else 0 (NaN in a dense block)",
           ("n_experts",), False, moe=True),
 )
 BY_NAME: dict[str, Point] = {p.name: p for p in TABLE}
@@ -63,6 +69,7 @@ HEAD_STEER_POINTS = tuple(p.name for p in TABLE if p.steerable and p.heads is no
 RESIDUAL_STEER_POINTS = tuple(p for p in STEER_POINTS if p in RESIDUAL_POINTS)
 MOE_POINTS = tuple(p.name for p in TABLE if p.moe)  # a dense model does not expose them
 DENSE_POINTS = tuple(p.name for p in TABLE if not p.moe)  # what a dense model may expose
+MOE_STEER_POINTS = tuple(p for p in STEER_POINTS if p in MOE_POINTS)  # the router's steering targets
 
 
 def row_shapes(dims: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
