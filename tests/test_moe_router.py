@@ -26,27 +26,12 @@ from conftest import random_prompts, save_tiny_model
 from family_configs import moe_configs
 from family_harness import assert_close_states
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
+from test_family_moe import _init, _router  # the same weights' initialisation and router lookup
 
 FAMILIES = sorted(moe_configs())
 ROUTER_POINTS = ["router_logits", "router_probs", "routing_weights", "experts_chosen"]
 NEW = 6
 HIDDEN = 64
-
-
-def _init(model) -> None:
-    """Norm weights away from 1, random biases and attention sinks (as tests/test_family_moe.py does)."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("bias", "sinks")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-
-
-def _router(mlp):
-    """transformers' router module of a sparse block (``gate``; gpt-oss: ``router``), or None (a dense MLP)."""
-    return getattr(mlp, "gate", None) or getattr(mlp, "router", None)
 
 
 def _sparse(model) -> list[int]:
