@@ -166,7 +166,7 @@ def keep_gguf_blocks(model: nn.Module, gguf_path: Path, folder: Path, linear_typ
     model.head_blocks = raw[EMBED] if tied and not embed_kept else None
     logger.info("GGUF as stored: %d of %d checkpoint tensors kept in their blocks%s", len(kept), len(names),
                 " (and the tied LM head)" if tied else "")
-    return stored_or_folder(names, kept, raw)
+    return _weights(names, kept, raw)
 
 
 def embed_blocks_kept(model: nn.Module, raw: dict[str, torch.Tensor], names: dict[str, Path]) -> bool:
@@ -174,17 +174,11 @@ def embed_blocks_kept(model: nn.Module, raw: dict[str, torch.Tensor], names: dic
     return EMBED in raw and EMBED in names and block_kind(model.cfg.hidden_size, *raw[EMBED].shape[1:]) is not None
 
 
-def stored_or_folder(names: dict[str, Path], kept: set[str], raw: dict[str, torch.Tensor],
-                     read: Callable[[str, Path], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights to load: the ``kept`` tensors' blocks as stored, every other one read from its file
-    (``read(name, file)``; the whole tensor by default)."""
+def _weights(names: dict[str, Path], kept: set[str], raw: dict[str, torch.Tensor]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
     for name, f in names.items():
         if name in kept:
             yield name, raw[name]
-        elif read is not None:
-            value = read(name, f)
-            if value is not None:
-                yield name, value
         else:
             with safe_open(str(f), framework="pt") as st:
                 yield name, st.get_tensor(name)
