@@ -406,3 +406,35 @@ def test_command_line_flag(tiny_models, tmp_path, flag):
     proc = subprocess.run([sys.executable, "-m", "tapllm", *args], capture_output=True, text=True, timeout=120)
     refused = "num_key_value_heads=2" if flag == "--tensor-parallel-size" else "num_hidden_layers=3"
     assert proc.returncode != 0 and refused in proc.stderr, proc.stderr
+
+
+def test_untapped_decode_blocks_run_in_the_cpp_runner(llama):
+    """The C++ block runner all-reduces o's and down's partial sums in shared memory itself: a decode
+    step's blocks that no request taps run there, the tapped ones in Python, and every result is one
+    process's."""
+    one, two = llama
+    stack = two.engine.runner.model.shard.stack
+    assert stack is not None and stack.group is not None and stack.group.transport == "shared memory"
+    runs: list[tuple[int, int]] = []
+    run = stack.run
+
+    def counted(x, start, stop, *rest):
+        runs.append((start, stop))
+        return run(x, start, stop, *rest)
+
+    stack.run = counted
+    try:
+        spec = HiddenStatesSpec(layers=[1], points=["resid_post", "z", "mlp_post"], positions="all")
+        prompts = random_prompts([7, 12, 5], seed=11)
+        params = [greedy(6), greedy(6, hidden_states=spec), greedy(6)]
+        rounds = stack.group.seq
+        _same(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False),
+              ["resid_post", "z", "mlp_post"])
+        last = len(two.engine.runner.model.shard.layers)
+        assert (0, 1) in runs and (2, last) in runs  # block 1 is tapped: it ran in Python
+        assert stack.group.seq - rounds >= 2 * sum(b - a for a, b in runs)
+        runs.clear()
+        _same(one.generate(prompts, greedy(6), use_tqdm=False), two.generate(prompts, greedy(6), use_tqdm=False))
+        assert (0, last) in runs
+    finally:
+        del stack.run

@@ -6,6 +6,10 @@ Phi-3: fused qkv with optional bias, full or partial rotary, a gated SiLU/GELU M
 q/k norms or soft-caps) the model hands every run of consecutive blocks that the step's tap
 leaves alone to the C++ runner; blocks some request captures or steers run in Python as
 always, so taps see exactly the values they would see on the eager path.
+
+Under tensor parallelism on one machine, a rank's o and down projections are row-parallel (they
+carry their group): the runner all-reduces their partial sums itself through the group's shared
+memory region, pausing every ``WAIT_SLICE_S`` so the group can ask whether a rank is gone.
 """
 
 from __future__ import annotations
@@ -32,6 +36,21 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
+def _group(layers: nn.ModuleList) -> tuple[bool, Any]:
+    """``(fits, group)``: the tensor-parallel group every o and down projection reduces over (None: plain
+    linears); ``fits`` is False where some are row-parallel and others not, over other groups, or where
+    the group does not meet in shared memory (the runner cannot all-reduce through gloo)."""
+    groups = {id(g): g for layer in layers for m in _linears(layer)[1::2] for g in [getattr(m, "group", None)]}
+    plain = [type(m) in (Linear, QuantLinear, SplitQuantLinear) for layer in layers for m in _linears(layer)]
+    columns = [type(m) in (Linear, QuantLinear, SplitQuantLinear) for layer in layers for m in _linears(layer)[::2]]
+    if all(plain):
+        return True, None
+    if len(groups) != 1 or not all(columns):
+        return False, None
+    group = next(iter(groups.values()))
+    return group is not None and getattr(group, "ops", None) is not None, group
+
+
 class DecoderStack:
     """The C++ runner's view of a model's blocks; built by :meth:`maybe` when every block fits."""
 
@@ -44,13 +63,16 @@ class DecoderStack:
         first = layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv, first.head_dim
         self.windows = [layer.self_attn.opts.window or 0 for layer in layers]
+        norm = layers[0].post_attention_layernorm.weight  # the residual's width and dtype
+        self.hidden, self.itemsize = norm.shape[-1], norm.element_size()
         self.act_bits = 0  # the quantized linears' activation rounding (QuantLinear.act_bits)
         # per block: whether the runner takes it (a block with a SplitQuantLinear runs in Python)
         self.runs = [all(type(m) is not SplitQuantLinear for m in _linears(layer)) for layer in layers]
         # the most rows its linears take the packed GEMV for (Linear.gemv_rows; the runner's own cut is
         # GEMV_MAX_ROWS): a step of more is given no GEMV views
-        self.gemv_rows = min((m.gemv_rows for layer in layers for m in _linears(layer) if type(m) is Linear),
+        self.gemv_rows = min((m.gemv_rows for layer in layers for m in _linears(layer) if isinstance(m, Linear)),
                              default=0)
+        self.group: Any = None  # the tensor-parallel group o and down reduce over (see _group)
         self._kv: list | None = None
         self._params: list[list[torch.Tensor | None]] = []
         self._plain: list[list[torch.Tensor | None]] = []  # the same without GEMV views
@@ -66,14 +88,15 @@ class DecoderStack:
             return None
         if any(type(layer) is not block for layer in layers):
             return None
+        fits, group = _group(layers)
         linears = [m for layer in layers for m in _linears(layer) if type(m) is not SplitQuantLinear]
-        if any(type(m) not in (Linear, QuantLinear) for m in linears) or not linears:
+        if not fits or any(not isinstance(m, Linear | QuantLinear) for m in linears) or not linears:
             return None
         if invariant and any(getattr(m, "gemv", None) is None for m in linears):
             return None
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         eps = getattr(layers[0].input_layernorm, "eps", None)
-        packed = {m.packed is not None for m in linears if type(m) is Linear}  # quantized ones need no flag
+        packed = {m.packed is not None for m in linears if isinstance(m, Linear)}  # quantized ones need no flag
         mlp_type = mlp
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -83,15 +106,19 @@ class DecoderStack:
                     or mlp.kernel_act is None or mlp.kernel_act != mlp0.kernel_act
                     or layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps):
                 return None
-        act_bits = {m.act_bits for m in linears if type(m) is QuantLinear}
+        act_bits = {m.act_bits for m in linears if isinstance(m, QuantLinear)}
         if len(packed) > 1 or len(act_bits) > 1:
             return None
         stack = cls(ops, layers, attn0.opts.scale, eps, mlp0.kernel_act, packed.pop() if packed else False, invariant)
         stack.act_bits = act_bits.pop() if act_bits else 0
+        stack.group = group
         return stack
 
     def applies(self, meta: AttentionMetadata, rows: int) -> bool:
-        """True for a step of decodes only (prefill chunks keep the Python blocks and SDPA)."""
+        """True for a step of decodes only (prefill chunks keep the Python blocks and SDPA), whose rows
+        go through the group's shared memory in one round where the model is split."""
+        if self.group is not None and not self.group.fits_round(rows * self.hidden * self.itemsize):
+            return False
         return meta.attn is not None and meta.num_decodes == rows and not meta.prefills and not meta.prefill_groups
 
     def _layer_params(self, kv_caches: list) -> list[list[torch.Tensor | None]]:
@@ -121,7 +148,19 @@ class DecoderStack:
         params = [p for layer in layers[start:stop] for p in layer]
         cos, sin = ctx
         x = x.contiguous()
-        return self.ops.decoder_layers(x, params, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping,
-                                       meta.decode_block_tables, meta.decode_lens, self.heads, self.kv_heads,
-                                       self.head_dim, self.eps, self.scale, self.windows[start:stop], self.act,
-                                       self.packed, self.act_bits, self.invariant)
+        args = (x, params, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_lens, self.heads, self.kv_heads, self.head_dim, self.eps, self.scale,
+                self.windows[start:stop], self.act, self.packed, self.act_bits, self.invariant)
+        group = self.group
+        if group is None:
+            return self.ops.decoder_layers(*args)
+        layers_run = stop - start
+        state = torch.tensor([0, 0, group.seq], dtype=torch.int64)
+
+        def call(wait_s: float) -> int | None:
+            self.ops.decoder_layers(*args, group.region, group.rank, group.size, wait_s, state)
+            layer, phase, _ = state.tolist()
+            return None if layer == layers_run else 3 * layer + phase
+
+        group.native_rounds("all_reduce in the decoder runner", 2 * layers_run, x.numel() * x.element_size(), call)
+        return x

@@ -1,9 +1,10 @@
 """The forward path of every rank of a tensor-parallel engine: one decision, made alike on each rank.
 
 A rank runs the CPU backend's kernels (prepacked oneDNN linears, the packed GEMV, fused norms,
-rotary and activations, paged attention on its own KV heads) block by block: the whole-block C++
-runner (``Backend.stack``) is left out, since a block of a split model meets the other ranks in
-two all-reduces inside it. CUDA graphs are not captured under tensor parallelism.
+rotary and activations, paged attention on its own KV heads). The whole-block C++ runner
+(``Backend.stack``) takes a decode step's untapped blocks where the ranks meet in shared memory:
+it all-reduces o's and down's partial sums there itself (tapllm/models/stack.py); over gloo the
+blocks run op by op. CUDA graphs are not captured under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from tapllm.models.base import CausalLM
 def shard_backend(device: torch.device, dtype: torch.dtype, size: int, enforce_eager: bool, backend: str) -> Backend:
     """The backend of each of ``size`` ranks (every rank calls this with the same arguments)."""
     chosen = select_backend(device, dtype, enforce_eager=enforce_eager, backend=backend)
-    note = (f"tensor_parallel_size={size}: blocks run op by op on every rank (a block's two all-reduces sit "
-            "inside it, so the whole-block C++ runner is not used)")
-    return replace(chosen, stack=None, graphs=None, notes=(*chosen.notes, note))
+    note = (f"tensor_parallel_size={size}: the C++ block runner all-reduces in shared memory where the ranks "
+            "share a machine; over gloo blocks run op by op")
+    return replace(chosen, graphs=None, notes=(*chosen.notes, note))
 
 
 def prepare_shard(model: CausalLM, backend: Backend) -> None:

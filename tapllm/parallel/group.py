@@ -82,6 +82,39 @@ class TPGroup:
 
         self._guard(what, run)
 
+    def fits_round(self, nbytes: int) -> bool:
+        """Whether a tensor of ``nbytes`` goes through shared memory in one round (compiled code that
+        all-reduces itself, :meth:`native_rounds`, needs that)."""
+        return self.ops is not None and nbytes <= SLOT_BYTES
+
+    def native_rounds(self, what: str, rounds: int, nbytes: int, call: Callable[[float], int | None]) -> None:
+        """Compiled code that runs ``rounds`` all-reduces of ``nbytes`` itself, as rounds ``seq + 1`` ..
+        ``seq + rounds`` of the region: ``call(wait_s)`` returns None when done, else how far it got (a
+        number that grows); a wait that makes no progress for the group's timeout, or a rank that is
+        gone, breaks the group as any collective does. Its time is not counted in ``wait_s``: the
+        waits are inside the compiled code, between its arithmetic."""
+        self._check()
+        waited = self.wait_s
+        self.calls += rounds
+        self.bytes_moved += rounds * nbytes
+
+        def run() -> None:
+            reached, deadline = -1, time.perf_counter() + self.timeout_s
+            while (place := call(WAIT_SLICE_S)) is not None:
+                if place > reached:
+                    reached, deadline = place, time.perf_counter() + self.timeout_s
+                why = self.gone() if self.gone is not None else None
+                if why is not None:
+                    raise RuntimeError(why)
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"timeout: the other ranks did not arrive within {self.timeout_s:g} s")
+
+        try:
+            self._guard(what, run)
+        finally:
+            self.wait_s = waited
+        self.seq += rounds
+
     def _guard(self, what: str, run: Callable[[], object]) -> None:
         start = time.perf_counter()
         try:

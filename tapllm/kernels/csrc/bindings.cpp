@@ -43,7 +43,8 @@ TORCH_LIBRARY_FRAGMENT(TAPLLM_NS, m) {
   // decoder.cpp
   m.def("decoder_layers(Tensor(a!) x, Tensor?[] params, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, "
         "Tensor lens, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int[] windows, int act, "
-        "bool packed, int act_bits=0, bool invariant=False) -> Tensor(a!)");
+        "bool packed, int act_bits=0, bool invariant=False, Tensor? region=None, int rank=0, int size=1, "
+        "float wait_s=0.0, Tensor(b!)? state=None) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(TAPLLM_NS, CPU, m) {

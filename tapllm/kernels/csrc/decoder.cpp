@@ -44,45 +44,97 @@ at::Tensor req(const c10::List<std::optional<at::Tensor>>& params, int64_t i) {
   return *t;
 }
 
+// One all-reduce of a row-parallel layer's partial sums: publish round ++state[2]; then finish it (or,
+// resuming, only finish it). False: not every rank arrived within wait_s.
+bool reduce(at::Tensor& y, bool published, const at::Tensor& region, int64_t rank, int64_t size, double wait_s,
+            int64_t* state) {
+  if (!published) {
+    y = y.contiguous();
+    shm_publish(y, region, rank, size, ++state[2]);
+  }
+  return shm_finish_all_reduce(y, region, rank, size, state[2], wait_s);
+}
+
 }  // namespace
 
 // params: per layer the DECODER_SLOTS of constants.py, in that order (a bias or packed_view may be
 // None); windows: per layer (0: none); act_bits: the quantized linears' activation rounding (0: none,
 // 8: int8); invariant: batch_invariant's kernels (the packed GEMV at every size, row_attention).
 // x [T, hidden] is updated in place.
+//
+// region (tensor parallelism on one machine): o and down are row-parallel; their partial sums are
+// all-reduced through the shared memory region (shm_collectives.cpp) and their biases added after.
+// state int64 [3]: the layer to start at, the phase there (0: its start, 1: o's all-reduce published,
+// 2: down's published), the last round used. A wait longer than wait_s returns with state saying where
+// to resume (state[0] < layers); the caller asks whether a rank is gone and calls again.
 at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor>>& params, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
                           const at::Tensor& lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           double eps, double scale, at::IntArrayRef windows, int64_t act, bool packed,
-                          int64_t act_bits, bool invariant) {
+                          int64_t act_bits, bool invariant, const std::optional<at::Tensor>& region, int64_t rank,
+                          int64_t size, double wait_s, const std::optional<at::Tensor>& state) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: x must be a contiguous [T, hidden] tensor");
   TORCH_CHECK(static_cast<int64_t>(params.size()) == DECODER_SLOTS_COUNT * static_cast<int64_t>(windows.size()),
               "decoder_layers: ", DECODER_SLOTS_COUNT, " parameters per layer expected (DECODER_SLOTS), got ",
               params.size(), " for ", windows.size(), " layers");
+  const bool split = region.has_value() && region->defined();
+  int64_t* st = nullptr;
+  if (split) {
+    TORCH_CHECK(state.has_value() && state->scalar_type() == at::kLong && state->numel() == 3 && state->is_contiguous(),
+                "decoder_layers: a region needs state, a contiguous int64 [3] tensor");
+    st = state->data_ptr<int64_t>();
+    TORCH_CHECK(st[0] >= 0 && st[1] >= 0 && st[1] <= 2, "decoder_layers: state ", st[0], ", ", st[1], " is not a place");
+  }
   namespace slot = decoder_slots;
   const int64_t t = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  for (size_t layer = 0; layer < windows.size(); ++layer) {
-    const int64_t p = DECODER_SLOTS_COUNT * static_cast<int64_t>(layer);
-    at::Tensor h = rms_norm(x, req(params, p + slot::input_norm), eps, RMS_LLAMA);
-    at::Tensor qkv = linear(h, req(params, p + slot::qkv), opt(params, p + slot::qkv_gemv),
-                            opt(params, p + slot::qkv_bias), packed, act_bits, invariant);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
-    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
-    rotary_(q, k, cos, sin);
-    at::Tensor k_cache = req(params, p + slot::k_cache), v_cache = req(params, p + slot::v_cache);
-    kv_write(k, v, k_cache, v_cache, slots);
-    at::Tensor z = invariant ? row_attention(q, k_cache, v_cache, block_tables, lens, scale, windows[layer], 0.0)
-                             : decode_attention(q, k_cache, v_cache, block_tables, lens, scale, windows[layer], 0.0);
-    at::Tensor a = linear(z.view({t, q_size}), req(params, p + slot::o), opt(params, p + slot::o_gemv),
-                          opt(params, p + slot::o_bias), packed, act_bits, invariant);
-    h = add_rms_norm_(x, a, req(params, p + slot::post_norm), eps, RMS_LLAMA);
-    at::Tensor gate_up = linear(h, req(params, p + slot::gate_up), opt(params, p + slot::gate_up_gemv),
-                                opt(params, p + slot::gate_up_bias), packed, act_bits, invariant);
-    at::Tensor m = linear(gated_act(gate_up, act), req(params, p + slot::down), opt(params, p + slot::down_gemv),
-                          opt(params, p + slot::down_bias), packed, act_bits, invariant);
+  const int64_t layers = static_cast<int64_t>(windows.size());
+  for (int64_t layer = split ? st[0] : 0; layer < layers; ++layer) {
+    const int64_t p = DECODER_SLOTS_COUNT * layer;
+    const std::optional<at::Tensor> o_bias = opt(params, p + slot::o_bias), down_bias = opt(params, p + slot::down_bias);
+    int64_t phase = split ? st[1] : 0;
+    at::Tensor a, m;
+    if (phase == 0) {
+      at::Tensor h = rms_norm(x, req(params, p + slot::input_norm), eps, RMS_LLAMA);
+      at::Tensor qkv = linear(h, req(params, p + slot::qkv), opt(params, p + slot::qkv_gemv),
+                              opt(params, p + slot::qkv_bias), packed, act_bits, invariant);
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
+      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
+      rotary_(q, k, cos, sin);
+      at::Tensor k_cache = req(params, p + slot::k_cache), v_cache = req(params, p + slot::v_cache);
+      kv_write(k, v, k_cache, v_cache, slots);
+      at::Tensor z = invariant ? row_attention(q, k_cache, v_cache, block_tables, lens, scale, windows[layer], 0.0)
+                               : decode_attention(q, k_cache, v_cache, block_tables, lens, scale, windows[layer], 0.0);
+      a = linear(z.view({t, q_size}), req(params, p + slot::o), opt(params, p + slot::o_gemv),
+                 split ? std::nullopt : o_bias, packed, act_bits, invariant);
+    }
+    if (split && phase <= 1) {
+      if (!a.defined()) a = at::empty_like(x);
+      if (!reduce(a, phase == 1, *region, rank, size, wait_s, st)) {
+        st[0] = layer, st[1] = 1;
+        return x;
+      }
+      if (o_bias.has_value()) a.add_(o_bias->to(a.scalar_type()));
+    }
+    if (phase <= 1) {
+      at::Tensor h = add_rms_norm_(x, a, req(params, p + slot::post_norm), eps, RMS_LLAMA);
+      at::Tensor gate_up = linear(h, req(params, p + slot::gate_up), opt(params, p + slot::gate_up_gemv),
+                                  opt(params, p + slot::gate_up_bias), packed, act_bits, invariant);
+      m = linear(gated_act(gate_up, act), req(params, p + slot::down), opt(params, p + slot::down_gemv),
+                 split ? std::nullopt : down_bias, packed, act_bits, invariant);
+    }
+    if (split) {
+      if (!m.defined()) m = at::empty_like(x);
+      if (!reduce(m, phase == 2, *region, rank, size, wait_s, st)) {
+        st[0] = layer, st[1] = 2;
+        return x;
+      }
+      if (down_bias.has_value()) m.add_(down_bias->to(m.scalar_type()));
+      st[1] = 0;
+    }
     x.add_(m);
   }
+  if (split) st[0] = layers, st[1] = 0;
   return x;
 }
 

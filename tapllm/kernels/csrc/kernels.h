@@ -65,18 +65,25 @@ at::Tensor round_activations(const at::Tensor& x);
 
 // ---- decoder.cpp: a run of pre-norm decoder blocks for a step of decodes, x [T, hidden] in place ---
 // params: per layer the constants.py DECODER_SLOTS, in that order; windows: per layer (0: none);
-// invariant: batch_invariant's kernels.
+// invariant: batch_invariant's kernels; region, rank, size, wait_s, state: a tensor-parallel rank's
+// row-parallel o and down, all-reduced in shared memory (see decoder.cpp).
 at::Tensor decoder_layers(at::Tensor x, const c10::List<std::optional<at::Tensor>>& params, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& block_tables,
                           const at::Tensor& lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                           double eps, double scale, at::IntArrayRef windows, int64_t act, bool packed,
-                          int64_t act_bits, bool invariant);
+                          int64_t act_bits, bool invariant, const std::optional<at::Tensor>& region, int64_t rank,
+                          int64_t size, double wait_s, const std::optional<at::Tensor>& state);
 
 // ---- shm_collectives.cpp: the tensor-parallel ranks of one machine meeting in shared memory -------
 // Round `seq` of an all-reduce (x summed over the ranks in place, in rank order) or an all-gather (x
 // into out[rank, offset:]) through `region`; false: not every rank arrived within wait_s (call again:
 // the same call is idempotent until it returns true).
 bool shm_all_reduce(at::Tensor x, const at::Tensor& region, int64_t rank, int64_t size, int64_t seq, double wait_s);
+// shm_all_reduce in two halves: x into this rank's slot, round `seq` published; then the wait and the sum
+// (idempotent until it returns true).
+void shm_publish(const at::Tensor& x, const at::Tensor& region, int64_t rank, int64_t size, int64_t seq);
+bool shm_finish_all_reduce(at::Tensor x, const at::Tensor& region, int64_t rank, int64_t size, int64_t seq,
+                           double wait_s);
 bool shm_all_gather(const at::Tensor& x, at::Tensor out, int64_t offset, const at::Tensor& region, int64_t rank,
                     int64_t size, int64_t seq, double wait_s);
 

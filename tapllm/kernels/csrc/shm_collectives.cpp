@@ -50,9 +50,8 @@ Region region_of(const at::Tensor& region, int64_t rank, int64_t size) {
   return {region.data_ptr<uint8_t>(), size, slot};
 }
 
-// Publish round `seq` and wait up to `wait_s` for every rank to publish it; false: someone has not yet.
+// Wait up to `wait_s` for every rank to publish round `seq`; false: someone has not yet.
 bool meet(const Region& r, int64_t rank, int64_t seq, double wait_s) {
-  __atomic_store_n(r.flag(rank), seq, __ATOMIC_RELEASE);
   auto start = std::chrono::steady_clock::now();
   for (int64_t other = 0; other < r.size; ++other) {
     int64_t spins = 0;
@@ -79,10 +78,17 @@ void check_part(const at::Tensor& x, const Region& r) {
 
 }  // namespace
 
-bool shm_all_reduce(at::Tensor x, const at::Tensor& region, int64_t rank, int64_t size, int64_t seq, double wait_s) {
+void shm_publish(const at::Tensor& x, const at::Tensor& region, int64_t rank, int64_t size, int64_t seq) {
   Region r = region_of(region, rank, size);
   check_part(x, r);
   std::memcpy(r.slot(seq, rank), x.data_ptr(), x.nbytes());
+  __atomic_store_n(r.flag(rank), seq, __ATOMIC_RELEASE);
+}
+
+bool shm_finish_all_reduce(at::Tensor x, const at::Tensor& region, int64_t rank, int64_t size, int64_t seq,
+                           double wait_s) {
+  Region r = region_of(region, rank, size);
+  check_part(x, r);
   if (!meet(r, rank, seq, wait_s)) return false;
   int64_t n = x.numel();
   TAPLLM_DISPATCH(x.scalar_type(), "shm_all_reduce", [&] {
@@ -105,6 +111,11 @@ bool shm_all_reduce(at::Tensor x, const at::Tensor& region, int64_t rank, int64_
   return true;
 }
 
+bool shm_all_reduce(at::Tensor x, const at::Tensor& region, int64_t rank, int64_t size, int64_t seq, double wait_s) {
+  shm_publish(x, region, rank, size, seq);
+  return shm_finish_all_reduce(x, region, rank, size, seq, wait_s);
+}
+
 bool shm_all_gather(const at::Tensor& x, at::Tensor out, int64_t offset, const at::Tensor& region, int64_t rank,
                     int64_t size, int64_t seq, double wait_s) {
   Region r = region_of(region, rank, size);
@@ -114,6 +125,7 @@ bool shm_all_gather(const at::Tensor& x, at::Tensor out, int64_t offset, const a
   TORCH_CHECK(offset >= 0 && offset + x.numel() <= out.size(1), "offset ", offset, " + ", x.numel(),
               " elements is past out's ", out.size(1));
   std::memcpy(r.slot(seq, rank), x.data_ptr(), x.nbytes());
+  __atomic_store_n(r.flag(rank), seq, __ATOMIC_RELEASE);
   if (!meet(r, rank, seq, wait_s)) return false;
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
   int64_t row = out.size(1) * out.element_size();
