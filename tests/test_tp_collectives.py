@@ -94,7 +94,9 @@ def test_shared_memory_and_gloo_and_eager_ranks_agree(tiny_models, monkeypatch):
         try:
             transport = llm.engine.runner.tp.group.transport
             assert (transport == "shared memory") == (env == "1"), transport
-            assert ("untapped decode blocks: PyTorch" in llm.describe()) and ("collectives through" in llm.describe())
+            blocks = {"shm": "one C++ call per run of blocks", "gloo": "Python (the ranks meet over gloo)",
+                      "eager": "PyTorch"}[name]
+            assert f"untapped decode blocks: {blocks}" in llm.describe() and "collectives through" in llm.describe()
             runs[name] = llm.generate(prompts, [greedy(6, hidden_states=spec), greedy(6, steering=steer),
                                                 greedy(6, hidden_states=spec, steering=steer)], use_tqdm=False)
         finally:

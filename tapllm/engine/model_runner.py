@@ -182,9 +182,11 @@ class ModelRunner:
         graphs = self.backend.describe_graphs() if self.graph_step is not None else (self.policy.off or "off")
         backend = self.backend.describe().replace(f"CUDA graphs: {self.backend.describe_graphs()}",
                                                   f"CUDA graphs: {graphs}")
-        if self.backend.stack is not None and self.model.stack is None:  # the family's blocks are not the runner's
+        if self.backend.stack is not None and self.model.stack is None:  # not the runner's blocks, or ranks on gloo
+            gloo = self.tp is not None and self.tp.group.transport.startswith("gloo")
+            why = "the ranks meet over gloo" if gloo else f"not {mc.architecture}'s blocks"
             backend = backend.replace("untapped decode blocks: one C++ call per run of blocks",
-                                      f"untapped decode blocks: Python (not {mc.architecture}'s blocks)")
+                                      f"untapped decode blocks: Python ({why})")
         return "\n".join([
             f"model: {mc.architecture} ({mc.path.name}), {mc.num_layers} blocks, hidden {mc.hidden_size}, {mc.dtype}",
             backend,

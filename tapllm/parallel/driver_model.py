@@ -42,6 +42,11 @@ class DriverModel:
         return bool(self.shard.needs_prompt_lengths)
 
     @property
+    def stack(self) -> Any:
+        """Rank 0's C++ block runner (None where its blocks run in Python)."""
+        return self.shard.stack
+
+    @property
     def last_runs(self) -> tuple[tuple[int, int, str], ...]:
         return self.shard.last_runs
 
