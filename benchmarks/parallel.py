@@ -7,8 +7,8 @@ heads split unevenly, 6 + 3, at TP 2); the others are Llama shapes with random w
 (``load_format="dummy"``, the default model's tokenizer): ``1b`` is Llama-3.2-1B's block shape
 (hidden 2048, 32 heads, 8 KV heads, 8192 neurons), ``small`` a 135M-sized Llama with 8 heads.
 ``--layers`` cuts the depth of the shapes for a quicker run. ``tp1`` and ``tp2`` are what a user gets by default
-(the fused CPU kernels; TP 1 also runs untapped decode blocks in one C++ call, which a split model
-cannot); ``tp1_eager`` (the plain PyTorch step) is given for reference. ``pp2`` splits the blocks into two
+(the fused CPU kernels; untapped decode blocks in one C++ call, which at TP 2 all-reduces in shared
+memory itself); ``tp1_eager`` (the plain PyTorch step) is given for reference. ``pp2`` splits the blocks into two
 stages with two batches in flight (each step takes half the requests), ``pp2_turns`` with one batch at a
 time (``async_scheduling=False``: the stages take turns).
 
@@ -18,8 +18,9 @@ What it prints (and writes with ``--json FILE``), per model
     tp2_over_tp1         tok_s[tp2] / tok_s[tp1]
     pp2_over_tp1         tok_s[pp2] / tok_s[tp1] (and pp2_turns_over_tp1)
     capture_cost_tp1/2   1 - tok_s_capture / tok_s: the share of throughput capture costs
-    collectives          per forward at TP 2: calls, bytes rank 0 sent, seconds rank 0 waited in them,
-                         and the transport (shared memory or gloo)
+    collectives          per forward at TP 2: calls, bytes rank 0 sent, seconds rank 0 waited in them
+                         (the Python-side ones: the C++ runner's waits are inside its call), and the
+                         transport (shared memory or gloo)
     bound_ms             a decode step's floor: the model's weight bytes over the bandwidth measured in
                          the same run (``bandwidth_gbs``, a GEMV over 1.6 GB with both threads)
 

@@ -217,7 +217,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_tables.stride(0), block_tables.stride(1), lens.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_G=_pow2(group), BLOCK_D=block_d, BLOCK_N=_DECODE_BLOCK_N,
         MIN_TILES=_MIN_SPLIT_TILES, SOFTCAP=has_cap, WINDOW=has_window, SPLIT=splits > 1,
-        PRECISION=_precision(q.dtype), UPCAST=interpret and q.dtype == torch.bfloat16,
+        PRECISION=_precision(q.dtype), UPCAST=interpret,
         num_warps=4 if block_d <= 128 else 8, num_stages=2)
     if splits > 1:
         kernels.decode_reduce_kernel[(batch, heads)](
@@ -273,7 +273,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
         SOFTCAP=has_cap, WINDOW=has_window, PRECISION=_precision(q.dtype),
-        UPCAST=interpret and q.dtype == torch.bfloat16, INVARIANT=invariant,
+        UPCAST=interpret, INVARIANT=invariant,
         num_warps=warps, num_stages=stages)
     return out
 
@@ -344,7 +344,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=dim, PAGE=page, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_S=_pow2(seqs, 2), SOFTCAP=has_cap, WINDOW=has_window, PRECISION=_precision(q.dtype),
-        UPCAST=interpret and q.dtype == torch.bfloat16, INVARIANT=invariant,
+        UPCAST=interpret, INVARIANT=invariant,
         num_warps=warps, num_stages=stages)
     return out
 

@@ -13,9 +13,11 @@ The query heads that share a KV head are packed as rows of one tile, so their ke
 loaded once (GQA): decode rows are the group's heads, prefill rows are (token, head) pairs.
 Key tiles that every row of a tile sees (before its first query, inside its last query's
 window) skip the masks; only the tiles at the edges are masked (``_attend_keys``).
-``UPCAST`` turns the dot operands to float32 after they are loaded and rounded as on the GPU
-(exact for bfloat16): Triton's interpreter multiplies bfloat16 bit patterns in ``tl.dot``
-(triton-lang/triton#11584), so the wrapper sets it there and the GPU keeps half-precision dots.
+``UPCAST`` (set by the wrapper under Triton's interpreter only; the GPU keeps its ``tl.dot``) turns
+the dot operands to float32 after they are loaded and rounded as on the GPU (exact for halves) and
+sums the products with ``tl.sum``: the interpreter's ``tl.dot`` multiplies bfloat16 bit patterns
+(triton-lang/triton#11584) and is numpy's BLAS matmul, which may sum a row in another order at
+another place of the tile (OpenBLAS on AMD EPYC does), where a GPU's row depends on its own values.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def _tile(q, qpos, acc, m_i, l_i, k_head, v_head, table_row, kstart, hi, window,
                  mask=k_ok, other=0.0)  # [BLOCK_D, BLOCK_N]
     if UPCAST:
         kt = kt.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=PRECISION) * qk_mul
+    if UPCAST:
+        s = tl.sum(q[:, :, None] * kt[None, :, :], axis=1) * qk_mul
+    else:
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_mul
     if SOFTCAP:
         # tanh(x) = 1 - 2 / (e^2x + 1); e^2x is capped where tanh is 1 in float32 (no inf)
         s = (1.0 - 2.0 / (tl.exp2(tl.minimum(s * 2.8853900817779268, 64.0)) + 1.0)) * cap_mul
@@ -72,8 +77,9 @@ def _tile(q, qpos, acc, m_i, l_i, k_head, v_head, table_row, kstart, hi, window,
     l_i = l_i * alpha + tl.sum(p, 1)
     pv = p.to(vt.dtype)
     if UPCAST:
-        pv, vt = pv.to(tl.float32), vt.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.sum(pv.to(tl.float32)[:, :, None] * vt.to(tl.float32)[None, :, :], axis=1)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=PRECISION)
     return acc, m_new, l_i
 
 

@@ -12,7 +12,10 @@ large steps (fixed 64-row tiles, no split-K for the few-row steps of decoding).
 Launches depend on shapes only (graph-safe). Triton is imported only when the op runs or
 :func:`available` is asked; with ``TRITON_INTERPRET=1`` set before triton is imported the kernel
 runs in Triton's interpreter on CPU tensors (the tests), bfloat16 products upcast to float32 (exact)
-and the rounding to bfloat16 emulated as the GPU does it.
+and the rounding to bfloat16 emulated as the GPU does it. The interpreter's ``tl.dot`` is numpy's
+matmul, whose BLAS may sum a row in another order at another place of the tile (OpenBLAS on AMD
+EPYC does), so interpreted tiles sum their products with ``tl.sum`` instead: a row's sums then
+depend on its own values alone, as a GPU's ``tl.dot`` does.
 """
 
 from __future__ import annotations
@@ -89,5 +92,5 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             UPCAST=interpreted and x.dtype == torch.bfloat16, EMULATE_RNE=interpreted and x.dtype == torch.bfloat16,
-            num_warps=warps, num_stages=stages)
+            ROWWISE=interpreted, num_warps=warps, num_stages=stages)
     return out.view(*x.shape[:-1], n_out)

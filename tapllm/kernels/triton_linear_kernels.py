@@ -21,7 +21,7 @@ from tapllm.kernels.triton_rounding import cast_rne
 def linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_out, k_in, stride_xm, stride_wn, stride_om,
     BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, EMULATE_RNE: tl.constexpr, ROWWISE: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of ``out = x @ w.T (+ b)``: ``x`` [rows, k_in], ``w`` [n_out, k_in]
     (inputs contiguous), the sum over the inputs tile by tile in order, the bias added in float32,
@@ -42,7 +42,10 @@ def linear_kernel(
         w = tl.load(w_cols + (k0 + offs_k)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:  # Triton's interpreter multiplies bfloat16 bit patterns in tl.dot (exact in float32)
             x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if ROWWISE:  # the interpreter's tl.dot is numpy's BLAS, whose sums may change with a row's place
+            acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
     if BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = cast_rne(acc, out_ptr.dtype.element_ty, EMULATE_RNE)
