@@ -309,7 +309,9 @@ def test_a_ban_at_explicit_positions_equals_transformers_banning_there(family, m
     assert tokens == ref_tokens
     assert_close_states(logits[:, None], ref_logits[:, None], f"logits ({family})", 1e-5)
     assert not torch.allclose(ref_logits, plain, atol=1e-3)
-    assert torch.equal(ref_logits[:2], plain[:2])  # rows before the first steered position are untouched
+    # rows before the first steered position are untouched (to rounding: the ban regroups the later rows,
+    # and transformers' expert GEMMs may sum a row in another order in a group of another size)
+    assert_close_states(ref_logits[:2, None], plain[:2, None], f"unsteered rows ({family})", 1e-5)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
