@@ -63,7 +63,8 @@ def _config(name: str, layers: int) -> Any:
     from transformers import OlmoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=2048, num_hidden_layers=layers, tie_word_embeddings=False,
-                  max_position_embeddings=4096, num_experts_per_tok=8, norm_topk_prob=name == "qwen3moe")
+                  max_position_embeddings=4096, num_experts_per_tok=8, norm_topk_prob=name == "qwen3moe",
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)  # ids inside the vocabulary (EOS is ignored)
     if name == "qwen3moe":
         return Qwen3MoeConfig(num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                               moe_intermediate_size=768, intermediate_size=6144, decoder_sparse_step=1,

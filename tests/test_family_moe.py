@@ -181,6 +181,11 @@ def test_every_point_and_the_logits(family, moe_models):
     """Residual-width points within 1e-5 of their scale, attention points, and the logits; no mlp_post."""
     folder, model = moe_models[family]
     llm = LLM(folder, dtype="float32")
+    runner = llm.engine.runner
+    if runner.backend.gemv is not None:  # the default path computes the experts on the packed GEMV
+        from tapllm.models.moe import SparseMoE
+
+        assert all(m.experts.gemv is not None for m in runner.model.modules() if isinstance(m, SparseMoE))
     prompts = random_prompts([1, 9, 22], seed=32)
     check_points(llm, model, LAYOUT, prompts, 5, tol=1e-5, mlp_post=False)
     spec = HiddenStatesSpec(points=["final"], positions="all")

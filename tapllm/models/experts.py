@@ -69,13 +69,10 @@ def combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_exper
     """``sum_j weights[t, j] * expert(x[t], ids[t, j])`` over the rows of ``x`` ``[T, hidden]``: one call of
     ``expert`` per expert with rows, on those rows (contiguous, in token order)."""
     order, tokens, counts = sorted_pairs(ids, num_experts)
-    rows = x.index_select(0, tokens)
-    out = torch.empty_like(rows)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            out[start:start + n] = expert(rows[start:start + n], e)
-            start += n
+    hit = [e for e, n in enumerate(counts) if n]
+    parts = x.index_select(0, tokens).split([counts[e] for e in hit])
+    outs = [expert(rows, e) for rows, e in zip(parts, hit, strict=True)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, scaled)
 
@@ -103,7 +100,8 @@ def blocked(w: torch.Tensor) -> torch.Tensor:
     ``e``'s slice is a weight ``packed_linear`` reads (its storage runs on past row N to the padded blocks)."""
     e, n, k = w.shape
     npad, kpad = _round_up(n, BLOCK_N), _round_up(k, BLOCK_K[w.dtype])
-    w = F.pad(w, (0, kpad - k, 0, npad - n))
+    if (npad, kpad) != (n, k):  # (a real model's shapes need no padding: no extra copy at load)
+        w = F.pad(w, (0, kpad - k, 0, npad - n))
     if w.dtype == torch.bfloat16:  # [E, blocks, input pairs, 64 outputs, 2 inputs]
         w = w.view(e, npad // BLOCK_N, BLOCK_N, kpad // 2, 2).permute(0, 1, 3, 2, 4)
     else:  # [E, blocks, inputs, 64 outputs]
@@ -141,6 +139,9 @@ class Experts(nn.Module):
         self.gemv: GemvOps | None = None
         self.packed_gate_up: torch.Tensor | None = None
         self.packed_down: torch.Tensor | None = None
+        # The same per expert (views, taken once: indexing a tensor in the step costs a dispatch).
+        self.expert_gate_up: tuple[torch.Tensor, ...] | None = None
+        self.expert_down: tuple[torch.Tensor, ...] | None = None
         self.act_ops: ElementwiseOps | None = None  # the fused gated activation (gated SiLU/GELU only)
         self.kernel_act: int | None = None
 
@@ -155,7 +156,7 @@ class Experts(nn.Module):
                 self.gate_up_proj = nn.Parameter(unblocked(self.packed_gate_up, h).view(e * 2 * i, h),
                                                  requires_grad=False)
                 self.down_proj = nn.Parameter(unblocked(self.packed_down, i).view(e * h, i), requires_grad=False)
-                self.packed_gate_up = self.packed_down = None
+                self.packed_gate_up = self.packed_down = self.expert_gate_up = self.expert_down = None
             self.gemv = ops if self.packed_gate_up is not None else None
             self.act_ops, self.kernel_act = act_ops, kernel_act
             return
@@ -164,6 +165,7 @@ class Experts(nn.Module):
         if not _reads(ops, packed_gate_up, gate_up) or not _reads(ops, packed_down, down):
             return  # the kernel does not read this layout here: the plain path
         self.packed_gate_up, self.packed_down = packed_gate_up, packed_down
+        self.expert_gate_up, self.expert_down = packed_gate_up.unbind(0), packed_down.unbind(0)
         self.gate_up_proj = self.down_proj = None  # one copy of the weights kept
         self.gemv, self.act_ops, self.kernel_act = ops, act_ops, kernel_act
 
@@ -172,7 +174,7 @@ class Experts(nn.Module):
         if self.gemv is None or x.dtype != self.packed_gate_up.dtype:
             gate_up, down = self.plain()
             return grouped_experts(x, weights, ids, gate_up, down, glu, self.gate_up_proj_bias, self.down_proj_bias)
-        ops, gate_up, down = self.gemv, self.packed_gate_up, self.packed_down
+        ops, gate_up, down = self.gemv, self.expert_gate_up, self.expert_down
         gu_bias, d_bias = self.gate_up_proj_bias, self.down_proj_bias
         fused = self.act_ops is not None and self.kernel_act is not None
 
