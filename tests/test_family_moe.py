@@ -95,6 +95,13 @@ def test_grouped_experts_equal_a_loop_over_tokens(renormalize):
     assert torch.allclose(got, _naive_experts(x, weights, ids, gate_up, down), atol=1e-5)
 
 
+class _WithoutMoeOp:
+    """The backend's GEMV ops without ``moe_experts`` (the Python loop over experts)."""
+
+    def __init__(self, ops) -> None:
+        self.packed_linear = ops.packed_linear
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_on_the_packed_gemv_equal_the_plain_path(dtype):
     """With the CPU backend's GEMV the stacked weights are laid out for it once (shapes that pad both
@@ -119,12 +126,15 @@ def test_experts_on_the_packed_gemv_equal_the_plain_path(dtype):
     logits[:, 0] += 3.0  # expert 0 takes most rows
     weights, ids = route(logits.to(dtype), Routing(num, 2, True))
     want = grouped_experts(x, weights, ids, gate_up, down, gated(F.silu))
-    for act_ops in (None, backend.elementwise):  # the glu in Python, and the fused gated activation
-        experts.use_gemv(backend.gemv, act_ops, kernel_activation(F.silu))
+    outs = []
+    # the glu in Python; the fused gated activation in the Python loop; the loop in C++ (moe_experts)
+    for act_ops, in_cpp in ((None, False), (backend.elementwise, False), (backend.elementwise, True)):
+        experts.use_gemv(backend.gemv if in_cpp else _WithoutMoeOp(backend.gemv), act_ops, kernel_activation(F.silu))
         assert experts.gate_up_proj is None and experts.packed_gate_up is not None  # one copy kept
-        got = experts(x, weights, ids, gated(F.silu))
+        outs.append(experts(x, weights, ids, gated(F.silu)))
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-        assert ((got - want).float().norm() / want.float().norm()).item() < tol
+        assert ((outs[-1] - want).float().norm() / want.float().norm()).item() < tol
+    assert torch.equal(outs[1], outs[2])  # the C++ loop runs the Python loop's ops in its order
     experts.use_gemv(None)
     assert experts.packed_gate_up is None and torch.equal(experts.plain()[0], gate_up)
     assert torch.equal(experts.plain()[1], down) and torch.equal(experts(x, weights, ids, gated(F.silu)), want)

@@ -22,6 +22,8 @@ Two paths compute them:
   place at the bandwidth of a GEMV, at every row count (past ``GEMV_MAX_ROWS`` the kernel tiles the
   rows). The layout is tapllm's own (not oneDNN's choice), checked against ``F.linear`` on one expert
   when it is made; the plain weights are dropped (one copy in memory) and restored by ``use_gemv(None)``.
+  With the fused gated activation (SiLU or GELU-tanh, no biases) the loop over experts is one C++ call,
+  ``moe_experts`` (csrc/moe_experts.cpp: the same ops in the same order, no Python dispatch per expert).
 """
 
 from __future__ import annotations
@@ -174,9 +176,11 @@ class Experts(nn.Module):
         if self.gemv is None or x.dtype != self.packed_gate_up.dtype:
             gate_up, down = self.plain()
             return grouped_experts(x, weights, ids, gate_up, down, glu, self.gate_up_proj_bias, self.down_proj_bias)
-        ops, gate_up, down = self.gemv, self.expert_gate_up, self.expert_down
         gu_bias, d_bias = self.gate_up_proj_bias, self.down_proj_bias
         fused = self.act_ops is not None and self.kernel_act is not None
+        if fused and gu_bias is None and hasattr(self.gemv, "moe_experts"):  # the loop below in one C++ call
+            return self.gemv.moe_experts(x, weights, ids, self.packed_gate_up, self.packed_down, self.kernel_act)
+        ops, gate_up, down = self.gemv, self.expert_gate_up, self.expert_down
 
         def expert(rows: torch.Tensor, n: int) -> torch.Tensor:
             g = ops.packed_linear(rows, gate_up[n], None if gu_bias is None else gu_bias[n])
