@@ -6,10 +6,11 @@ file through ``--vllm-python`` with a JSON job file and reads back a JSON result
     python _vllm_worker.py JOB.json RESULT.json
 
 The job holds ``model`` (a Hugging Face model folder), ``dtype``, ``max_num_seqs``,
-``max_model_len`` and ``runs``: a list of ``{"name", "prompts", "new_tokens"}`` where each
-prompt is a list of token ids. The result holds, per run name, the output tokens produced
-and the seconds taken, plus memory: the peak RSS of this (front-end) process and, with psutil,
-the current RSS of its whole process tree after the runs (vLLM computes in child processes).
+``max_model_len``, optionally ``load_format`` (``"dummy"``: random weights) and ``runs``: a list of
+``{"name", "prompts", "new_tokens"}`` where each prompt is a list of token ids. The result holds,
+per run name, the output tokens produced and the seconds taken, plus memory: the peak RSS of this
+(front-end) process and, with psutil, the current RSS of its whole process tree after the runs (vLLM
+computes in child processes).
 Nothing from tapllm is imported here.
 """
 
@@ -51,6 +52,7 @@ def build_llm(job: dict[str, Any]) -> Any:
         max_model_len=job["max_model_len"],
         seed=0,
         enable_prefix_caching=False,
+        load_format=job.get("load_format", "auto"),  # "dummy": random weights from a folder of config only
     )
 
 

@@ -95,6 +95,51 @@ def test_grouped_experts_equal_a_loop_over_tokens(renormalize):
     assert torch.allclose(got, _naive_experts(x, weights, ids, gate_up, down), atol=1e-5)
 
 
+class _WithoutMoeOp:
+    """The backend's GEMV ops without ``moe_experts`` (the Python loop over experts)."""
+
+    def __init__(self, ops) -> None:
+        self.packed_linear = ops.packed_linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_on_the_packed_gemv_equal_the_plain_path(dtype):
+    """With the CPU backend's GEMV the stacked weights are laid out for it once (shapes that pad both
+    dimensions of its blocks here), computed as the plain path within the kernel's rounding, and restored
+    bit for bit by ``use_gemv(None)``."""
+    from tapllm.backends.select import select_backend
+    from tapllm.models.base import kernel_activation
+    from tapllm.models.experts import Experts, blocked, unblocked
+
+    backend = select_backend(torch.device("cpu"), dtype)
+    if backend.gemv is None:
+        pytest.skip(f"no packed GEMV for {dtype} here")
+    g = torch.Generator().manual_seed(5)
+    tokens, hidden, inter, num = 70, 40, 24, 6  # 70 rows: past GEMV_MAX_ROWS for an expert chosen by most
+    experts = Experts(num, hidden, inter, dtype)
+    for p in (experts.gate_up_proj, experts.down_proj):
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    gate_up, down = (w.clone() for w in experts.plain())
+    assert torch.equal(unblocked(blocked(down), inter), down)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    logits = torch.randn(tokens, num, generator=g)
+    logits[:, 0] += 3.0  # expert 0 takes most rows
+    weights, ids = route(logits.to(dtype), Routing(num, 2, True))
+    want = grouped_experts(x, weights, ids, gate_up, down, gated(F.silu))
+    outs = []
+    # the glu in Python; the fused gated activation in the Python loop; the loop in C++ (moe_experts)
+    for act_ops, in_cpp in ((None, False), (backend.elementwise, False), (backend.elementwise, True)):
+        experts.use_gemv(backend.gemv if in_cpp else _WithoutMoeOp(backend.gemv), act_ops, kernel_activation(F.silu))
+        assert experts.gate_up_proj is None and experts.packed_gate_up is not None  # one copy kept
+        outs.append(experts(x, weights, ids, gated(F.silu)))
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        assert ((outs[-1] - want).float().norm() / want.float().norm()).item() < tol
+    assert torch.equal(outs[1], outs[2])  # the C++ loop runs the Python loop's ops in its order
+    experts.use_gemv(None)
+    assert experts.packed_gate_up is None and torch.equal(experts.plain()[0], gate_up)
+    assert torch.equal(experts.plain()[1], down) and torch.equal(experts(x, weights, ids, gated(F.silu)), want)
+
+
 def _hf_routes(model, prompt: list[int]) -> list[torch.Tensor]:
     """The experts transformers' routers pick for each token, per sparse block."""
     picks = []
@@ -146,6 +191,11 @@ def test_every_point_and_the_logits(family, moe_models):
     """Residual-width points within 1e-5 of their scale, attention points, and the logits; no mlp_post."""
     folder, model = moe_models[family]
     llm = LLM(folder, dtype="float32")
+    runner = llm.engine.runner
+    if runner.backend.gemv is not None:  # the default path computes the experts on the packed GEMV
+        from tapllm.models.moe import SparseMoE
+
+        assert all(m.experts.gemv is not None for m in runner.model.modules() if isinstance(m, SparseMoE))
     prompts = random_prompts([1, 9, 22], seed=32)
     check_points(llm, model, LAYOUT, prompts, 5, tol=1e-5, mlp_post=False)
     spec = HiddenStatesSpec(points=["final"], positions="all")
@@ -224,7 +274,7 @@ def test_quantization_keeps_routers_and_experts_in_the_model_dtype(moe_models):
     for moe in moes:
         assert type(moe.gate) is Router and type(moe.shared_expert_gate) is Router
         assert isinstance(moe.shared_expert.gate_up_proj, QuantLinear)
-        assert moe.experts.gate_up_proj.dtype == torch.float32
+        assert moe.experts.dtype == torch.float32  # packed for the CPU backend's GEMV, or not
     assert isinstance(model.layers[0].self_attn.qkv_proj, QuantLinear)
     out = llm.generate([random_prompts([6], seed=44)[0]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                        use_tqdm=False)

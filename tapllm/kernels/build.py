@@ -35,8 +35,8 @@ CSRC = Path(__file__).with_name("csrc")
 # One source per op family (kernels.h declares every op, bindings.cpp registers them).
 SOURCES = tuple(CSRC / name for name in (
     "norms.cpp", "activation.cpp", "rotary_kv.cpp", "decode_attention.cpp", "prefill_attention.cpp",
-    "prefill_attention_bf16.cpp", "amx_attention.cpp", "row_attention.cpp", "packed_gemv.cpp", "quant.cpp",
-    "quant_a8.cpp", "quant_a8_gemm.cpp", "decoder.cpp", "shm_collectives.cpp", "bindings.cpp"))
+    "prefill_attention_bf16.cpp", "amx_attention.cpp", "row_attention.cpp", "packed_gemv.cpp", "moe_experts.cpp",
+    "quant.cpp", "quant_a8.cpp", "quant_a8_gemm.cpp", "decoder.cpp", "shm_collectives.cpp", "bindings.cpp"))
 HEADERS = tuple(CSRC / name for name in (
     "kernels.h", "vec_math.h", "checks.h", "prefill_attention.h", "quant_layout.h", "quant_a8.h"))
 CONSTANTS_HEADER = "constants.h"  # generated from tapllm/kernels/constants.py by constants_header()

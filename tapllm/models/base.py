@@ -194,6 +194,11 @@ _SITE_OPS = ((RMSNorm, "rms_norm_sites"), (Attention, "rotary_sites"), (GatedMLP
 _KERNEL_ACTS: dict[Callable[[torch.Tensor], torch.Tensor], int] = {F.silu: ACT_SILU, _gelu_tanh: ACT_GELU_TANH}
 
 
+def kernel_activation(act: Callable[[torch.Tensor], torch.Tensor]) -> int | None:
+    """The fused gated-activation kernel's mode for ``act`` (``gated_act``), or None where it has none."""
+    return _KERNEL_ACTS.get(act)
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation transformers calls ``name``; ``ValueError`` for one not supported."""
     try:

@@ -5,7 +5,8 @@ families differ in their :class:`Routing` (renormalise the chosen probabilities 
 in float32 or in the model's dtype) and in a shared expert that Qwen2-MoE adds, scaled by
 ``sigmoid(shared_expert_gate(x))``. The experts are computed grouped: the step's (token,
 choice) pairs are sorted by expert once, and every expert that has rows runs one GEMM over
-them (:func:`grouped_experts`); no per-token Python.
+them (:mod:`tapllm.models.experts`: :func:`grouped_experts`, and with the CPU backend its packed
+GEMV over the chosen experts' weights in place); no per-token Python.
 
 The experts' weights are stacked, as transformers keeps them in memory: ``experts.gate_up_proj``
 holds every expert's [gate; up] rows (stored ``[E * 2I, hidden]``, seen as ``[E, 2I, hidden]``)
@@ -17,86 +18,27 @@ and ``experts.down_proj`` every expert's down projection (``[E * hidden, I]``, s
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tapllm.backends import Backend
 from tapllm.config import ModelConfig
 from tapllm.layers.linear import Linear
-from tapllm.models.base import GatedMLP, Placement, activation, qkv_fused
+from tapllm.models.base import GatedMLP, Placement, activation, kernel_activation, qkv_fused
+from tapllm.models.experts import Activation, Experts, Glu, gated, grouped_experts
 from tapllm.models.llama import LlamaForCausalLM
 from tapllm.models.routing import Routing, dense_router_points, route, tapped_route
 from tapllm.tap import Tap, no_tap
 
-Activation = Callable[[torch.Tensor], torch.Tensor]
-Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> what the down projection reads
-
-
-def gated(act: Activation) -> Glu:
-    """The usual gated activation, ``act(gate) * up`` (SwiGLU with SiLU)."""
-    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return act(gate) * up
-    return glu
-
-
-def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, glu: Glu, gate_up_bias: torch.Tensor | None = None,
-                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every row ``t`` of ``x`` ``[T, hidden]``.
-
-    ``gate_up`` is ``[E, 2I, hidden]`` and ``down`` ``[E, hidden, I]`` (biases, where the family has
-    them, ``[E, 2I]`` and ``[E, hidden]``); an expert is ``down(glu(gate(x), up(x)))``. The
-    ``T * top_k`` pairs are sorted by expert (stable, so each expert's rows keep token order); each
-    expert with rows is one GEMM pair over them; the weighted rows are added back to their tokens.
-    """
-    k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    tokens = order // k  # the token of each sorted pair
-    rows = x.index_select(0, tokens)
-    out = torch.empty_like(rows)
-    inter = down.shape[-1]
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        h = F.linear(rows[start:start + n], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
-        out[start:start + n] = F.linear(glu(h[:, :inter], h[:, inter:]), down[expert],
-                                        None if down_bias is None else down_bias[expert])
-        start += n
-    scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, tokens, scaled)
+__all__ = ["Activation", "DenseMLP", "Experts", "Glu", "MoEForCausalLM", "Router", "Routing", "SparseMoE", "gated",
+           "grouped_experts", "route"]
 
 
 class Router(Linear):
     """A router's linear (and Qwen2-MoE's one-row shared-expert gate): kept in the model's dtype when the
     other linears are quantized (``quantize_linears`` takes plain :class:`Linear` modules only), as vLLM
     keeps MoE gates unquantized: a rounding there changes which experts run."""
-
-
-class Experts(nn.Module):
-    """Every expert's weights, stacked (see the module docstring)."""
-
-    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, bias: bool = False) -> None:
-        super().__init__()
-        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * inter, hidden, dtype=dtype),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts * hidden, inter, dtype=dtype), requires_grad=False)
-        self.gate_up_proj_bias = self.down_proj_bias = None
-        if bias:  # gpt-oss: [E, 2I] ([gate; up] as the weights) and [E, hidden]
-            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype),
-                                                  requires_grad=False)
-            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, glu: Glu) -> torch.Tensor:
-        e, h, i = self.num_experts, self.hidden, self.inter
-        return grouped_experts(x, weights, ids, self.gate_up_proj.view(e, 2 * i, h), self.down_proj.view(e, h, i),
-                               glu, self.gate_up_proj_bias, self.down_proj_bias)
 
 
 class SparseMoE(nn.Module):
@@ -115,6 +57,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.routing = routing
         self.glu = glu if glu is not None else gated(act)
+        self.kernel_act = kernel_activation(act) if glu is None else None  # act(gate) * up in one kernel
         self.gate = Router(cfg.hidden_size, routing.num_experts, bias, cfg.dtype)
         self.experts = Experts(routing.num_experts, cfg.hidden_size, inter, cfg.dtype, bias)
         self.shared_expert = GatedMLP(cfg, act, intermediate=shared_inter) if shared_inter else None
@@ -190,12 +133,18 @@ class MoEForCausalLM(LlamaForCausalLM):
         return SparseMoE(self.cfg, routing, self.expert_size(), act, self.shared_expert_size())
 
     def use_backend(self, backend: Backend | None) -> None:
-        """As :meth:`CausalLM.use_backend`; ``ValueError`` for a batch-invariant backend, which the grouped
+        """As :meth:`CausalLM.use_backend`, and the experts on the backend's packed GEMV where it has one
+        (:meth:`Experts.use_gemv`); ``ValueError`` for a batch-invariant backend, which the grouped
         expert GEMMs (rows of other requests in one call) are not."""
         if backend is not None and backend.batch_invariant:
             raise ValueError(f"batch_invariant=True is not supported for {self.cfg.architecture} yet: its experts "
                              "run one GEMM over the rows of every request routed to them")
         super().use_backend(backend)
+        gemv = backend.gemv if backend is not None else None
+        elementwise = backend.elementwise if backend is not None else None
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.experts.use_gemv(gemv, elementwise, module.kernel_act)
 
     def fused(self) -> list[tuple[str, str, int]]:
         return qkv_fused(self.cfg)  # gate/up rows are placed by checkpoint_names: their widths differ by module

@@ -30,6 +30,8 @@ TORCH_LIBRARY_FRAGMENT(TAPLLM_NS, m) {
   m.def("packed_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("packed_gemv_supported() -> bool", &tapllm::packed_gemv_supported);
   m.def("packed_gemv_f32_supported() -> bool", &tapllm::packed_gemv_f32_supported);
+  // moe_experts.cpp
+  m.def("moe_experts(Tensor x, Tensor weights, Tensor ids, Tensor gate_up, Tensor down, int act) -> Tensor");
   // amx_attention.cpp
   m.def("amx_supported() -> bool", &tapllm::amx_supported);
   // quant.cpp, quant_a8.cpp
@@ -58,6 +60,7 @@ TORCH_LIBRARY_IMPL(TAPLLM_NS, CPU, m) {
   m.impl("row_attention", &tapllm::row_attention);
   m.impl("packed_view", &tapllm::packed_view);  // a plain tensor: refused with a message
   m.impl("packed_linear", &tapllm::packed_linear);
+  m.impl("moe_experts", &tapllm::moe_experts);
   m.impl("quant_linear", &tapllm::quant_linear);
   m.impl("quant_dequantize", &tapllm::quant_dequantize);
   m.impl("round_activations", &tapllm::round_activations);

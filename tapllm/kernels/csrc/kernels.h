@@ -49,6 +49,9 @@ at::Tensor packed_view(const at::Tensor& packed);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 // Whether this build and CPU run packed_linear on bfloat16 (AVX512-BF16) or float32 (AVX512) weights.
 bool packed_gemv_supported();
+// ---- moe_experts.cpp: a mixture-of-experts block's experts over packed_linear weights, in one call ----
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                       const at::Tensor& gate_up, const at::Tensor& down, int64_t act);
 // amx_attention.cpp: whether this process may run AMX bfloat16 tiles (CPU, OS permission, TAPLLM_AMX)
 bool amx_supported();
 bool packed_gemv_f32_supported();
