@@ -40,14 +40,14 @@ def _group(layers: nn.ModuleList) -> tuple[bool, Any]:
     """``(fits, group)``: the tensor-parallel group every o and down projection reduces over (None: plain
     linears); ``fits`` is False where some are row-parallel and others not, over other groups, or where
     the group does not meet in shared memory (the runner cannot all-reduce through gloo)."""
-    groups = {id(g): g for layer in layers for m in _linears(layer)[1::2] for g in [getattr(m, "group", None)]}
-    plain = [type(m) in (Linear, QuantLinear, SplitQuantLinear) for layer in layers for m in _linears(layer)]
-    columns = [type(m) in (Linear, QuantLinear, SplitQuantLinear) for layer in layers for m in _linears(layer)[::2]]
-    if all(plain):
+    plain = (Linear, QuantLinear, SplitQuantLinear)
+    if all(type(m) in plain for layer in layers for m in _linears(layer)):
         return True, None
-    if len(groups) != 1 or not all(columns):
+    groups = {getattr(m, "group", None) for layer in layers for m in _linears(layer)[1::2]}
+    columns = all(type(m) in plain for layer in layers for m in _linears(layer)[::2])
+    if len(groups) != 1 or not columns:
         return False, None
-    group = next(iter(groups.values()))
+    group = groups.pop()
     return group is not None and getattr(group, "ops", None) is not None, group
 
 

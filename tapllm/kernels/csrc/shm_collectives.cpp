@@ -124,8 +124,7 @@ bool shm_all_gather(const at::Tensor& x, at::Tensor out, int64_t offset, const a
               "out must be a contiguous [ranks, n] tensor of x's dtype");
   TORCH_CHECK(offset >= 0 && offset + x.numel() <= out.size(1), "offset ", offset, " + ", x.numel(),
               " elements is past out's ", out.size(1));
-  std::memcpy(r.slot(seq, rank), x.data_ptr(), x.nbytes());
-  __atomic_store_n(r.flag(rank), seq, __ATOMIC_RELEASE);
+  shm_publish(x, region, rank, size, seq);
   if (!meet(r, rank, seq, wait_s)) return false;
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
   int64_t row = out.size(1) * out.element_size();
