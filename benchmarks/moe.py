@@ -194,8 +194,9 @@ def bench_vllm(folder: Path, args: argparse.Namespace) -> dict[str, Any] | None:
             for b in (1, 16) for r in range(args.rounds)]
     job = {"model": str(folder), "dtype": "bfloat16", "max_num_seqs": 16, "load_format": "dummy",
            "max_model_len": args.prompt_len + args.new_tokens + 16, "runs": runs}
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
-        "VLLM_CPU_KVCACHE_SPACE", "2"), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all")}
+    cores = f"0-{(args.threads or torch.get_num_threads()) - 1}"
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cores, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           **os.environ, "VLLM_TARGET_DEVICE": "cpu"}  # the settings the project benchmarks vllm-cpu with, unless set
     with tempfile.TemporaryDirectory() as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
@@ -203,7 +204,11 @@ def bench_vllm(folder: Path, args: argparse.Namespace) -> dict[str, Any] | None:
         proc = subprocess.run([str(python), str(worker), str(job_path), str(result_path)], env=env,
                               cwd=worker.parent, capture_output=True, text=True, timeout=args.vllm_timeout)
         if proc.returncode != 0 or not result_path.exists():
-            print(f"  vllm-cpu: failed ({proc.returncode}): {proc.stderr.strip()[-400:]}", flush=True)
+            log = Path(tempfile.gettempdir()) / f"moe-vllm-{folder.name}.log"
+            log.write_text(proc.stdout + proc.stderr)
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line or "error:" in line][-5:]
+            print(f"  vllm-cpu: failed ({proc.returncode}); its output in {log}; last errors:\n    "
+                  + "\n    ".join(errors or [proc.stderr.strip()[-400:]]), flush=True)
             return None
         result = json.loads(result_path.read_text())["runs"]
     tok = {f"b{b}": max(r["tokens"] / r["seconds"] for name, r in result.items() if name.startswith(f"b{b}-"))
