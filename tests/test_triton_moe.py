@@ -172,4 +172,6 @@ def test_moe_router_points_and_steers_on_graph_path_equal_eager(moe_model):
         for point in spec.points:
             torch.testing.assert_close(b.hidden_states[point], a.hidden_states[point], rtol=0, atol=1e-5,
                                        equal_nan=True)
-    assert not torch.equal(want[0].hidden_states["routing_weights"], want[1].hidden_states["routing_weights"])
+    chosen = got[1].hidden_states["experts_chosen"]  # [position, block, expert]: the steers acted
+    assert not chosen[:, 0, 1].any() and bool((chosen[len(prompts[1]):, 2, 3] == 1).all())
+    assert chosen[:, 0, 1].numel() > len(prompts[1])

@@ -219,7 +219,8 @@ def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None, i
         _refuse_invariant(True, invariant_trial(device, dtype))
         linear = TritonLinear()
     return Backend("cuda", device, elementwise=TritonElementwise(), attention=TritonAttention(invariant),
-                   linear=linear, moe=None if invariant else moe_ops(device), graphs=graphs, graphs_emulated=emulated, batch_invariant=invariant)
+                   linear=linear, moe=None if invariant else moe_ops(device), graphs=graphs, graphs_emulated=emulated,
+                   batch_invariant=invariant)
 
 
 def _refuse_invariant(invariant: bool, problem: str | None) -> None:

@@ -91,10 +91,10 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gat
     slots = blocks.sorted_pairs.shape[0]
     block_n, block_k, warps, stages = TILES[x.dtype]
     interpreted = kernels.INTERPRETED
+    emulated_bf16 = interpreted and x.dtype == torch.bfloat16
     flags = dict(BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                 UPCAST=interpreted and x.dtype == torch.bfloat16, EMULATE_RNE=interpreted and x.dtype == torch.bfloat16,
-                 ROWWISE=interpreted, num_warps=warps, num_stages=stages)
+                 UPCAST=emulated_bf16, EMULATE_RNE=emulated_bf16, ROWWISE=interpreted, num_warps=warps, num_stages=stages)
     act_rows = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     kernels.moe_gate_up_kernel[(slots // BLOCK_M, -(-inter // block_n))](
         x, gate_up, blocks.sorted_pairs, blocks.block_expert, act_rows, pairs, top_k, hidden, inter,

@@ -10,7 +10,7 @@ The weights are stacked, as transformers keeps them in memory: ``gate_up_proj`` 
 [gate; up] rows (stored ``[E * 2I, hidden]``, seen as ``[E, 2I, hidden]``; gate and up in one GEMM)
 and ``down_proj`` every expert's down projection (``[E * hidden, I]``, seen as ``[E, hidden, I]``).
 
-Two paths compute them:
+Three paths compute them:
 
 * plain PyTorch (:func:`grouped_experts`): ``F.linear`` on each expert's ``[out, in]`` slice. On CPU
   oneDNN reorders a plain bf16 weight on every call, which reads and writes it: about half the
@@ -23,7 +23,12 @@ Two paths compute them:
   rows). The layout is tapllm's own (not oneDNN's choice), checked against ``F.linear`` on one expert
   when it is made; the plain weights are dropped (one copy in memory) and restored by ``use_gemv(None)``.
   With the fused gated activation (SiLU or GELU-tanh, no biases) the loop over experts is one C++ call,
-  ``moe_experts`` (csrc/moe_experts.cpp: the same ops in the same order, no Python dispatch per expert).
+  ``moe_experts`` (csrc/moe_experts.cpp: the same ops in the same order, no Python dispatch per expert);
+* with the CUDA backend's fused kernels (:meth:`Experts.use_fused`, :mod:`tapllm.kernels.triton_moe`):
+  the pairs sorted by expert on the device into blocks of one expert each, padded, with static shapes,
+  and two Triton kernels over the blocks, so nothing is read on the host and a CUDA graph holds the
+  step. They take the gated SiLU/GELU-tanh without biases (not gpt-oss's experts, which keep the
+  grouped path: its row counts are read on the host, so those steps are no graphs).
 """
 
 from __future__ import annotations
