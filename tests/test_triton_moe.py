@@ -148,14 +148,15 @@ def test_moe_decode_steps_run_in_graphs_and_equal_transformers(moe_model):
 
 
 def test_moe_router_points_and_steers_on_graph_path_equal_eager(moe_model):
-    """Router points captured in tapped graph steps, and a ban, a force and a routing-weight scale, equal the
-    eager step's: every tapped step replays a graph."""
+    """Router points captured in tapped graph steps, and bans (at every position and at two), a force and a
+    routing-weight scale, equal the eager step's: every tapped step replays a graph."""
     folder, _ = moe_model
     prompts = random_prompts([5, 9], seed=44)
     spec = HiddenStatesSpec(layers="all", points=["router_logits", "routing_weights", "experts_chosen"],
                             positions="all")
     steers = [Steer(point="router_logits", layers=[0], op="ban", experts=[1]),
               Steer(point="router_logits", layers=[2], op="force", experts=[3], positions="generated"),
+              Steer(point="router_logits", layers=[2], op="ban", experts=[0], positions=[2, 3]),
               Steer(point="routing_weights", layers=[0], op="scale", scale=0.5, experts=[0])]
     params = [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0, hidden_states=spec),
               SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0, hidden_states=spec,
@@ -164,7 +165,10 @@ def test_moe_router_points_and_steers_on_graph_path_equal_eager(moe_model):
     got = graphed.generate(prompts, params, use_tqdm=False)
     policy = graphed.engine.runner.policy
     assert policy.graph_steps > 0 and not policy.eager_steps, policy.eager_steps
-    want = LLM(folder, dtype="float32", enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    eager = LLM(folder, dtype="float32", enforce_eager=True)
+    assert "row counts on the host" in eager.engine.runner.model.graphs_off  # (the grouped path there)
+    assert graphed.engine.runner.model.graphs_off is None
+    want = eager.generate(prompts, params, use_tqdm=False)
     for a, b in zip(want, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         lp = [[lps[t].logprob for lps, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in (a, b)]
@@ -174,4 +178,5 @@ def test_moe_router_points_and_steers_on_graph_path_equal_eager(moe_model):
                                        equal_nan=True)
     chosen = got[1].hidden_states["experts_chosen"]  # [position, block, expert]: the steers acted
     assert not chosen[:, 0, 1].any() and bool((chosen[len(prompts[1]):, 2, 3] == 1).all())
+    assert not chosen[2:4, 2, 0].any()
     assert chosen[:, 0, 1].numel() > len(prompts[1])
