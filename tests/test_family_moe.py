@@ -4,8 +4,9 @@ Each family's tiny random model (``family_configs.moe_configs``) is saved with `
 (per-expert tensors) and compared with transformers in float32: greedy tokens and logprobs alone,
 batched, chunked, after prefix-cache hits and through preemption, on the eager path and on the
 default (fused CPU) path, whose C++ block runner does not take MoE blocks (gpt-oss, whose attention
-sinks only the PyTorch attention computes, runs the eager step on both); every residual-width
-point within 1e-5 of its scale, the logits likewise; the attention points; steering. The grouped
+sinks only the PyTorch attention computes, runs the eager step on both), and on the CUDA backend
+(Triton interpreted) with decode steps in graphs (tests/test_triton_moe.py has its kernels); every
+residual-width point within 1e-5 of its scale, the logits likewise; the attention points; steering. The grouped
 expert computation is also checked against a plain loop over tokens, and transformers' stacked
 in-memory expert layout (``experts.gate_up_proj``) loads as well as the per-expert one.
 """
