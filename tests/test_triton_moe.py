@@ -23,10 +23,11 @@ from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU
 from tapllm.kernels.moe_blocks import max_padded, pair_blocks
 from tapllm.models.experts import gated, grouped_experts
 
-pytestmark = pytest.mark.skipif(not triton_moe.available(torch.device("cpu")),
-                                reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
-
-CPU = torch.device("cpu")
+# The kernels run on a GPU where there is one, else in Triton's interpreter; the engine tests need the interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not triton_moe.available(DEVICE), reason="needs a GPU or Triton's interpreter")
+interpreted = pytest.mark.skipif(not triton_moe.available(torch.device("cpu")),
+                                 reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
 GELU_TANH = lambda t: F.gelu(t, approximate="tanh")  # noqa: E731
 
 
@@ -41,7 +42,7 @@ def _case(tokens: int, experts: int, top_k: int, dtype: torch.dtype, seed: int, 
     else:  # distinct choices per token, from the first 3 experts only: the others get no rows
         ids = torch.stack([torch.randperm(min(experts, 3), generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
-    return x, weights, ids, gate_up, down
+    return tuple(t.to(DEVICE) for t in (x, weights, ids, gate_up, down))
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -65,7 +66,7 @@ def test_fused_experts_top_k_beyond_two():
     """Eight choices of 16 experts (OLMoE's and Qwen3-MoE's shape, smaller): rows summed over every choice."""
     g = torch.Generator().manual_seed(5)
     x, weights, _, gate_up, down = _case(7, 16, 8, torch.float32, seed=5)
-    ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(7)])
+    ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(7)]).to(DEVICE)
     got = triton_moe.fused_experts(x, weights, ids, gate_up, down, ACT_SILU)
     _close(got, grouped_experts(x, weights, ids, gate_up, down, gated(F.silu)), torch.float32)
 
@@ -88,7 +89,8 @@ def test_pair_blocks_invariants(seed):
     block_m = [1, 4, 16][seed % 3]
     busy = int(torch.randint(1, experts + 1, (1,), generator=g))  # some routings touch a few experts only
     ids = torch.randint(0, busy, (tokens, top_k), generator=g)
-    b = pair_blocks(ids, experts, block_m)
+    b = pair_blocks(ids.to(DEVICE), experts, block_m)
+    b = type(b)(*(t.cpu() for t in b))
     n = tokens * top_k
     size = max_padded(n, experts, block_m)
     assert b.sorted_pairs.shape == (size,) and size % block_m == 0 and b.block_expert.shape == (size // block_m,)
@@ -130,6 +132,7 @@ def _graphed(folder) -> LLM:
                cuda_graph_sizes=DECODE, cuda_graph_token_sizes=[32])
 
 
+@interpreted
 def test_moe_decode_steps_run_in_graphs_and_equal_transformers(moe_model):
     folder, model = moe_model
     prompts = random_prompts([4, 11, 7], seed=43)
@@ -147,6 +150,7 @@ def test_moe_decode_steps_run_in_graphs_and_equal_transformers(moe_model):
     assert "decode" in {k.kind for k in graphs.replays} and graphs.captures_after_warmup == 0
 
 
+@interpreted
 def test_moe_router_points_and_steers_on_graph_path_equal_eager(moe_model):
     """Router points captured in tapped graph steps, and bans (at every position and at two), a force and a
     routing-weight scale, equal the eager step's: every tapped step replays a graph."""
