@@ -4,8 +4,9 @@ Each family's tiny random model (``family_configs.moe_configs``) is saved with `
 (per-expert tensors) and compared with transformers in float32: greedy tokens and logprobs alone,
 batched, chunked, after prefix-cache hits and through preemption, on the eager path and on the
 default (fused CPU) path, whose C++ block runner does not take MoE blocks (gpt-oss, whose attention
-sinks only the PyTorch attention computes, runs the eager step on both); every residual-width
-point within 1e-5 of its scale, the logits likewise; the attention points; steering. The grouped
+sinks only the PyTorch attention computes, runs the eager step on both), and on the CUDA backend
+(Triton interpreted) with decode steps in graphs (tests/test_triton_moe.py has its kernels); every
+residual-width point within 1e-5 of its scale, the logits likewise; the attention points; steering. The grouped
 expert computation is also checked against a plain loop over tokens, and transformers' stacked
 in-memory expert layout (``experts.gate_up_proj``) loads as well as the per-expert one.
 """
@@ -239,19 +240,27 @@ def test_stacked_expert_checkpoint(family, moe_models, tmp_path):
     assert_matches_reference(outs, refs)
 
 
-def test_cuda_backend_runs_moe_steps_eagerly(moe_models):
-    """The CUDA backend (Triton interpreted here) takes no CUDA graphs of an MoE model, whose expert
-    grouping reads row counts on the host, and says why; its tokens still equal transformers'."""
-    folder, model = moe_models["qwen2_moe"]
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_cuda_backend_runs_moe_decode_steps_in_graphs(family, moe_models):
+    """The CUDA backend (Triton interpreted, graphs emulated here) computes the experts in its fused kernels,
+    which read nothing on the host, so decode steps replay graphs; gpt-oss (attention sinks, biased experts
+    with a clamped SwiGLU) runs the eager step and says why. Tokens equal transformers' either way."""
+    folder, model = moe_models[family]
     prompts = random_prompts([4, 11], seed=43)
     refs = [hf_greedy(model, p, 5) for p in prompts]
-    llm = LLM(folder, dtype="float32", backend="cuda")
+    llm = LLM(folder, dtype="float32", backend="cuda", max_num_seqs=2, max_num_batched_tokens=16,
+              cuda_graph_sizes=[1, 2], cuda_graph_token_sizes=[16])
     runner = llm.engine.runner
-    assert runner.backend.name == "cuda" and runner.graph_step is None
-    assert "row counts on the host" in runner.policy.off
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
     assert_matches_reference(outs, refs)
+    if family == "gpt_oss":
+        assert runner.backend.name == "eager" and runner.graph_step is None
+        assert "attention sinks" in llm.describe()
+        assert "clamped SwiGLU" in runner.model.graphs_off
+        return
+    assert runner.backend.name == "cuda" and runner.graph_step is not None and runner.policy.off is None
+    assert runner.policy.graph_steps > 0 and not runner.policy.eager_steps, runner.policy.eager_steps
 
 
 def test_batch_invariant_is_refused(moe_models):

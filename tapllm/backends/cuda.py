@@ -183,6 +183,31 @@ class TritonElementwise:
         return self._s.gated_act_sites(gate_up, act, rows, site)
 
 
+class TritonMoE:
+    """:class:`~tapllm.backends.ops.MoEOps` on the Triton kernels of ``tapllm.kernels.triton_moe``."""
+
+    __slots__ = ("_k",)
+
+    def __init__(self) -> None:
+        from tapllm.kernels import triton_moe
+
+        self._k = triton_moe
+
+    def fused_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, act: int) -> torch.Tensor:
+        return self._k.fused_experts(x, weights, ids, gate_up, down, act)
+
+
+def moe_ops(device: torch.device) -> TritonMoE | None:
+    """The fused expert kernels where Triton runs on ``device`` (they are tested against the grouped
+    PyTorch path in tests/test_triton_moe.py), else None: the experts keep that path."""
+    try:
+        from tapllm.kernels import triton_moe
+    except Exception:  # noqa: BLE001 - any import failure means: the PyTorch experts
+        return None
+    return TritonMoE() if triton_moe.available(device) else None
+
+
 def elementwise_trial(device: torch.device, dtype: torch.dtype) -> str | None:
     """Run the elementwise kernels once on ``device`` in ``dtype`` (the model's) against the PyTorch
     reference; None when they agree, else why they cannot be used."""

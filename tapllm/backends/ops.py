@@ -74,6 +74,14 @@ class LinearOps(Protocol):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
+class MoEOps(Protocol):
+    """A mixture-of-experts block's experts in fused kernels with no value read on the host (a CUDA graph
+    holds them): :func:`tapllm.kernels.triton_moe.fused_experts`'s contract (gated SiLU/GELU-tanh, no biases)."""
+
+    def fused_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, act: int) -> torch.Tensor: ...
+
+
 class GemvOps(Protocol):
     """Linears of a few rows reading oneDNN's prepacked weight in place (tapllm.kernels.gemv)."""
 

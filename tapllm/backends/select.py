@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tapllm.backends.ops import AttentionOps, CpuAttention, ElementwiseOps, GemvOps, LinearOps, QuantOps, StackOps
+from tapllm.backends.ops import (AttentionOps, CpuAttention, ElementwiseOps, GemvOps, LinearOps, MoEOps, QuantOps,
+                                 StackOps)
 from tapllm.backends.policy import GraphSizes
 
 BACKENDS = ("auto", "eager", "cpu", "cuda")
@@ -32,6 +33,7 @@ class Backend:
     gemv_rows: int = 0
     linear: LinearOps | None = None  # every linear, each row independent of the step (batch_invariant on CUDA)
     stack: StackOps | None = None  # untapped blocks of decode steps in one call
+    moe: MoEOps | None = None  # a mixture-of-experts block's experts, no host read (CUDA: graph-safe)
     graphs: GraphSizes | None = None  # the buckets of whole steps replayed from CUDA graphs (None: none)
     graphs_emulated: bool = False  # the CUDA backend on a CPU: a graph's body runs each step, nothing is captured
     prepack: bool = False  # linear weights reordered once at load for oneDNN (CPU)
@@ -55,6 +57,7 @@ class Backend:
                  f"  attention: {on(self.attention, 'paged kernels (KV read in place)' + self._tiles())}",
                  f"  small linears: {on(self.gemv, f'packed GEMV up to {self.gemv_rows} rows')}",
                  f"  untapped decode blocks: {on(self.stack, 'one C++ call per run of blocks')}",
+                 *(["  mixture-of-experts experts: fused kernels, sorted by expert on the device"] if self.moe else []),
                  f"  linear weights: {self._packing()}",
                  f"  CUDA graphs: {self.describe_graphs()}",
                  f"  batch invariant: {self.describe_invariance()}"]
@@ -193,7 +196,7 @@ def _cpu(device: torch.device, dtype: torch.dtype, invariant: bool) -> Backend:
 
 
 def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None, invariant: bool = False) -> Backend:
-    from tapllm.backends.cuda import TritonAttention, TritonElementwise, elementwise_trial, trial
+    from tapllm.backends.cuda import TritonAttention, TritonElementwise, elementwise_trial, moe_ops, trial
 
     emulated = device.type == "cpu"
     problem = trial(device)
@@ -207,8 +210,8 @@ def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None, i
     if problem is not None:
         _refuse_invariant(invariant, f"the Triton norms are off ({problem})")
         notes = (f"Triton elementwise ops off ({problem}): PyTorch norms, rotary and activations",)
-        return Backend("cuda", device, attention=TritonAttention(), graphs=graphs, graphs_emulated=emulated,
-                       notes=notes)
+        return Backend("cuda", device, attention=TritonAttention(), moe=None if invariant else moe_ops(device),
+                       graphs=graphs, graphs_emulated=emulated, notes=notes)
     linear = None
     if invariant:
         from tapllm.backends.cuda_invariant import TritonLinear, invariant_trial
@@ -216,7 +219,8 @@ def _cuda(device: torch.device, dtype: torch.dtype, graphs: GraphSizes | None, i
         _refuse_invariant(True, invariant_trial(device, dtype))
         linear = TritonLinear()
     return Backend("cuda", device, elementwise=TritonElementwise(), attention=TritonAttention(invariant),
-                   linear=linear, graphs=graphs, graphs_emulated=emulated, batch_invariant=invariant)
+                   linear=linear, moe=None if invariant else moe_ops(device), graphs=graphs, graphs_emulated=emulated,
+                   batch_invariant=invariant)
 
 
 def _refuse_invariant(invariant: bool, problem: str | None) -> None:

@@ -99,6 +99,10 @@ def _rows(s: ResolvedSteer, block: int, groups: int, width: int, picked: list[in
         full = torch.full((values.shape[0], *shape), float("nan"))
         full[:, index] = values
         return full, OP_SET, 0.0
+    if s.op in ("ban", "force"):  # router logits: -inf never chosen, +inf always; NaN keeps the other experts
+        full = torch.full(shape, float("nan"))
+        full[index] = float("-inf") if s.op == "ban" else float("inf")
+        return full[None], OP_SET, 0.0
     if s.op == "scale":
         full = torch.ones(shape)
         full[index] = float(torch.tensor(s.factor, dtype=torch.float32))

@@ -10,7 +10,7 @@ The weights are stacked, as transformers keeps them in memory: ``gate_up_proj`` 
 [gate; up] rows (stored ``[E * 2I, hidden]``, seen as ``[E, 2I, hidden]``; gate and up in one GEMM)
 and ``down_proj`` every expert's down projection (``[E * hidden, I]``, seen as ``[E, hidden, I]``).
 
-Two paths compute them:
+Three paths compute them:
 
 * plain PyTorch (:func:`grouped_experts`): ``F.linear`` on each expert's ``[out, in]`` slice. On CPU
   oneDNN reorders a plain bf16 weight on every call, which reads and writes it: about half the
@@ -23,7 +23,12 @@ Two paths compute them:
   rows). The layout is tapllm's own (not oneDNN's choice), checked against ``F.linear`` on one expert
   when it is made; the plain weights are dropped (one copy in memory) and restored by ``use_gemv(None)``.
   With the fused gated activation (SiLU or GELU-tanh, no biases) the loop over experts is one C++ call,
-  ``moe_experts`` (csrc/moe_experts.cpp: the same ops in the same order, no Python dispatch per expert).
+  ``moe_experts`` (csrc/moe_experts.cpp: the same ops in the same order, no Python dispatch per expert);
+* with the CUDA backend's fused kernels (:meth:`Experts.use_fused`, :mod:`tapllm.kernels.triton_moe`):
+  the pairs sorted by expert on the device into blocks of one expert each, padded, with static shapes,
+  and two Triton kernels over the blocks, so nothing is read on the host and a CUDA graph holds the
+  step. They take the gated SiLU/GELU-tanh without biases (not gpt-oss's experts, which keep the
+  grouped path: its row counts are read on the host, so those steps are no graphs).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapllm.backends.ops import ElementwiseOps, GemvOps
+from tapllm.backends.ops import ElementwiseOps, GemvOps, MoEOps
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> what the down projection reads
@@ -146,6 +151,21 @@ class Experts(nn.Module):
         self.expert_down: tuple[torch.Tensor, ...] | None = None
         self.act_ops: ElementwiseOps | None = None  # the fused gated activation (gated SiLU/GELU only)
         self.kernel_act: int | None = None
+        self.moe: MoEOps | None = None  # the fused expert kernels (CUDA backend; see use_fused)
+
+    def use_fused(self, ops: MoEOps | None, kernel_act: int | None) -> None:
+        """Compute the experts with ``ops``'s fused kernels (no value read on the host, so a CUDA graph holds
+        the step) where they apply: a gated activation they compute (``kernel_act``) and no biases; None,
+        or experts they do not take, keep the grouped path."""
+        takes = ops is not None and kernel_act is not None and self.gate_up_proj_bias is None
+        self.moe = ops if takes else None
+        if takes:
+            self.kernel_act = kernel_act
+
+    @property
+    def host_free(self) -> bool:
+        """Whether a step reads nothing of these experts on the host (the fused kernels compute them)."""
+        return self.moe is not None
 
     def use_gemv(self, ops: GemvOps | None, act_ops: ElementwiseOps | None = None, kernel_act: int | None = None
                  ) -> None:
@@ -173,6 +193,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, glu: Glu) -> torch.Tensor:
         e, h, i = self.num_experts, self.hidden, self.inter
+        if self.moe is not None and self.gate_up_proj is not None and x.dtype == self.gate_up_proj.dtype:
+            return self.moe.fused_experts(x, weights, ids, self.gate_up_proj.view(e, 2 * i, h),
+                                          self.down_proj.view(e, h, i), self.kernel_act)
         if self.gemv is None or x.dtype != self.packed_gate_up.dtype:
             gate_up, down = self.plain()
             return grouped_experts(x, weights, ids, gate_up, down, glu, self.gate_up_proj_bias, self.down_proj_bias)

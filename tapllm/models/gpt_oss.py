@@ -13,7 +13,9 @@ and a mixture of experts with a biased router and a clamped SwiGLU.
 * Norms scale in float32 before the cast back, as transformers' (equal in float32).
 
 The sinks are in the PyTorch attention only, so the model runs the eager step
-(:attr:`~tapllm.models.base.CausalLM.eager_only`).
+(:attr:`~tapllm.models.base.CausalLM.eager_only`); its experts (biases, the clamped SwiGLU) are not
+what the CUDA backend's fused expert kernels compute, so they would keep the grouped path, and its
+steps no CUDA graphs, there too.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class GptOssForCausalLM(MoEForCausalLM):
 
     attention_cls = GptOssAttention
     eager_only = "attention sinks are computed by the PyTorch attention only"
+    # (a class attribute over MoEForCausalLM's property: the fused expert kernels take no biases or clamps)
+    graphs_off = "its biased experts with a clamped SwiGLU run the grouped path, which reads row counts on the host"
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)

@@ -6,7 +6,8 @@ in float32 or in the model's dtype) and in a shared expert that Qwen2-MoE adds, 
 ``sigmoid(shared_expert_gate(x))``. The experts are computed grouped: the step's (token,
 choice) pairs are sorted by expert once, and every expert that has rows runs one GEMM over
 them (:mod:`tapllm.models.experts`: :func:`grouped_experts`, and with the CPU backend its packed
-GEMV over the chosen experts' weights in place); no per-token Python.
+GEMV over the chosen experts' weights in place; with the CUDA backend two fused Triton kernels
+that sort on the device, so decode steps run in CUDA graphs); no per-token Python.
 
 The experts' weights are stacked, as transformers keeps them in memory: ``experts.gate_up_proj``
 holds every expert's [gate; up] rows (stored ``[E * 2I, hidden]``, seen as ``[E, 2I, hidden]``)
@@ -107,7 +108,19 @@ class MoEForCausalLM(LlamaForCausalLM):
     shared expert, :meth:`shared_expert_size`."""
 
     stack_block = None  # the C++ block runner takes dense gated MLPs only: these blocks run in Python
-    graphs_off = "reads its experts' row counts on the host every step"
+
+    @property
+    def graphs_off(self) -> str | None:
+        """Why its steps cannot be CUDA graphs: where some block's experts run the grouped path (no fused
+        kernels on the backend, or experts they do not take), that path reads row counts on the host."""
+        if all(m.experts.host_free for m in self.modules() if isinstance(m, SparseMoE)):
+            return None
+        return "reads its experts' row counts on the host every step (the grouped path: " + self._grouped_why() + ")"
+
+    def _grouped_why(self) -> str:
+        if self.backend is None or self.backend.moe is None:
+            return "the backend has no fused expert kernels"
+        return "biased experts or a gated activation the fused kernels do not compute"
 
     def routing(self) -> Routing:
         """The family's routing, from its config."""
@@ -142,9 +155,11 @@ class MoEForCausalLM(LlamaForCausalLM):
         super().use_backend(backend)
         gemv = backend.gemv if backend is not None else None
         elementwise = backend.elementwise if backend is not None else None
+        fused = backend.moe if backend is not None else None
         for module in self.modules():
             if isinstance(module, SparseMoE):
                 module.experts.use_gemv(gemv, elementwise, module.kernel_act)
+                module.experts.use_fused(fused, module.kernel_act)
 
     def fused(self) -> list[tuple[str, str, int]]:
         return qkv_fused(self.cfg)  # gate/up rows are placed by checkpoint_names: their widths differ by module
