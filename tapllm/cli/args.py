@@ -85,7 +85,8 @@ SPEC_HELP = (
     'what to capture, e.g. "layers=0,-1 points=resid_post positions=prompt reduce=mean"; keys: '
     f"layers (all | i,j,..), points ({','.join(POINTS)}), "
     "positions (prompt | generated | all | last_prompt | last | start:stop), reduce (mean | sum | max | "
-    "min | first | last | plugin), dtype (float32 | float16 | bfloat16)"
+    "min | first | last | plugin), dtype (float32 | float16 | bfloat16), heads (i,j,..: of q, z, attn_pattern), "
+    "experts (i,j,..: of expert_out, required with it)"
 )
 
 

@@ -40,10 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     col.add_argument("--out", type=Path, required=True, help="output folder")
     col.add_argument("--layers", default="all", help="block indices, e.g. 0,12,-1, or 'all'")
     col.add_argument("--points", default="resid_post",
-                     help=f"comma-separated points: {', '.join(POINTS)} ('none': only --sae features)")
+                     help=f"comma-separated points: {', '.join(POINTS)} ('none': only --sae features or --router columns)")
     col.add_argument("--sae", default=None, metavar="PATH",
                      help="also store this SAE's top latents per row, sparse (sae_ids, sae_values, sae_error_norm)")
     col.add_argument("--sae-top", type=int, default=64, help="latents kept per row with --sae (default 64)")
+    col.add_argument("--router", action="store_true",
+                     help="a mixture-of-experts model: also store each token's chosen experts and their weights per "
+                     "block (expert_ids int16 and expert_weights float32, [layers, top_k])")
     col.add_argument("--positions", default="prompt", choices=["prompt", "all"])
     col.add_argument("--max-tokens", type=int, default=0,
                      help="0 = prompts only; > 0 generates (greedy) and also captures generated positions "
@@ -88,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = CollectConfig(
         input=args.input, dataset=dataset, out=args.out, layers=layers,
         points=[] if args.points == "none" else args.points.split(","), sae=args.sae, sae_top=args.sae_top,
+        router=args.router,
         positions=args.positions, max_tokens=args.max_tokens, fmt=args.fmt, shard_tokens=args.shard_tokens,
         workers=args.workers, overwrite=args.overwrite, context_size=args.context_size, packing=args.packing,
         truncate=args.truncate, prepend_bos=args.prepend_bos, max_rows=args.max_rows,

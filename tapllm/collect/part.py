@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from tapllm.collect.contexts import ContextSettings
 from tapllm.collect.hf_input import DatasetSpec
+from tapllm.collect.router_columns import ROUTER_SOURCES, router_columns
 from tapllm.collect.sae_columns import feature_columns, sae_spec
 from tapllm.collect.sources import DatasetSource, ItemSource
 from tapllm.collect.writer import Manifest, ShardEntry, ShardWriter
@@ -25,6 +26,7 @@ from tapllm.config import EngineConfig
 from tapllm.engine.core_request import EngineCoreRequest
 from tapllm.engine.llm_engine import LLMEngine
 from tapllm.hidden_states.spec import HEAD_POINTS, HIDDEN_POINTS, HiddenStatesSpec
+from tapllm.models.shapes import experts_per_token
 from tapllm.sampling_params import SamplingParams
 from tapllm.utils.dtypes import dtype_from_name, dtype_name
 
@@ -43,6 +45,10 @@ class CollectConfig:
     With ``sae``, every row also holds that SAE's ``sae_top`` largest latents as a sparse row:
     ``sae_ids`` (int32) and ``sae_values`` (float32), each ``[1, sae_top]``, and ``sae_error_norm``
     (see ``tapllm.collect.sae_columns``); ``points=[]`` then stores the features alone.
+
+    With ``router`` (a mixture-of-experts model), every row also holds the chosen experts of each captured
+    block: ``expert_ids`` (int16) and ``expert_weights`` (float32), each ``[layers, top_k]``
+    (``tapllm.collect.router_columns``); ``points=[]`` then stores them alone.
     """
 
     out: Path
@@ -66,6 +72,7 @@ class CollectConfig:
     store_dtype: str = "auto"  # auto: the compute dtype (float32 where the format lacks it)
     sae: str | None = None  # an SAE (path or hub id): its top-k latents stored as sparse columns
     sae_top: int = 64
+    router: bool = False  # per-token chosen experts and their weights (an MoE model)
     recipe: Any = None  # e.g. tapllm.collect.eagle3.Eagle3Settings: a recipe runs the run its own way
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_seqs=64, batch_invariant=True))
 
@@ -104,14 +111,18 @@ class CollectConfig:
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens must be >= 0 (0 = prompts only), got {self.max_tokens}")
         self.validate_output()
-        if not self.points and self.sae is None:
-            raise ValueError("--points is empty: name at least one point (or give --sae to store features alone)")
+        if not self.points and self.sae is None and not self.router:
+            raise ValueError("--points is empty: name at least one point (or give --sae to store features alone, "
+                             "--router the routing alone)")
+        if self.router and self.sae is not None:
+            raise ValueError("--router and --sae: collect them in separate runs")
         if self.sae is not None and not 1 <= self.sae_top <= 1024:
             raise ValueError(f"--sae-top must be in [1, 1024], got {self.sae_top}")
         inside = [p for p in self.points if p in HEAD_POINTS]
         if inside:
+            hint = " (--router stores each token's chosen experts and weights)" if set(inside) & set(ROUTER_SOURCES) else ""
             raise ValueError(f"--points: datasets hold residual-width points ({', '.join(HIDDEN_POINTS)}); "
-                             f"{inside} are per head or per neuron: capture them with LLM.encode / generate")
+                             f"{inside} are per head, neuron or expert: capture them with LLM.encode / generate{hint}")
 
     def contexts(self, bos_token_id: int | None, max_model_len: int) -> ContextSettings:
         """How ``--dataset`` records become contexts, for a tokenizer and a model context."""
@@ -131,7 +142,8 @@ class CollectConfig:
         positions = self.positions if self.max_tokens > 0 else "prompt"
         if self.sae is not None:
             return sae_spec(self, positions)
-        return HiddenStatesSpec(layers=self.layers, points=self.points, positions=positions)
+        points = [*self.points, *ROUTER_SOURCES] if self.router else self.points
+        return HiddenStatesSpec(layers=self.layers, points=points, positions=positions)
 
     def params(self) -> SamplingParams:
         """Greedy, so a rerun produces the same tokens and so the same dataset."""
@@ -214,6 +226,7 @@ def run_part(engine: LLMEngine, cfg: CollectConfig, source: Source, part: int, s
     resume = done[-1].requests[1] if done else source.start
     cursor = done[-1].cursor if done else None
     store = dtype_from_name(cfg.store_dtype)
+    top_k = experts_per_token(engine.model_config) if cfg.router else 0
     special = (torch.tensor(sorted(engine.tokenizer.all_special_ids), dtype=torch.long)
                if cfg.exclude_special_tokens else None)
     writer = ShardWriter(manifest, len(done), cfg.fmt)
@@ -241,7 +254,7 @@ def run_part(engine: LLMEngine, cfg: CollectConfig, source: Source, part: int, s
                     if getattr(out, "error", None) or out.hidden_states is None:
                         reason = getattr(out, "error", None) or "no hidden states were captured"
                         raise RuntimeError(f"{where} {g0 + j}: {reason}")
-                    records[j] = _columns(out, g0 + j, store, special)
+                    records[j] = _columns(out, g0 + j, store, special, top_k)
                     rows0 += len(out.hidden_states.positions)
                     bar.update(1)
                     elapsed = max(time.perf_counter() - t0, 1e-9)
@@ -259,16 +272,19 @@ def run_part(engine: LLMEngine, cfg: CollectConfig, source: Source, part: int, s
     return done + entries
 
 
-def _columns(out: Any, index: int, store: torch.dtype | None, special: torch.Tensor | None
+def _columns(out: Any, index: int, store: torch.dtype | None, special: torch.Tensor | None, top_k: int = 0
              ) -> dict[str, torch.Tensor]:
-    """One request's rows: ids, positions and each point (in the store dtype), without the
-    rows of special tokens when ``special`` is given."""
+    """One request's rows: ids, positions and each point (in the store dtype), with ``top_k`` the routing
+    columns (``--router``), without the rows of special tokens when ``special`` is given."""
     hs = out.hidden_states
     seq = torch.tensor(out.prompt_token_ids + (out.outputs[0].token_ids if out.outputs else []), dtype=torch.long)
     pos = hs.positions
     cols = {"token_id": seq[pos], "request_index": torch.full((len(pos),), index, dtype=torch.long),
             "position": pos.clone()}
-    cols.update({p: hs[p] if store is None else hs[p].to(store) for p in hs.points})
+    stored = [p for p in hs.points if not (top_k and p in ROUTER_SOURCES)]
+    cols.update({p: hs[p] if store is None else hs[p].to(store) for p in stored})
+    if top_k:
+        cols.update(router_columns(hs, top_k))
     if hs.features is not None:
         cols.update(feature_columns(hs.features))
     if special is not None:

@@ -42,7 +42,7 @@ from tapllm.collect.shards import arrow_dtype_ok, write_file
 from tapllm.collect.sources import DatasetSource, ItemSource, fingerprint, read_items
 from tapllm.collect.writer import Manifest, ShardEntry, remove_temporaries
 from tapllm.hidden_states.resolved import resolve
-from tapllm.models.shapes import config_point_shapes
+from tapllm.models.shapes import config_point_shapes, experts_per_token, num_experts
 from tapllm.utils.dtypes import dtype_from_name, dtype_name
 
 __all__ = ["CollectConfig", "DatasetSpec", "collect"]
@@ -89,6 +89,7 @@ def describe(cfg: CollectConfig, mc: Any, source: dict[str, Any], folder: Path |
     sha256 of its weights), tokenizer, settings, resolved layers, input (``source``: the input
     file and its hash, or the dataset and its context settings). ``ValueError`` for a layer or
     point the model lacks or a dtype the format cannot store."""
+    router = router_identity(mc) if cfg.router else None
     sel = resolve(cfg.spec(), num_layers=mc.num_layers, hidden_size=mc.hidden_size, model_dtype=mc.dtype,
                   point_shapes=config_point_shapes(mc),
                   num_prompt=1, max_positions=1, encode=True)
@@ -104,7 +105,15 @@ def describe(cfg: CollectConfig, mc: Any, source: dict[str, Any], folder: Path |
         "storage": cfg.fmt, "shard_tokens": cfg.shard_tokens, "workers": cfg.workers,
         "batch_invariant": cfg.engine.batch_invariant, **source,
         **({"sae": sae_identity(cfg)} if cfg.sae is not None else {}),
+        **({"router": router} if router is not None else {}),
     }
+
+
+def router_identity(mc: Any) -> dict[str, int]:
+    """The routing columns' part of a run's identity: the experts and top-k; ``ValueError`` for a dense model."""
+    if not num_experts(mc):
+        raise ValueError(f"--router: {mc.architecture} is not a mixture-of-experts model (it has no router)")
+    return {"n_experts": num_experts(mc), "top_k": experts_per_token(mc)}
 
 
 def input_source(cfg: CollectConfig) -> dict[str, Any]:

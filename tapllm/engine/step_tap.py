@@ -70,6 +70,10 @@ class StepTap:
         """True when some request of the step steers or captures anything in block ``layer``."""
         return layer in self.layers or self.wants_pattern(layer)
 
+    def wants(self, point: str, layer: int) -> bool:
+        """True when some request of the step steers or captures ``point`` of block ``layer``."""
+        return (point, layer) in self.targets
+
     def steers(self, point: str, layer: int) -> bool:
         """True when some request of the step steers ``point`` of block ``layer``."""
         entry = self.targets.get((point, layer))

@@ -55,6 +55,9 @@ class TableTap(FusingTap):
     def touches(self, layer: int) -> bool:
         return True
 
+    def wants(self, point: str, layer: int) -> bool:
+        return (point, layer) in self.tables.sites.index
+
     def wants_pattern(self, layer: int) -> bool:
         return False
 

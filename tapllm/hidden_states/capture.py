@@ -26,6 +26,7 @@ from tapllm.hidden_states.result import HiddenStates
 from tapllm.hidden_states.sink import CopySink
 from tapllm.hidden_states.spec import QUERY_HEAD_POINTS, HiddenStatesSpec
 from tapllm.sae.features import FeatureBuffers
+from tapllm.tap.points import EXPERT_POINTS
 
 # Cuts ``n`` positions of a step's host block from number ``start`` into each point's rows
 # ``[n, layers, *shape]`` (the graph step's record layout of one request).
@@ -47,6 +48,7 @@ class RequestCapture:
         self.proj = spec.project.to(device) if spec.project is not None else None
         self.row_exact = row_exact  # batch_invariant: a row's projection must not depend on its chunk
         self.heads = torch.tensor(sel.heads, device=device) if sel.heads is not None else None
+        self.experts = torch.tensor(sel.experts, device=device) if sel.experts is not None else None
         self.reducers: dict[str, Reducer] | None = None
         if sel.reduce and not sel.last_only:
             self.reducers = {p: self._new_reducer(p) for p in sel.points}
@@ -62,7 +64,7 @@ class RequestCapture:
         # True when the request keeps its rows exactly as captured (no reduction, projection, lens, head
         # selection, other dtype or device), so a step's host copy of them can be handed over as is.
         self.takes_host_rows = (self.reducers is None and self.proj is None and self.lens is None
-                                and self.heads is None and self.out_device.type == "cpu"
+                                and self.heads is None and self.experts is None and self.out_device.type == "cpu"
                                 and "attn_pattern" not in sel.points)
         # Steps' host blocks whose rows are this request's, not yet cut into views (:meth:`defer`).
         self.deferred: list[tuple[RowViews, torch.Tensor, int, int, int]] = []
@@ -90,14 +92,14 @@ class RequestCapture:
     def consume(self, point: str, rows: torch.Tensor, a: int, b: int, sink: CopySink) -> None:
         """Take the rows ``[b - a, layers, *shape]`` (device, model dtype) of positions ``[a, b)``.
 
-        Per-head points arrive with every head; the request's ``heads`` are kept here.
+        Per-head points arrive with every head, ``expert_out`` with every expert; the request's ``heads``
+        and ``experts`` are kept here.
         An ``attn_pattern`` row holds the keys the step computed; the rest stay zero.
         """
         if self.lens is not None and self.reducers is None:  # a reduction's lens comes at the end
             self.lens.consume(point, rows[-1:] if self.sel.last_only else rows,
                               0 if self.sel.last_only else a - self.sel.lo)
-        if self.heads is not None and point in QUERY_HEAD_POINTS:
-            rows = rows.index_select(2, self.heads)
+        rows = self._select(point, rows)
         if self.proj is not None:
             rows = project(rows, self.proj, self.row_exact)
         if self.reducers is not None:
@@ -112,6 +114,14 @@ class RequestCapture:
         sink.write(dest, rows)
         self._keep(point, a, dest)
 
+    def _select(self, point: str, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` ``[n, layers, ...]`` with only the request's heads (per-head points) or experts (``expert_out``)."""
+        if self.heads is not None and point in QUERY_HEAD_POINTS:
+            return rows.index_select(2, self.heads)
+        if self.experts is not None and point in EXPERT_POINTS:
+            return rows.index_select(2, self.experts)
+        return rows
+
     def fold_kind(self, point: str) -> str | None:
         """How a chunk of ``point`` may be folded to one row before it reaches :meth:`consume_folded` (its
         reducer's ``fold_kind``), or None: the request needs every row (no reduction, a projection, a lens,
@@ -123,9 +133,8 @@ class RequestCapture:
 
     def consume_folded(self, point: str, row: torch.Tensor, a: int, b: int) -> None:
         """Take positions ``[a, b)`` of ``point`` folded (:meth:`fold_kind`) to one row ``[1, layers, *shape]``
-        (every head: the request's ``heads`` are kept here)."""
-        if self.heads is not None and point in QUERY_HEAD_POINTS:
-            row = row.index_select(2, self.heads)
+        (every head and expert: the request's ``heads`` and ``experts`` are kept here)."""
+        row = self._select(point, row)
         self.reducers[point].fold_in(row[0].float().reshape(row.shape[1], -1), b - a)
 
     def take(self, point: str, rows: torch.Tensor, a: int, b: int) -> None:
@@ -194,7 +203,7 @@ class RequestCapture:
         Read-only parts (the projection, head indices, the model's lens function) stay shared.
         """
         self._settle()
-        shared = [self.sel, self.sel.features, self.proj, self.heads, self.device]  # the device SAE: shared
+        shared = [self.sel, self.sel.features, self.proj, self.heads, self.experts, self.device]  # the device SAE: shared
         if self.lens is not None:
             shared += [self.lens.fn, self.lens.targets]
         memo = {id(obj): obj for obj in shared if obj is not None}

@@ -6,7 +6,8 @@ layout::
     {"positions": [...], "layers": [...], "reduce": null,
      "points": {"resid_post": {"shape": [P, L, H], "dtype": "float32", "data": "<base64>"}}}
 
-With ``encoding="list"`` each point's ``data`` is a nested list of floats instead. A logit
+With ``encoding="list"`` each point's ``data`` is a nested list of floats instead (a non-finite number
+is written as ``null``, JSON having none, and read back as NaN: base64 keeps -inf and +inf). A logit
 lens adds ``"lens": {"targets": [...], "points": {point: {"token_ids": <int64 tensor>,
 "logprobs": <tensor>, "target_logprobs": <tensor> | null}}}``.
 """
@@ -51,6 +52,14 @@ def tensor_to_wire(t: torch.Tensor, encoding: str) -> dict[str, Any]:
     return {"shape": list(t.shape), "dtype": name, "data": data}
 
 
+def _none_as_nan(data: Any) -> Any:
+    """A nested list with JSON's ``null`` read as NaN: the server writes non-finite numbers (a dense block's
+    NaN router rows, a banned expert's -inf logit) as null, since JSON has none."""
+    if isinstance(data, list):
+        return [_none_as_nan(v) for v in data]
+    return float("nan") if data is None else data
+
+
 def tensor_from_wire(obj: Any, field: str = "tensor") -> torch.Tensor:
     """Inverse of ``tensor_to_wire`` (either encoding); ``ValueError`` names ``field``."""
     if not isinstance(obj, dict) or not {"shape", "dtype", "data"} <= set(obj):
@@ -81,7 +90,7 @@ def tensor_from_wire(obj: Any, field: str = "tensor") -> torch.Tensor:
             flat = flat.view(-1, elem).flip(1).reshape(-1)
         return flat.view(dtype).reshape(shape).clone()
     try:
-        wide = torch.tensor(data, dtype=torch.float64).reshape(shape)
+        wide = torch.tensor(_none_as_nan(data), dtype=torch.float64).reshape(shape)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{field}.data must be base64 or a nested list of numbers of shape {shape}") from None
     if dtype.is_floating_point:

@@ -7,10 +7,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tapllm.hidden_states.spec import (DTYPES, HIDDEN_POINTS, LENS_POINTS, PSEUDO_POINTS, QUERY_HEAD_POINTS,
+from tapllm.hidden_states.spec import (DTYPES, LENS_POINTS, PSEUDO_POINTS, QUERY_HEAD_POINTS,
                                        HiddenStatesSpec)
 from tapllm.sae.features import DeviceSAEs, FeatureSelection
 from tapllm.tap import PSEUDO_LAYER, resolve_indices, resolve_layers
+from tapllm.tap.points import EXPERT_POINTS, HIDDEN_ROW_POINTS, PART_POINTS
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class Selection:
     lens_k: int = 0  # logit lens: top tokens kept per state (0: no lens)
     lens_targets: int = 0  # logit lens: target tokens reported per state
     heads: tuple[int, ...] | None = None  # query heads kept for q, z and attn_pattern (None: all)
+    experts: tuple[int, ...] | None = None  # experts kept for expert_out
     features: FeatureSelection | None = None  # SAE features (tapllm.sae.features), set by the input processor
 
     def on_device(self, saes: DeviceSAEs) -> Selection:
@@ -119,19 +121,25 @@ def resolve(
                 f"hidden_states.positions: window [{lo}, {hi}) lies outside the sequence: {what} "
                 f"(prompt of {p} tokens), so the window must end at or before {end}"
             )
-    shapes, heads = _point_shapes(spec, hidden_size, point_shapes or {}, hi)
+    shapes, heads, experts = _point_shapes(spec, hidden_size, point_shapes or {}, hi)
     dtype = DTYPES[spec.dtype] if spec.dtype else model_dtype
     targets = list(spec.lens_targets or ())
     if vocab_size is not None and any(t >= vocab_size for t in targets):
         raise ValueError(f"hidden_states.lens_targets: token ids must be in [0, {vocab_size}), got {targets}")
     return Selection(tuple(spec.points), layers, lo, hi, last_only, shapes, dtype, spec.reduce, spec.lens or 0,
-                     len(targets), heads)
+                     len(targets), heads, experts=experts)
 
 
 def _point_shapes(spec: HiddenStatesSpec, hidden: int, model_shapes: dict[str, tuple[int, ...]], hi: int
-                  ) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...] | None]:
-    """Each point's row shape, after the head selection and the projection."""
-    heads = None
+                  ) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...] | None, tuple[int, ...] | None]:
+    """Each point's row shape, after the head and expert selections and the projection."""
+    heads = experts = None
+    if spec.experts is not None and "expert_out" in model_shapes:
+        n = model_shapes["expert_out"][0]
+        if any(e >= n for e in spec.experts):
+            raise ValueError(f"hidden_states.experts: expert {max(spec.experts)} is out of range for {n} experts "
+                             f"(valid: 0..{n - 1})")
+        experts = tuple(spec.experts)
     if spec.heads is not None:
         n = model_shapes.get("q", (0,))[0]
         heads = resolve_indices(spec.heads, n, "hidden_states.heads", "query heads", "head ")
@@ -139,7 +147,9 @@ def _point_shapes(spec: HiddenStatesSpec, hidden: int, model_shapes: dict[str, t
             raise ValueError(f"hidden_states.heads names a head twice: {list(spec.heads)}")
     shapes = {}
     for point in spec.points:
-        if point in HIDDEN_POINTS:
+        if point in PART_POINTS and point not in model_shapes:
+            raise ValueError(f"hidden_states.points: this model does not expose {point!r}")
+        if point in HIDDEN_ROW_POINTS:
             shapes[point] = (spec.project.shape[0],) if spec.project is not None else (hidden,)
             continue
         if spec.project is not None:
@@ -151,9 +161,11 @@ def _point_shapes(spec: HiddenStatesSpec, hidden: int, model_shapes: dict[str, t
             raise ValueError(f"hidden_states.points: this model does not expose {point!r}")
         elif point in QUERY_HEAD_POINTS and heads is not None:
             shapes[point] = (len(heads), *model_shapes[point][1:])
+        elif point in EXPERT_POINTS:
+            shapes[point] = (len(experts), *model_shapes[point][1:])
         else:
             shapes[point] = model_shapes[point]
-    return shapes, heads
+    return shapes, heads, experts
 
 
 def _resolve_layers(layers: list[int] | str, n: int) -> tuple[int, ...]:

@@ -44,6 +44,9 @@ class HiddenStatesSpec:
         lens_targets: token ids whose logprob the lens also reports at every state.
         heads: query heads kept for ``q``, ``z`` and ``attn_pattern`` (``None``: all of them;
             ``k`` and ``v`` always hold every KV head).
+        experts: expert ids (in ``[0, n_experts)``) kept for ``expert_out``, the per-expert outputs of a
+            mixture-of-experts block: required with that point (every expert's row at every token would
+            be ``n_experts`` times the size of the residual stream), and only with it.
         sae: a ``tapllm.SAE`` (or the path / hub id of one): its features at the point and block
             it reads, per selected position, in ``hs.features``. With an SAE, ``points`` and
             ``layers`` default to nothing: name them to get raw states as well.
@@ -66,6 +69,7 @@ class HiddenStatesSpec:
     lens: int | None = None
     lens_targets: Sequence[int] | None = None
     heads: Sequence[int] | None = None
+    experts: Sequence[int] | None = None
     sae: Any = None
     features: Any = None
     device: str | None = None
@@ -94,6 +98,7 @@ class HiddenStatesSpec:
                 raise ValueError(f"hidden_states.heads must hold head indices, got {self.heads!r}") from None
             if not self.heads:
                 raise ValueError("hidden_states.heads is empty: give head indices or leave it out")
+        self.experts = _check_experts(self.experts, self.points)
         if self.device is not None:
             self.device = _check_device(self.device)
         if self.lens_targets is not None and self.lens is None:
@@ -153,14 +158,14 @@ class HiddenStatesSpec:
                 kwargs[key] = None if val == "none" else val
             elif key == "lens":
                 kwargs[key] = _int(val, "lens")
-            elif key in ("lens_targets", "heads"):
+            elif key in ("lens_targets", "heads", "experts"):
                 kwargs[key] = [_int(v, key) for v in val.split(",")]
             elif key in ("sae", "features"):
                 kwargs[key] = val
             else:
                 raise ValueError(
                     f"--hidden-states: unknown key {key!r}; use layers, points, positions, reduce, dtype, lens, "
-                    "lens_targets, heads, sae, features"
+                    "lens_targets, heads, experts, sae, features"
                 )
         return cls(**kwargs)
 
@@ -176,6 +181,7 @@ class HiddenStatesSpec:
             "lens": self.lens,
             "lens_targets": list(self.lens_targets) if self.lens_targets is not None else None,
             "heads": list(self.heads) if self.heads is not None else None,
+            **({"experts": list(self.experts)} if self.experts is not None else {}),
             **({"device": self.device} if self.device is not None else {}),
             **({"sae": repr(self.sae), "features": _features_text(self.features)} if self.sae is not None else {}),
         }
@@ -205,6 +211,32 @@ def _check_points(points: Sequence[str] | str, allow_empty: bool = False) -> tup
             raise ValueError(f"hidden_states.points: unknown point {p!r}; choose from {list(POINTS)}")
     if len(set(out)) != len(out):
         raise ValueError(f"hidden_states.points has duplicates: {list(out)}")
+    return out
+
+
+def _check_experts(experts: Sequence[int] | int | None, points: Sequence[str]) -> list[int] | None:
+    """The expert ids of ``experts`` (>= 0, distinct; the upper bound, the model's, is checked at resolve);
+    required with ``expert_out`` and only with it."""
+    if experts is None:
+        if "expert_out" in points:
+            raise ValueError("hidden_states.experts is required with point 'expert_out': name the expert ids to "
+                             "keep (every expert's row at every token would be n_experts times the residual stream)")
+        return None
+    if "expert_out" not in points:
+        raise ValueError("hidden_states.experts selects rows of point 'expert_out': add it to points or leave "
+                         "experts out")
+    if isinstance(experts, int):
+        experts = [experts]
+    try:
+        out = [operator.index(e) for e in experts]
+    except TypeError:
+        raise ValueError(f"hidden_states.experts must hold expert ids (integers), got {experts!r}") from None
+    if not out:
+        raise ValueError("hidden_states.experts is empty: name at least one expert id")
+    if any(e < 0 for e in out):
+        raise ValueError(f"hidden_states.experts: expert ids must be >= 0, got {out}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"hidden_states.experts names an expert twice: {out}")
     return out
 
 

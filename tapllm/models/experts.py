@@ -71,27 +71,30 @@ def sorted_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     return order, order // ids.shape[1], counts
 
 
-def combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int, expert: ExpertFn
-            ) -> torch.Tensor:
+def combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int, expert: ExpertFn,
+            keep: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * expert(x[t], ids[t, j])`` over the rows of ``x`` ``[T, hidden]``: one call of
-    ``expert`` per expert with rows, on those rows (contiguous, in token order)."""
+    ``expert`` per expert with rows, on those rows (contiguous, in token order). ``keep`` ``[T, n_experts,
+    hidden]`` (zeros) receives each expert's output at the tokens routed to it, before its weight."""
     order, tokens, counts = sorted_pairs(ids, num_experts)
     hit = [e for e, n in enumerate(counts) if n]
     parts = x.index_select(0, tokens).split([counts[e] for e in hit])
     outs = [expert(rows, e) for rows, e in zip(parts, hit, strict=True)]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if keep is not None:
+        keep[tokens, ids.reshape(-1)[order]] = out.to(keep.dtype)
     scaled = (out * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, scaled)
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, glu: Glu, gate_up_bias: torch.Tensor | None = None,
-                    down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                    down_bias: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for every row ``t`` of ``x`` ``[T, hidden]``.
 
     ``gate_up`` is ``[E, 2I, hidden]`` and ``down`` ``[E, hidden, I]`` (biases, where the family has
     them, ``[E, 2I]`` and ``[E, hidden]``); an expert is ``down(glu(gate(x), up(x)))``, one GEMM pair
-    over its rows (:func:`combine`).
+    over its rows (:func:`combine`, which fills ``keep`` where given).
     """
     inter = down.shape[-1]
 
@@ -99,7 +102,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, g
         h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
         return F.linear(glu(h[:, :inter], h[:, inter:]), down[e], None if down_bias is None else down_bias[e])
 
-    return combine(x, weights, ids, gate_up.shape[0], expert)
+    return combine(x, weights, ids, gate_up.shape[0], expert, keep)
 
 
 def blocked(w: torch.Tensor) -> torch.Tensor:
@@ -191,17 +194,22 @@ class Experts(nn.Module):
         self.gate_up_proj = self.down_proj = None  # one copy of the weights kept
         self.gemv, self.act_ops, self.kernel_act = ops, act_ops, kernel_act
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, glu: Glu) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, glu: Glu,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The weighted sum of each row's chosen experts; ``keep`` ``[T, E, hidden]`` (zeros) receives each
+        expert's own output where the token is routed to it (the Python loop then runs, not ``moe_experts``,
+        which keeps no per-expert rows: the same ops in the same order)."""
         e, h, i = self.num_experts, self.hidden, self.inter
         if self.moe is not None and self.gate_up_proj is not None and x.dtype == self.gate_up_proj.dtype:
             return self.moe.fused_experts(x, weights, ids, self.gate_up_proj.view(e, 2 * i, h),
                                           self.down_proj.view(e, h, i), self.kernel_act)
         if self.gemv is None or x.dtype != self.packed_gate_up.dtype:
             gate_up, down = self.plain()
-            return grouped_experts(x, weights, ids, gate_up, down, glu, self.gate_up_proj_bias, self.down_proj_bias)
+            return grouped_experts(x, weights, ids, gate_up, down, glu, self.gate_up_proj_bias, self.down_proj_bias,
+                                   keep)
         gu_bias, d_bias = self.gate_up_proj_bias, self.down_proj_bias
         fused = self.act_ops is not None and self.kernel_act is not None
-        if fused and gu_bias is None and hasattr(self.gemv, "moe_experts"):  # the loop below in one C++ call
+        if fused and gu_bias is None and keep is None and hasattr(self.gemv, "moe_experts"):  # the loop below in C++
             return self.gemv.moe_experts(x, weights, ids, self.packed_gate_up, self.packed_down, self.kernel_act)
         ops, gate_up, down = self.gemv, self.expert_gate_up, self.expert_down
 
@@ -210,7 +218,7 @@ class Experts(nn.Module):
             a = self.act_ops.gated_act(g, self.kernel_act) if fused else glu(g[:, :i], g[:, i:])
             return ops.packed_linear(a, down[n], None if d_bias is None else d_bias[n])
 
-        return combine(x, weights, ids, e, expert)
+        return combine(x, weights, ids, e, expert, keep)
 
     @property
     def dtype(self) -> torch.dtype:

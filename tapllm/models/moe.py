@@ -47,8 +47,11 @@ class SparseMoE(nn.Module):
 
     ``router_logits`` ``[T, n_experts]`` passes through the tap (before the softmax); when the tap
     touches the block, the routing passes ``router_probs``, ``routing_weights`` and ``experts_chosen``
-    through it too, and applies the router's steers (:func:`~tapllm.models.routing.tapped_route`).
-    The shared expert's neurons are not a point (``mlp_post`` is a dense MLP's).
+    through it too, and applies the router's steers (:func:`~tapllm.models.routing.tapped_route`);
+    ``expert_out`` ``[T, n_experts, hidden]`` (each expert's output where the token is routed to it, 0
+    elsewhere) is computed only where the tap wants it, and ``shared_expert_out`` (the gated shared
+    expert's ``[T, hidden]``, steerable) passes through it. The shared expert's neurons are not a point
+    (``mlp_post`` is a dense MLP's).
     """
 
     def __init__(self, cfg: ModelConfig, routing: Routing, inter: int, act: Activation,
@@ -69,18 +72,26 @@ class SparseMoE(nn.Module):
         if tap.touches(i):  # steers at the router keep its logits as computed: a forced expert's weight
             logits = tap("router_logits", i, raw.clone() if tap.steers("router_logits", i) else raw)
             weights, ids = tapped_route(raw, logits, self.routing, tap, i)
+            if tap.wants("expert_out", i):
+                keep = x.new_zeros((x.shape[0], self.routing.num_experts, x.shape[1]))
+                out = self.experts(x, weights, ids, self.glu, keep)
+                tap("expert_out", i, keep)
+            else:
+                out = self.experts(x, weights, ids, self.glu)
         else:
             weights, ids = route(tap("router_logits", i, raw), self.routing)
-        out = self.experts(x, weights, ids, self.glu)
+            out = self.experts(x, weights, ids, self.glu)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + (tap("shared_expert_out", i, shared) if tap.touches(i) else shared)
         return out
 
 
 class DenseMLP(GatedMLP):
     """A dense block's gated MLP inside a mixture-of-experts model (Qwen-MoE's ``mlp_only_layers``): no
     ``mlp_post`` point, which a model exposes only where every block has the same neurons; its
-    router points are NaN (the block has no router), so a capture over every block keeps its shape."""
+    router points, ``expert_out`` and ``shared_expert_out`` are NaN (the block has no router or experts), so a
+    capture over every block keeps its shape."""
 
     def __init__(self, cfg: ModelConfig, act: Activation, num_experts: int) -> None:
         super().__init__(cfg, act)

@@ -83,7 +83,13 @@ def tapped_route(raw: torch.Tensor, logits: torch.Tensor, routing: Routing, tap:
 
 
 def dense_router_points(x: torch.Tensor, num_experts: int, tap: Tap, layer: int) -> None:
-    """Tap every router point of a dense block ``layer`` as NaN rows (it has no router)."""
+    """Tap every router and expert point of a dense block ``layer`` as NaN rows (it has no router, no
+    experts): ``[T, n_experts]``, ``expert_out`` ``[T, n_experts, hidden]`` (only where the tap wants it) and
+    ``shared_expert_out`` ``[T, hidden]``."""
     nan = x.new_full((x.shape[0], num_experts), float("nan"))
     for point in ROUTER_POINTS:
         tap(point, layer, nan.clone())
+    if tap.wants("expert_out", layer):
+        tap("expert_out", layer, x.new_full((x.shape[0], num_experts, x.shape[1]), float("nan")))
+    if tap.wants("shared_expert_out", layer):
+        tap("shared_expert_out", layer, torch.full_like(x, float("nan")))

@@ -15,19 +15,22 @@ def point_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
     The dimensions come from its first attention and MLP modules (every block of the
     families here has the same); a point whose module the model lacks is left out. A
-    mixture-of-experts model has ``router_logits`` and no ``mlp_post`` (its experts' neurons are
-    not one row).
+    mixture-of-experts model has ``router_logits`` and ``expert_out`` and no ``mlp_post`` (its experts'
+    neurons are not one row), and ``shared_expert_out`` where its sparse blocks have a shared expert.
     """
     dims: dict[str, int] = {}
+    parts: set[str] = set()
     moe = next((m for m in model.modules() if isinstance(m, SparseMoE)), None)
     if moe is not None:
-        dims["n_experts"] = moe.routing.num_experts
+        dims.update(n_experts=moe.routing.num_experts, hidden=moe.experts.hidden)
+        if moe.shared_expert is not None:
+            parts.add("shared_expert")
     for m in model.modules():
         if isinstance(m, Attention) and "heads" not in dims:
             dims.update(heads=m.num_heads, kv_heads=m.num_kv, head_dim=m.head_dim)
         elif isinstance(m, GatedMLP | MLP) and "d_mlp" not in dims and moe is None:
             dims["d_mlp"] = m.inter
-    return {name: shape for name, shape in row_shapes(dims).items() if name not in HIDDEN_POINTS}
+    return _inside(row_shapes(dims, frozenset(parts)))
 
 
 
@@ -38,11 +41,26 @@ def config_point_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     loaded engine reads its modules instead.
     """
     dims = {"heads": config.num_heads, "kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
+    parts: frozenset[str] = frozenset()
     if num_experts(config):
-        dims["n_experts"] = num_experts(config)
+        dims.update(n_experts=num_experts(config), hidden=config.hidden_size)
+        if has_shared_expert(config):
+            parts = frozenset({"shared_expert"})
     else:
         dims["d_mlp"] = mlp_width(config)
-    return {name: shape for name, shape in row_shapes(dims).items() if name not in HIDDEN_POINTS}
+    return _inside(row_shapes(dims, parts))
+
+
+def _inside(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The points of ``shapes`` a model may or may not have: every point but the hidden-size ones that all
+    models have (``shared_expert_out``, which needs a shared expert, stays)."""
+    return {name: shape for name, shape in shapes.items() if name not in HIDDEN_POINTS}
+
+
+def has_shared_expert(config: ModelConfig) -> bool:
+    """Whether the sparse blocks of the MoE model ``config`` describes have a shared expert (Qwen2-MoE's)."""
+    hf = config.hf_config
+    return config.architecture.startswith("Qwen2Moe") and bool(getattr(hf, "shared_expert_intermediate_size", 0))
 
 
 def mlp_width(config: ModelConfig) -> int:

@@ -51,6 +51,9 @@ class StepSteering:
     def touches(self, layer: int) -> bool:
         return layer in self.layers or layer in self.pattern_layers
 
+    def wants(self, point: str, layer: int) -> bool:
+        return bool(self.ops.get((point, layer)))
+
     def wants_pattern(self, layer: int) -> bool:
         return layer in self.pattern_layers
 
@@ -182,6 +185,10 @@ class ShardTap:
         return (point, layer) in self.from_rank0 or self.inner.steers(point, layer)
 
     def touches(self, layer: int) -> bool:
+        return layer in self.layers
+
+    def wants(self, point: str, layer: int) -> bool:
+        # Every rank alike (each takes the same path): any block some request touches.
         return layer in self.layers
 
     def wants_pattern(self, layer: int) -> bool:

@@ -51,5 +51,6 @@ class SaeFeaturesRequest(BaseModel):
             raise ValueError("sae_features.positions/dtype: with hidden_states, the features follow its positions and "
                              "dtype; leave them out")
         return HiddenStatesSpec(layers=spec.layers, points=spec.points, positions=spec.positions, dtype=spec.dtype,
-                                lens=spec.lens, lens_targets=spec.lens_targets, heads=spec.heads, sae=name,
+                                lens=spec.lens, lens_targets=spec.lens_targets, heads=spec.heads,
+                                experts=spec.experts, sae=name,
                                 features=self.features)

@@ -41,6 +41,7 @@ class HiddenStatesRequest(BaseModel):
     lens: int | None = None
     lens_targets: list[int] | None = None
     heads: list[int] | None = None
+    experts: list[int] | None = None
     encoding: Literal["base64", "list"] = "base64"
 
     def to_spec(self) -> HiddenStatesSpec:
@@ -56,6 +57,7 @@ class HiddenStatesRequest(BaseModel):
         return HiddenStatesSpec(
             layers=self.layers, points=self.points, positions=positions, reduce=self.reduce, project=project,
             dtype=self.dtype, lens=self.lens, lens_targets=self.lens_targets, heads=self.heads,
+            experts=self.experts,
         )
 
 

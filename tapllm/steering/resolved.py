@@ -11,7 +11,7 @@ import torch
 from tapllm.steering.router import ROUTER_OPS, RouterLimits, check_routing
 from tapllm.steering.spec import HEAD_STEER_POINTS, Steer
 from tapllm.tap import resolve_indices, resolve_layers
-from tapllm.tap.points import MOE_STEER_POINTS
+from tapllm.tap.points import MOE_STEER_POINTS, PART_POINTS
 from tapllm.utils.checks import real
 
 if TYPE_CHECKING:
@@ -164,6 +164,8 @@ def _row(s: Steer, hidden: int, shapes: dict[str, tuple[int, ...]], where: str
         if s.experts is None:
             return (n,), None
         return (len(s.experts),), list(resolve_indices(s.experts, n, f"{where}.experts", "experts", "expert "))
+    if s.point in PART_POINTS and s.point not in shapes:
+        raise ValueError(f"{where}.point: this model does not expose {s.point!r}")
     if s.point not in HEAD_STEER_POINTS and s.point != "mlp_post":
         return (hidden,), None
     if s.point not in shapes:

@@ -6,6 +6,9 @@ is the residual stream entering block 0 and ``final`` what the unembedding reads
 shape of one position at one layer is written with the model's dimensions (``hidden``,
 ``heads``, ``kv_heads``, ``head_dim``, ``d_mlp``, ``n_experts``; ``keys`` for the attention
 pattern's key axis); :func:`row_shapes` fills them in from numbers read off the model's modules.
+A point whose row is made of dimensions every model has may still need a part some models lack
+(``shared_expert_out``: a shared expert): ``needs`` names it, and a model exposes the point only
+where it has that part (:func:`row_shapes`' ``parts``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class Point:
     heads: str | None = None  # "query" or "kv": dim 0 of the row is a head; None: not per head
     lens: bool = False  # a residual-stream state the logit lens can read
     moe: bool = False  # only mixture-of-experts models have it
+    needs: str | None = None  # a part of the model the point needs beyond its dimensions ("shared_expert")
 
 
 TABLE: tuple[Point, ...] = (
@@ -53,13 +57,20 @@ TABLE: tuple[Point, ...] = (
           "dense block)", ("n_experts",), True, moe=True),
     Point("experts_chosen", "mlp", "1 for each expert the token is routed to, else 0 (NaN in a dense block)",
           ("n_experts",), False, moe=True),
+    Point("expert_out", "mlp", "each expert's output (after its down projection, before its routing weight) where "
+          "the token is routed to it, 0 where not (NaN in a dense block); only the experts a request names "
+          "(experts=); capture only", ("n_experts", "hidden"), False, moe=True),
+    Point("shared_expert_out", "mlp", "what the shared expert adds to the MLP output, after its sigmoid gate (NaN in "
+          "a dense block); only models with a shared expert (Qwen2-MoE); steering it edits that contribution",
+          ("hidden",), True, moe=True, needs="shared_expert"),
 )
 BY_NAME: dict[str, Point] = {p.name: p for p in TABLE}
 
 POINTS = tuple(p.name for p in TABLE)
 PSEUDO_POINTS = tuple(p.name for p in TABLE if p.group == "pseudo")
 RESIDUAL_POINTS = tuple(p.name for p in TABLE if p.group == "residual")
-HIDDEN_POINTS = tuple(p.name for p in TABLE if p.shape == ("hidden",))  # rows of hidden_size numbers
+HIDDEN_POINTS = tuple(p.name for p in TABLE if p.shape == ("hidden",) and p.needs is None)  # every model's hidden rows
+HIDDEN_ROW_POINTS = tuple(p.name for p in TABLE if p.shape == ("hidden",))  # with those of a part (shared_expert_out)
 HEAD_POINTS = tuple(p.name for p in TABLE if p.group in ("attention", "mlp"))  # inside attention and the MLP
 QUERY_HEAD_POINTS = tuple(p.name for p in TABLE if p.heads == "query")  # what a head selection picks
 BLOCK_POINTS = tuple(p.name for p in TABLE if p.group != "pseudo")
@@ -69,12 +80,17 @@ HEAD_STEER_POINTS = tuple(p.name for p in TABLE if p.steerable and p.heads is no
 RESIDUAL_STEER_POINTS = tuple(p for p in STEER_POINTS if p in RESIDUAL_POINTS)
 MOE_POINTS = tuple(p.name for p in TABLE if p.moe)  # a dense model does not expose them
 DENSE_POINTS = tuple(p.name for p in TABLE if not p.moe)  # what a dense model may expose
-MOE_STEER_POINTS = tuple(p for p in STEER_POINTS if p in MOE_POINTS)  # the router's steering targets
+ROUTER_POINTS = tuple(p.name for p in TABLE if p.moe and p.shape == ("n_experts",))  # one number per expert
+MOE_STEER_POINTS = tuple(p for p in STEER_POINTS if p in ROUTER_POINTS)  # the router's steering targets
+EXPERT_POINTS = tuple(p.name for p in TABLE if p.shape[:1] == ("n_experts",) and len(p.shape) > 1)  # per expert
+PART_POINTS = tuple(p.name for p in TABLE if p.needs is not None)  # exposed only by models with the part
 
 
-def row_shapes(dims: Mapping[str, int]) -> dict[str, tuple[int, ...]]:
-    """The row shape of every point whose dimensions ``dims`` gives (``keys`` varies: left out)."""
-    return {p.name: tuple(dims[d] for d in p.shape) for p in TABLE if all(d in dims for d in p.shape)}
+def row_shapes(dims: Mapping[str, int], parts: frozenset[str] = frozenset()) -> dict[str, tuple[int, ...]]:
+    """The row shape of every point whose dimensions ``dims`` gives and whose part (``Point.needs``) is in
+    ``parts`` (``keys`` varies: left out)."""
+    return {p.name: tuple(dims[d] for d in p.shape) for p in TABLE
+            if all(d in dims for d in p.shape) and (p.needs is None or p.needs in parts)}
 
 
 def describe(names: tuple[str, ...] = POINTS) -> str:

@@ -9,7 +9,9 @@ layer's key cache (``tap.pattern``). ``tap.steers(point, layer)`` tells whether 
 change ``x`` at that point, so a model may compute what reads the point before calling the
 tap only when it does not (e.g. a residual add fused with the next norm), and
 ``tap.touches(layer)`` whether it does anything at all in block ``layer`` (blocks it leaves
-alone may run as fused code that calls no tap). The engine's tap
+alone may run as fused code that calls no tap). ``tap.wants(point, layer)`` tells whether the tap
+may steer or record ``point`` there: a model computes a point that costs work of its own
+(``expert_out``: every expert's rows) only when it does. The engine's tap
 (``tapllm.engine.step_tap.StepTap``) steers and records the rows of the requests that asked;
 :data:`no_tap` is used when none did. A graph step's tap is also a
 :class:`~tapllm.tap.fused.FusingTap`: kernels that compute a point's tensor may apply its sites
@@ -36,6 +38,8 @@ class Tap(Protocol):
 
     def touches(self, layer: int) -> bool: ...
 
+    def wants(self, point: str, layer: int) -> bool: ...
+
     def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: Any) -> None: ...
 
 
@@ -54,6 +58,9 @@ class _NoTap:
         return False
 
     def touches(self, layer: int) -> bool:
+        return False
+
+    def wants(self, point: str, layer: int) -> bool:
         return False
 
     def pattern(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, opts: Any) -> None:
