@@ -184,3 +184,28 @@ def test_moe_router_points_and_steers_on_graph_path_equal_eager(moe_model):
     assert not chosen[:, 0, 1].any() and bool((chosen[len(prompts[1]):, 2, 3] == 1).all())
     assert not chosen[2:4, 2, 0].any()
     assert chosen[:, 0, 1].numel() > len(prompts[1])
+
+
+@interpreted
+def test_expert_out_on_the_cuda_backend_runs_eagerly_and_equals_the_cpu(moe_model):
+    """``expert_out`` is not a graph site (``[n_experts, hidden]`` a position): the steps of a request that
+    captures it run eagerly, saying why, through the grouped loop (the fused kernels keep no expert's own
+    rows), and equal the CPU's; ``shared_expert_out``, a site, rides in the graph beside it."""
+    folder, _ = moe_model
+    prompts = random_prompts([6, 3], seed=45)
+    spec = HiddenStatesSpec(layers="all", points=["expert_out", "shared_expert_out"], positions="all",
+                            experts=[0, 2])
+    params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, hidden_states=spec),
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                             hidden_states=HiddenStatesSpec(layers="all", points=["shared_expert_out"]))]
+    graphed = _graphed(folder)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    policy = graphed.engine.runner.policy
+    assert policy.eager_steps and all("expert outputs are captured" in str(why) for why in policy.eager_steps)
+    want = LLM(folder, dtype="float32", enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for point, value in a.hidden_states.items():
+            torch.testing.assert_close(b.hidden_states[point], value, rtol=0, atol=1e-5, equal_nan=True)
+    routed = got[0].hidden_states["expert_out"].abs().sum(-1)  # [position, block, 2]: rows where routed
+    assert bool((routed > 0).any()) and bool((routed == 0).any())

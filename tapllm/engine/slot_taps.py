@@ -41,6 +41,8 @@ def slot_capture(capture: RequestCapture, sites: Sites) -> tuple[SlotCapture | N
     sel = capture.sel
     if "attn_pattern" in sel.points:
         return None, None, "attention patterns are captured"
+    if "expert_out" in sel.points:
+        return None, None, "expert outputs are captured"
     offsets: dict[int, int] = {}
     at: dict[tuple[str, int], int] = {}
     parts = []

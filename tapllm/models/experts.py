@@ -200,7 +200,7 @@ class Experts(nn.Module):
         expert's own output where the token is routed to it (the Python loop then runs, not ``moe_experts``,
         which keeps no per-expert rows: the same ops in the same order)."""
         e, h, i = self.num_experts, self.hidden, self.inter
-        if self.moe is not None and self.gate_up_proj is not None and x.dtype == self.gate_up_proj.dtype:
+        if self.moe is not None and keep is None and self.gate_up_proj is not None and x.dtype == self.gate_up_proj.dtype:
             return self.moe.fused_experts(x, weights, ids, self.gate_up_proj.view(e, 2 * i, h),
                                           self.down_proj.view(e, h, i), self.kernel_act)
         if self.gemv is None or x.dtype != self.packed_gate_up.dtype:

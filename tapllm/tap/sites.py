@@ -4,7 +4,7 @@ A site is one (point, layer) the model passes through its tap: ``embed`` and ``f
 pseudo-layer), every other tensor point once per block. Its row is what one position holds there,
 seen as ``groups x group_width`` numbers: a head point's row is ``heads x head_dim`` (a direction is
 taken per head), every other row is one group (a direction over the whole row). Attention
-patterns are not a site: they are computed beside attention, not passed through the tap.
+patterns and expert outputs are not sites (:data:`EAGER_POINTS`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 from tapllm.tap.points import BY_NAME, TABLE
 from tapllm.tap.protocol import PSEUDO_LAYER
+
+# Points that are not sites: a step capturing them runs eagerly. Attention patterns are computed beside
+# attention; an expert's outputs are [n_experts, hidden] a position, too wide for a table's rows.
+EAGER_POINTS = ("attn_pattern", "expert_out")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +44,7 @@ class Sites:
         """``shapes``: the row shape of every point the model has (hidden-size points included)."""
         out: list[Site] = []
         for point in TABLE:
-            if point.name == "attn_pattern" or point.name not in shapes:
+            if point.name in EAGER_POINTS or point.name not in shapes:
                 continue
             shape = tuple(shapes[point.name])
             groups, width = (shape[0], math.prod(shape[1:])) if point.heads is not None else (1, math.prod(shape))
