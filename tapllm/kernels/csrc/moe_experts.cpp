@@ -4,6 +4,8 @@
 // added back to their tokens. The same ops as the Python loop, in the same order, without a Python
 // dispatch per expert (a batch-1 step's 8 experts x 4 blocks, a batch-16 step's ~90 x 4).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <cstdint>
 #include <vector>
@@ -42,11 +44,26 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   }
   const at::Tensor rows = x.index_select(0, tokens);
   at::Tensor out = at::empty_like(rows);
-  for (int64_t e = 0; e < experts; ++e) {
+  std::vector<int64_t> hit;
+  for (int64_t e = 0; e < experts; ++e)
+    if (start[e + 1] > start[e]) hit.push_back(e);
+  const auto expert = [&](int64_t e) {
     const int64_t n = start[e + 1] - start[e];
-    if (n == 0) continue;
     const at::Tensor h = packed_linear(rows.narrow(0, start[e], n), gate_up.select(0, e), std::nullopt);
     out.narrow(0, start[e], n).copy_(packed_linear(gated_act(h, act), down.select(0, e), std::nullopt));
+  };
+  const int64_t count = static_cast<int64_t>(hit.size());
+  if (count >= 2 * at::get_num_threads()) {
+    // Whole experts per thread: one parallel region for the block instead of two per expert (a decode
+    // expert's GEMVs are a few MB, too small to amortise a region each). Nested in this region,
+    // packed_linear and gated_act run on the calling thread, each expert's ops the same as below.
+    const at::ThreadLocalState caller;  // inference mode and the rest of the caller's thread state
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      const at::ThreadLocalStateGuard guard(caller);
+      for (int64_t j = begin; j < end; ++j) expert(hit[j]);
+    });
+  } else {
+    for (const int64_t e : hit) expert(e);
   }
   const at::Tensor scaled = out.mul(weights.reshape({-1}).index_select(0, order).unsqueeze(1)).to(x.scalar_type());
   return at::zeros_like(x).index_add_(0, tokens, scaled);
