@@ -12,52 +12,22 @@ refused naming the field.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import ExitStack
 from unittest import mock
 
 import pytest
 import torch
 
-from conftest import random_prompts, save_tiny_model
+from conftest import random_prompts
 from family_configs import moe_configs
 from family_harness import assert_close_states
 from tapllm import LLM, HiddenStatesSpec, SamplingParams, Steer
 from tapllm.models.moe import SparseMoE
-from test_family_moe import _init, _router
-from test_moe_router import _removed
+from test_family_moe import _router
+from test_moe_router import _removed, _sparse, llms, moe  # noqa: F401 - fixtures
 
 FAMILIES = sorted(moe_configs())
 EXPERTS = [3, 0]  # out of order on purpose: rows come back in the order named
-
-
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory, default_model_folder):
-    """family -> (checkpoint folder, the transformers model read back from it)."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("moe_experts")
-    out = {}
-    for name, cfg in moe_configs().items():
-        folder = save_tiny_model(root / name, cfg, default_model_folder, init=_init)
-        out[name] = (folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-    return out
-
-
-@pytest.fixture(scope="module")
-def llms(moe) -> Callable[[str], LLM]:
-    """family -> one tapllm engine on its checkpoint (prompts run in chunks of 8 tokens), made on first use."""
-    made: dict[str, LLM] = {}
-
-    def get(family: str) -> LLM:
-        if family not in made:
-            made[family] = LLM(moe[family][0], dtype="float32", max_num_batched_tokens=8)
-        return made[family]
-    return get
-
-
-def _sparse(model) -> list[int]:
-    return [i for i, layer in enumerate(model.model.layers) if _router(layer.mlp) is not None]
 
 
 def _hf_expert_outs(model, seq: list[int], experts: list[int]) -> torch.Tensor:
