@@ -33,10 +33,11 @@ heads per KV head, float16/bfloat16/float32; index tensors may be int32 or int64
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+
+from tapllm.kernels.triton_modules import kernels_module, runs_on
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,27 +53,16 @@ _MIN_SPLIT_TILES = 2
 _MAX_SPLITS = 64
 
 
-@functools.cache
 def _kernels() -> Any | None:
     """The kernels' module (importing triton), or None when triton cannot be imported."""
-    try:
-        from tapllm.kernels import triton_attention_kernels
-    except Exception:  # noqa: BLE001 - a missing or broken triton install: the kernels cannot run
-        return None
-    return triton_attention_kernels
+    return kernels_module("triton_attention_kernels")
 
 
 def available(device: torch.device | str | torch.Tensor) -> bool:
     """Whether the kernels can run on ``device`` (or a tensor's device): triton is importable and
     the device is CUDA, or it is the CPU and Triton's interpreter is on (``TRITON_INTERPRET=1``,
     which must be set before triton is first imported: Triton reads it when it defines its kernels)."""
-    dev = device.device if isinstance(device, torch.Tensor) else torch.device(device)
-    kernels = _kernels()
-    if kernels is None:
-        return False
-    if dev.type == "cuda":
-        return torch.cuda.is_available()
-    return dev.type == "cpu" and kernels.INTERPRETED
+    return runs_on(_kernels(), device)
 
 
 def _launcher(op: str, t: torch.Tensor) -> tuple[Any, bool]:

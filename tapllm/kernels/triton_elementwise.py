@@ -21,13 +21,13 @@ kernels run in Triton's interpreter, on CPU tensors too (the tests).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU, RMS_FLOAT_SCALE, RMS_GEMMA, RMS_LLAMA
 from tapllm.kernels.triton_attention import _check_cache, _check_index
+from tapllm.kernels.triton_modules import kernels_module, runs_on
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -40,27 +40,16 @@ _ACT_TILE = 1024
 _ROTARY_ELEMENTS = 2048
 
 
-@functools.cache
 def _kernels() -> Any | None:
     """The kernels' module (importing triton), or None when triton cannot be imported."""
-    try:
-        from tapllm.kernels import triton_elementwise_kernels
-    except Exception:  # noqa: BLE001 - a missing or broken triton install: the kernels cannot run
-        return None
-    return triton_elementwise_kernels
+    return kernels_module("triton_elementwise_kernels")
 
 
 def available(device: torch.device | str | torch.Tensor) -> bool:
     """Whether the kernels can run on ``device`` (or a tensor's device): triton is importable and
     the device is CUDA, or it is the CPU and Triton's interpreter is on (``TRITON_INTERPRET=1``
     before triton is first imported)."""
-    dev = device.device if isinstance(device, torch.Tensor) else torch.device(device)
-    kernels = _kernels()
-    if kernels is None:
-        return False
-    if dev.type == "cuda":
-        return torch.cuda.is_available()
-    return dev.type == "cpu" and kernels.INTERPRETED
+    return runs_on(_kernels(), device)
 
 
 def _launcher(op: str, t: torch.Tensor) -> tuple[Any, bool]:

@@ -19,7 +19,6 @@ when an op runs; under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU
 from tapllm.kernels.triton_elementwise import (ONE_PASS_WIDTH, check_heads, check_kv_write, check_norm, check_rows,
                                                check_values, rotary_launch)
 from tapllm.kernels.rounding import emulate_rne
+from tapllm.kernels.triton_modules import kernels_module
 from tapllm.kernels.triton_tap import site_args
 from tapllm.tap.fused import HeadSites, KernelSites, NormSites
 
@@ -35,14 +35,9 @@ from tapllm.tap.fused import HeadSites, KernelSites, NormSites
 MAX_ON_R, MAX_ON_X, MAX_ON_OUT = 1, 3, 1
 
 
-@functools.cache
 def _kernels() -> Any | None:
     """The kernels' module (importing triton), or None when triton cannot be imported."""
-    try:
-        from tapllm.kernels import triton_fused_sites_kernels
-    except Exception:  # noqa: BLE001 - a missing or broken triton install: the kernels cannot run
-        return None
-    return triton_fused_sites_kernels
+    return kernels_module("triton_fused_sites_kernels")
 
 
 def _launcher(op: str, t: torch.Tensor, rows: KernelSites) -> tuple[Any, bool]:

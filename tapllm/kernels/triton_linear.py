@@ -20,10 +20,11 @@ depend on its own values alone, as a GPU's ``tl.dot`` does.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+
+from tapllm.kernels.triton_modules import kernels_module, runs_on
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -31,24 +32,14 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILES = {torch.float16: (64, 64, 64, 4, 3), torch.bfloat16: (64, 64, 64, 4, 3), torch.float32: (64, 64, 32, 4, 2)}
 
 
-@functools.cache
 def _kernels() -> Any | None:
     """The kernel's module (importing triton), or None when triton cannot be imported."""
-    try:
-        from tapllm.kernels import triton_linear_kernels
-    except Exception:  # noqa: BLE001 - a missing or broken triton install: the kernel cannot run
-        return None
-    return triton_linear_kernels
+    return kernels_module("triton_linear_kernels")
 
 
 def available(device: torch.device) -> bool:
     """Whether the kernel can run on ``device``: CUDA, or the CPU under Triton's interpreter."""
-    kernels = _kernels()
-    if kernels is None:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and kernels.INTERPRETED
+    return runs_on(_kernels(), device)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,13 +16,13 @@ tensors (the tests).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from tapllm.kernels.constants import ACT_GELU_TANH, ACT_SILU
 from tapllm.kernels.moe_blocks import pair_blocks
+from tapllm.kernels.triton_modules import kernels_module, runs_on
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACTS = (ACT_SILU, ACT_GELU_TANH)
@@ -32,24 +32,14 @@ BLOCK_M = 16  # slots per block: an expert's rows are padded to a multiple of th
 TILES = {torch.float16: (64, 64, 4, 3), torch.bfloat16: (64, 64, 4, 3), torch.float32: (64, 32, 4, 2)}
 
 
-@functools.cache
 def _kernels() -> Any | None:
     """The kernels' module (importing triton), or None when triton cannot be imported."""
-    try:
-        from tapllm.kernels import triton_moe_kernels
-    except Exception:  # noqa: BLE001 - a missing or broken triton install: the kernels cannot run
-        return None
-    return triton_moe_kernels
+    return kernels_module("triton_moe_kernels")
 
 
 def available(device: torch.device) -> bool:
     """Whether the kernels can run on ``device``: CUDA, or the CPU under Triton's interpreter."""
-    kernels = _kernels()
-    if kernels is None:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and kernels.INTERPRETED
+    return runs_on(_kernels(), device)
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,

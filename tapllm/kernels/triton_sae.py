@@ -10,10 +10,11 @@ the PyTorch encode. The launch depends on shapes only.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+
+from tapllm.kernels.triton_modules import kernels_module, runs_on
 
 ARCHS = ("standard", "jumprelu", "topk")
 MAX_K = 256  # the most latents a row gathers and sorts: a topk SAE's k, else the requests' largest k
@@ -24,23 +25,14 @@ _NUMBERS = 8192  # about how many numbers a [latents, columns] tile holds while 
 INTERPRETER_TILE = 16384
 
 
-@functools.cache
 def _kernels() -> Any | None:
-    try:
-        from tapllm.kernels import triton_sae_kernels
-    except Exception:  # noqa: BLE001 - no usable triton: the PyTorch encode runs instead
-        return None
-    return triton_sae_kernels
+    """The kernels' module (importing triton), or None when triton cannot be imported."""
+    return kernels_module("triton_sae_kernels")
 
 
 def available(device: torch.device) -> bool:
     """Whether the kernel can run on ``device`` (CUDA, or the CPU under Triton's interpreter)."""
-    kernels = _kernels()
-    if kernels is None:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and kernels.INTERPRETED
+    return runs_on(_kernels(), device)
 
 
 def fits(arch: str, k_sae: int | None, k_out: int) -> bool:

@@ -9,33 +9,24 @@ Triton is imported only when a site runs. On CPU tensors the kernel runs in Trit
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from tapllm.kernels.rounding import emulate_rne
+from tapllm.kernels.triton_modules import kernels_module, runs_on
 from tapllm.tap.sites import Site
 from tapllm.tap.tables import TapTables
 
 
-@functools.cache
 def _kernels() -> Any | None:
-    try:
-        from tapllm.kernels import triton_tap_kernels
-    except Exception:  # noqa: BLE001 - no usable triton: the sites cannot run
-        return None
-    return triton_tap_kernels
+    """The kernels' module (importing triton), or None when triton cannot be imported."""
+    return kernels_module("triton_tap_kernels")
 
 
 def available(device: torch.device) -> bool:
     """Whether the site kernel can run on ``device`` (CUDA, or the CPU under Triton's interpreter)."""
-    kernels = _kernels()
-    if kernels is None:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available()
-    return device.type == "cpu" and kernels.INTERPRETED
+    return runs_on(_kernels(), device)
 
 
 def _pow2(n: int) -> int:
