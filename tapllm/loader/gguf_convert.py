@@ -20,8 +20,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from tapllm.loader.gguf_arch import LLAMA_BLOCK, LLAMA_TOP, GGUFArch, llama_fix, metadata_config
-from tapllm.loader.gguf_moe import (MOE_BLOCK, QWEN2MOE_BLOCK, llama_configure, moe_configure, olmoe_configure,
-                                    qwen2moe_configure, qwen2moe_fix)
+from tapllm.loader.gguf_moe import (GPT_OSS_BLOCK, MOE_BLOCK, QWEN2MOE_BLOCK, combine_gpt_oss, gpt_oss_configure,
+                                    llama_configure, moe_configure, olmoe_configure, qwen2moe_configure,
+                                    qwen2moe_fix)
 from tapllm.utils.cache import cache_root
 from tapllm.utils.files import atomic_path
 
@@ -141,6 +142,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch(MOE_BLOCK, LLAMA_TOP, configure=moe_configure),
     # transformers' GGUF reader has no olmoe: its config is built from the metadata
     "olmoe": GGUFArch(MOE_BLOCK, LLAMA_TOP, configure=olmoe_configure, model_type="olmoe"),
+    "gpt-oss": GGUFArch(GPT_OSS_BLOCK, LLAMA_TOP, configure=gpt_oss_configure, combine=combine_gpt_oss),
     "gpt2": GGUFArch(_GPT2_BLOCK, _GPT2_TOP, block_prefix="transformer.h.", fix=_gpt2_fix,
                      architecture="GPT2LMHeadModel", configure=_gpt2_configure),
     # gpt_neox (Pythia): transformers' GGUF reader does not support the architecture.

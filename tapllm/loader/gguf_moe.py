@@ -105,3 +105,63 @@ def olmoe_configure(cfg: dict[str, Any], meta: dict[str, Any], shapes: Shapes) -
         cfg["clip_qkv"] = float(meta["attention.clamp_kqv"])
     cfg["norm_topk_prob"] = False
     _renormalize(cfg, meta)
+
+
+# gpt-oss: llama.cpp de-interleaves the checkpoint's gate/up columns into ffn_gate_exps / ffn_up_exps and
+# stores the experts' weights [out, in] (the checkpoint's are [in, out]); combine_gpt_oss rebuilds the
+# checkpoint's layout, which the model's checkpoint_names reads.
+GPT_OSS_BLOCK = {
+    **{k: v for k, v in LLAMA_BLOCK.items() if k.startswith("attn_") and "norm" not in k},
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    **{f"ffn_{part}_exps.{leaf}": f"mlp.experts.{part}_exps{'' if leaf == 'weight' else '_bias'}"
+       for part in ("gate", "up", "gate_up", "down") for leaf in ("weight", "bias")},
+}
+
+
+def gpt_oss_configure(cfg: dict[str, Any], meta: dict[str, Any], shapes: Shapes) -> None:
+    """The head width (transformers' reader leaves its default) and YaRN from the ``rope.scaling.*`` keys.
+    The SwiGLU limit and alpha are not in the files: llama.cpp uses gpt-oss's 7.0 and 1.702, the config's
+    defaults."""
+    if meta.get("attention.key_length"):
+        cfg["head_dim"] = int(meta["attention.key_length"])
+    cfg.pop("rope_scaling", None)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.pop("rope_theta", 150000.0))}
+    if meta.get("rope.scaling.type") == "yarn":
+        rope.update(rope_type="yarn", factor=float(meta["rope.scaling.factor"]), truncate=False,
+                    original_max_position_embeddings=int(meta["rope.scaling.original_context_length"]),
+                    beta_fast=float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(meta.get("rope.scaling.yarn_beta_slow", 1.0)))
+    cfg["rope_parameters"] = rope
+
+
+def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``[..., I]`` gate and up -> ``[..., 2I]`` with gate at the even positions, up at the odd ones."""
+    return np.stack((gate, up), axis=-1).reshape(*gate.shape[:-1], 2 * gate.shape[-1])
+
+
+def combine_gpt_oss(tensors: dict[str, np.ndarray], config: Any) -> None:
+    """The experts in the checkpoint's layout: ``gate_up_proj`` ``[E, hidden, 2I]`` (interleaved columns) with
+    ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj`` ``[E, I, hidden]``, ``down_proj_bias`` ``[E, hidden]``."""
+    for name in [n for n in tensors if n.endswith(("gate_exps", "gate_up_exps"))]:
+        prefix = name.rpartition(".")[0] + "."
+        for leaf, out in (("", "gate_up_proj"), ("_bias", "gate_up_proj_bias")):
+            if prefix + "gate_up_exps" + leaf in tensors:  # [gate; up] along the outputs
+                both = tensors.pop(prefix + "gate_up_exps" + leaf)
+                gate, up = np.split(both, 2, axis=1)
+            elif prefix + "gate_exps" + leaf in tensors:
+                gate, up = tensors.pop(prefix + "gate_exps" + leaf), tensors.pop(prefix + "up_exps" + leaf)
+            else:
+                continue
+            if leaf:
+                tensors[prefix + out] = _interleave(gate, up)
+            else:  # [E, I, hidden] each -> [E, hidden, 2I]
+                tensors[prefix + out] = _interleave(gate.transpose(0, 2, 1), up.transpose(0, 2, 1))
+        if prefix + "down_exps" in tensors:
+            tensors[prefix + "down_proj"] = tensors.pop(prefix + "down_exps").transpose(0, 2, 1)
+        if prefix + "down_exps_bias" in tensors:
+            tensors[prefix + "down_proj_bias"] = tensors.pop(prefix + "down_exps_bias")
