@@ -1,6 +1,7 @@
 """GGUF files of the mixture-of-experts families, in llama.cpp's layout (``gguf_moe_writer``): Mixtral (a
 ``llama`` file with experts), Qwen2-MoE (``qwen2moe``, a shared expert and a dense block), OLMoE
-(``olmoe``, whose config tapllm builds from the metadata) and gpt-oss (``gpt-oss``: sinks, biases, a biased
+(``olmoe``, whose config tapllm builds from the metadata), Qwen3-MoE quantized (its F32 file is in
+``test_family_moe``) and gpt-oss (``gpt-oss``: sinks, biases, a biased
 router, the experts transposed and de-interleaved), F32 and quantized (Q8_0 everywhere but the routers;
 gpt-oss's experts in MXFP4, as llama.cpp ships it). tapllm on the file equals transformers holding the
 file's dequantized weights: greedy tokens, their logprobs and the logits at every position, float32.
@@ -17,8 +18,8 @@ from family_harness import assert_close_states
 from gguf_moe_writer import write_moe_gguf
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 
-CASES = [("mixtral", None), ("mixtral", "Q8_0"), ("qwen2_moe", None), ("qwen2_moe", "Q8_0"), ("olmoe", None),
-         ("olmoe", "Q8_0"), ("gpt_oss", None), ("gpt_oss", "Q8_0"), ("gpt_oss", "MXFP4")]
+CASES = [("mixtral", None), ("mixtral", "Q8_0"), ("qwen2_moe", None), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q8_0"),
+         ("olmoe", None), ("olmoe", "Q8_0"), ("gpt_oss", None), ("gpt_oss", "Q8_0"), ("gpt_oss", "MXFP4")]
 
 
 def _init(model) -> None:

@@ -142,7 +142,9 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch(MOE_BLOCK, LLAMA_TOP, configure=moe_configure),
     # transformers' GGUF reader has no olmoe: its config is built from the metadata
     "olmoe": GGUFArch(MOE_BLOCK, LLAMA_TOP, configure=olmoe_configure, model_type="olmoe"),
-    "gpt-oss": GGUFArch(GPT_OSS_BLOCK, LLAMA_TOP, configure=gpt_oss_configure, combine=combine_gpt_oss),
+    # transformers' reader of gpt-oss files fails on their rope.scaling.* keys: built from the metadata too
+    "gpt-oss": GGUFArch(GPT_OSS_BLOCK, LLAMA_TOP, configure=gpt_oss_configure, combine=combine_gpt_oss,
+                        model_type="gpt_oss"),
     "gpt2": GGUFArch(_GPT2_BLOCK, _GPT2_TOP, block_prefix="transformer.h.", fix=_gpt2_fix,
                      architecture="GPT2LMHeadModel", configure=_gpt2_configure),
     # gpt_neox (Pythia): transformers' GGUF reader does not support the architecture.

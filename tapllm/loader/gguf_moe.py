@@ -124,12 +124,15 @@ GPT_OSS_BLOCK = {
 
 
 def gpt_oss_configure(cfg: dict[str, Any], meta: dict[str, Any], shapes: Shapes) -> None:
-    """The head width (transformers' reader leaves its default) and YaRN from the ``rope.scaling.*`` keys.
-    The SwiGLU limit and alpha are not in the files: llama.cpp uses gpt-oss's 7.0 and 1.702, the config's
-    defaults."""
-    if meta.get("attention.key_length"):
-        cfg["head_dim"] = int(meta["attention.key_length"])
-    cfg.pop("rope_scaling", None)
+    """gpt-oss (its config built from the metadata): the expert count under its name, the sliding window,
+    and YaRN from the ``rope.scaling.*`` keys. The SwiGLU limit and alpha are not in the files: llama.cpp
+    uses gpt-oss's 7.0 and 1.702, the config's defaults, as is its alternation of sliding and global
+    layers."""
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    if meta.get("attention.sliding_window"):
+        cfg["sliding_window"] = int(meta["attention.sliding_window"])
+    if (width := expert_width(cfg, meta, shapes)) is not None:
+        cfg["intermediate_size"] = width
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.pop("rope_theta", 150000.0))}
     if meta.get("rope.scaling.type") == "yarn":
         rope.update(rope_type="yarn", factor=float(meta["rope.scaling.factor"]), truncate=False,
