@@ -2,8 +2,11 @@
 
 Dequantizing a GGUF file takes seconds; doing it once and keeping the result as safetensors
 makes every later start a plain memory-mapped load. The config and tokenizer come from
-transformers' GGUF readers (the same ones a transformers user gets); the tensors are
-dequantized here with the ``gguf`` package so that we control the layout fix-ups.
+transformers' GGUF readers (the same ones a transformers user gets), except for architectures
+those do not read (OLMoE, gpt-oss), whose config is built from the file's metadata
+(:func:`~tapllm.loader.gguf_arch.metadata_config`); the tensors are dequantized here with the
+``gguf`` package so that we control the layout fix-ups. The mixture-of-experts architectures'
+mappings are in :mod:`tapllm.loader.gguf_moe`.
 """
 
 from __future__ import annotations
@@ -228,7 +231,8 @@ def _convert(path: Path, out: Path) -> None:
         tensors[name] = data
     if mapping.combine is not None:
         mapping.combine(tensors, config)
-    weights = {k: torch.from_numpy(np.array(tensors.pop(k), dtype=np.float32, order="C", copy=True)) for k in list(tensors)}
+    weights = {k: torch.from_numpy(np.array(tensors.pop(k), dtype=np.float32, order="C", copy=True))
+               for k in list(tensors)}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     config.save_pretrained(out)
 
