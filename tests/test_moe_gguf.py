@@ -97,3 +97,30 @@ def test_an_unsupported_moe_architecture_is_named(tmp_path):
                       {"token_embd.weight": torch.zeros(8, 32)})
     with pytest.raises(ValueError, match="GGUF architecture 'deepseek2'.*not supported"):
         LLM(path, dtype="float32")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_gguf_blocks_run_as_stored_beside_dequantized_experts(family, moe_models, tmp_path):
+    """``quantization="gguf"`` on an MoE file: attention (and Qwen2-MoE's shared expert and dense block)
+    runs the file's Q8_0 blocks as stored (Mixtral's q/k row permutation undone on the blocks), routers and
+    the stacked experts are dequantized; it equals the file loaded in float."""
+    from tapllm.models.moe import Router, SparseMoE
+    from tapllm.quant.linear import QuantLinear
+
+    path, _ = write_moe_gguf(tmp_path / f"tiny-{family}.gguf", family, moe_models[family], "Q8_0")
+    prompts = random_prompts([7, 18], seed=9)
+    spec = HiddenStatesSpec(points=["final"], positions="all")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, hidden_states=spec)
+    want = LLM(path, dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, dtype="float32", quantization="gguf")
+    model = llm.engine.runner.model
+    assert all(isinstance(layer.self_attn.qkv_proj, QuantLinear) for layer in model.layers)
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all(type(m.gate) is Router and m.experts.dtype == torch.float32 for m in moes)
+    if family == "qwen2_moe":
+        assert all(isinstance(m.shared_expert.gate_up_proj, QuantLinear) for m in moes)
+        assert isinstance(model.layers[1].mlp.gate_up_proj, QuantLinear)  # the dense block
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(a.hidden_states["final"], b.hidden_states["final"], rtol=1e-4, atol=1e-4)
