@@ -128,20 +128,35 @@ def _row_axis(family: str, name: str) -> int:
     return -1
 
 
-def write_moe_gguf(path: Path, family: str, model: Any, qtype: str | None = None, experts_only: bool = False
-                   ) -> tuple[Path, dict[str, torch.Tensor]]:
+def per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stacked experts as llama.cpp wrote them before it stacked them: ``blk.N.ffn_gate.E.weight``, ..."""
+    out = {}
+    for name, t in tensors.items():
+        if m := re.match(r"(blk\.\d+\.ffn_(?:gate|up|down))_exps\.weight$", name):
+            out.update({f"{m.group(1)}.{e}.weight": t[e].contiguous() for e in range(t.shape[0])})
+        else:
+            out[name] = t
+    return out
+
+
+def write_moe_gguf(path: Path, family: str, model: Any, qtype: str | None = None, experts_only: bool = False,
+                   legacy: bool = False) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write ``model`` (a transformers MoE model) as llama.cpp would to ``path``, its weights of two or more
-    dimensions stored as ``qtype`` (the experts' only with ``experts_only``; None: all F32); returns the
-    path and the state dict of what the file holds, dequantized."""
+    dimensions stored as ``qtype`` (the experts' only with ``experts_only``; None: all F32; ``legacy``: one
+    tensor per expert, as early Mixtral files); returns the path and the state dict of what the file holds,
+    dequantized."""
     cfg = model.config
     sd = {k: v.detach().float() for k, v in model.state_dict().items()}
     tensors = llama_cpp_tensors(family, sd, cfg)
+    if legacy:
+        tensors = per_expert(tensors)
     types = {n: k for n, t in tensors.items() if (k := _stored_as(n, t, qtype, experts_only)) is not None}
     write_gguf(path, ARCHS[family], llama_cpp_metadata(family, cfg), tensors, types)
     held = dict(sd)
     if types:  # the same tensors under the model's names: each is stored quantized iff its llama.cpp parts are
         for name, t in sd.items():
             parts = llama_cpp_tensors(family, {name: t}, cfg)
+            parts = per_expert(parts) if legacy else parts
             if any(p in types for p in parts):
                 held[name] = _round_trip(t, qtype, _row_axis(family, name))
     return path, held

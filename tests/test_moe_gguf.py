@@ -89,6 +89,20 @@ def test_moe_gguf_loads_and_matches_transformers(family, qtype, moe_models, tmp_
     _logits_match(llm, ref, prompts)
 
 
+def test_a_mixtral_file_with_one_tensor_per_expert_loads(moe_models, tmp_path):
+    """Early Mixtral GGUF files hold each expert's projection apart (``blk.N.ffn_gate.E.weight``, ...)."""
+    model = moe_models["mixtral"]
+    path, state = write_moe_gguf(tmp_path / "tiny-mixtral-legacy.gguf", "mixtral", model, "Q8_0", legacy=True)
+    import gguf
+
+    assert "blk.0.ffn_gate.3.weight" in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    ref = _reference("mixtral", model, state)
+    prompts = random_prompts([5, 19], seed=48)
+    outs = LLM(path, dtype="float32").generate(
+        prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0), use_tqdm=False)
+    assert_matches_reference(outs, [hf_greedy(ref, p, 6) for p in prompts], atol=1e-5)
+
+
 def test_an_unsupported_moe_architecture_is_named(tmp_path):
     """A GGUF architecture tapllm has no mapping for (here DeepSeek-2's) is refused naming it."""
     from gguf_writer import write_gguf

@@ -18,6 +18,7 @@ import numpy as np
 
 from tapllm.loader.gguf_arch import LLAMA_BLOCK
 
+_LEGACY_EXPERTS = 256  # expert indices mapped for per-expert files (Mixtral's have 8)
 MOE_BLOCK = {
     **LLAMA_BLOCK,
     "ffn_gate_inp.weight": "mlp.gate.weight",
@@ -25,6 +26,9 @@ MOE_BLOCK = {
     "ffn_up_exps.weight": "mlp.experts.up_exps",
     "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",  # [gate; up] per expert: the stacked layout
     "ffn_down_exps.weight": "mlp.experts.down_proj",
+    # files from before llama.cpp stacked the experts (early Mixtral GGUFs): one tensor per expert
+    **{f"ffn_{part}.{e}.weight": f"mlp.experts.{e}.{part}_proj.weight"
+       for e in range(_LEGACY_EXPERTS) for part in ("gate", "up", "down")},
 }
 
 QWEN2MOE_BLOCK = {
