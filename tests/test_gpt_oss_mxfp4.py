@@ -107,3 +107,15 @@ def test_other_prequantized_checkpoints_are_refused(tmp_path, tiny_models):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quant_method='gptq'"):
         LLM(folder, dtype="float32")
+
+
+def test_mxfp4_of_another_architecture_is_refused(tmp_path, tiny_models):
+    import shutil
+
+    folder = tmp_path / "llama-mxfp4"
+    shutil.copytree(tiny_models["llama"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"MXFP4 checkpoints load for \['GptOssForCausalLM'\] only"):
+        LLM(folder, dtype="float32")
