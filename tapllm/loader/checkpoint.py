@@ -32,8 +32,9 @@ def resolve_model(model: str | Path | None, revision: str | None = None, downloa
     """Return a folder holding config.json, safetensors weights (unless not ``weights``: random
     ones will be made, ``load_format="dummy"``) and a tokenizer.
 
-    ``model`` is ``None`` (the default model), a local folder, a ``.gguf`` file (dequantized
-    once into a cached folder, see :mod:`tapllm.loader.gguf_convert`), or a Hugging Face Hub
+    ``model`` is ``None`` (the default model), a local folder (a gpt-oss MXFP4 one is dequantized once
+    into a cached folder, see :mod:`tapllm.loader.mxfp4`), a ``.gguf`` file (likewise, see
+    :mod:`tapllm.loader.gguf_convert`), or a Hugging Face Hub
     id such as ``"EleutherAI/pythia-70m"`` (the local Hugging Face cache first, then a
     download when allowed; see :mod:`tapllm.loader.hub`) at ``revision``.
     """
@@ -57,6 +58,15 @@ def resolve_model(model: str | Path | None, revision: str | None = None, downloa
         raise FileNotFoundError(f"model: {path} has no config.json")
     if weights and not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         raise FileNotFoundError(f"model: {path} has no *.safetensors (or pytorch_model*.bin) weights")
+    if weights:
+        from tapllm.loader.mxfp4 import mxfp4_to_folder, quant_method
+
+        method = quant_method(path)
+        if method == "mxfp4":
+            return mxfp4_to_folder(path)
+        if method is not None:
+            raise ValueError(f"model: {path} is quantized with quant_method={method!r}, which tapllm does not "
+                             "read; it reads float checkpoints, gpt-oss's 'mxfp4' ones and GGUF files")
     return path
 
 

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tapllm.loader.gguf_convert import GGUF_ARCHS, _llama_fix
+from tapllm.loader.gguf_convert import GGUF_ARCHS
 from tapllm.loader.weights import weight_files
 from tapllm.quant.embedding import quantize_embedding
 from tapllm.quant.linear import QuantLinear, SplitQuantLinear
@@ -62,7 +62,7 @@ def raw_tensors(path: Path, config: Any, cut: Cut | None = None) -> dict[str, to
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
     mapping = GGUF_ARCHS.get(arch)
-    if mapping is None or mapping.fix not in (None, _llama_fix):
+    if mapping is None or (mapping.fix is not None and not mapping.fix_on_rows):
         return {}  # other fix-ups (e.g. GPT-2's transposes) do not act on rows
     out = {}
     for t in reader.tensors:

@@ -2,8 +2,11 @@
 
 Dequantizing a GGUF file takes seconds; doing it once and keeping the result as safetensors
 makes every later start a plain memory-mapped load. The config and tokenizer come from
-transformers' GGUF readers (the same ones a transformers user gets); the tensors are
-dequantized here with the ``gguf`` package so that we control the layout fix-ups.
+transformers' GGUF readers (the same ones a transformers user gets), except for architectures
+those do not read (OLMoE, gpt-oss), whose config is built from the file's metadata
+(:func:`~tapllm.loader.gguf_arch.metadata_config`); the tensors are dequantized here with the
+``gguf`` package so that we control the layout fix-ups. The mixture-of-experts architectures'
+mappings are in :mod:`tapllm.loader.gguf_moe`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,82 +22,14 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from tapllm.loader.gguf_arch import LLAMA_BLOCK, LLAMA_TOP, GGUFArch, llama_fix, metadata_config
+from tapllm.loader.gguf_moe import (GPT_OSS_BLOCK, MOE_BLOCK, QWEN2MOE_BLOCK, combine_gpt_oss, gpt_oss_configure,
+                                    llama_configure, moe_configure, olmoe_configure, qwen2moe_configure,
+                                    qwen2moe_fix)
 from tapllm.utils.cache import cache_root
 from tapllm.utils.files import atomic_path
 
 logger = logging.getLogger("tapllm")
-
-@dataclass(frozen=True)
-class GGUFArch:
-    """How one llama.cpp architecture's tensors become a Hugging Face checkpoint's.
-
-    ``block`` maps a tensor name after ``blk.N.`` to the Hugging Face name after
-    ``{block_prefix}N.``; ``top`` maps whole names. ``fix(hf_name, array, config)`` undoes
-    what llama.cpp's converter did to a tensor (e.g. Llama's rotary permutation of q/k).
-    ``architecture`` is the Hugging Face ``architectures`` entry when it is not the config
-    class's name with ``ForCausalLM`` (GPT-2's ``GPT2LMHeadModel``, Gemma-3's
-    ``Gemma3ForCausalLM``). ``configure(config_values, metadata, shapes)`` completes the config
-    values transformers' GGUF reader made, where it leaves some out, from the file's
-    ``{arch}.*`` metadata (keys without the prefix) and its tensors' shapes (``{name: shape}``,
-    ``[out, in]`` order), before the config is built. ``config_tensors`` names small tensors
-    that hold configuration (Phi-3's LongRoPE factors): their values join the metadata
-    under their tensor names, as lists.
-    """
-
-    block: dict[str, str]
-    top: dict[str, str]
-    block_prefix: str = "model.layers."
-    fix: Callable[[str, np.ndarray, Any], np.ndarray] | None = None
-    architecture: str | None = None
-    configure: Callable[[dict[str, Any], dict[str, Any], dict[str, tuple[int, ...]]], None] | None = None
-    config_tensors: tuple[str, ...] = ()
-
-    def hf_name(self, name: str) -> str | None:
-        """The Hugging Face name of GGUF tensor ``name``, or None for tensors without one."""
-        if name in self.top:
-            return self.top[name]
-        if name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            if rest in self.block:
-                return f"{self.block_prefix}{idx}.{self.block[rest]}"
-        return None
-
-
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's rotary permutation of a q/k projection (rows grouped per head)."""
-    rest = w.shape[1:]
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def _llama_fix(name: str, data: np.ndarray, config: Any) -> np.ndarray:
-    if name.endswith("q_proj.weight"):
-        return _unpermute(data, config.num_attention_heads)
-    if name.endswith("k_proj.weight"):
-        return _unpermute(data, config.num_key_value_heads)
-    return data
-
-
-_LLAMA_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_LLAMA_TOP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 
 _GPT2_BLOCK = {
     "attn_norm.weight": "ln_1.weight",
@@ -164,7 +98,7 @@ def _gemma_configure(arch: str) -> Callable[[dict[str, Any], dict[str, Any], dic
 
 # Gemma: Llama's names (no biases), with the four norms around attention and the MLP.
 _GEMMA_BLOCK = {
-    **{k: v for k, v in _LLAMA_BLOCK.items() if not k.endswith(".bias")},
+    **{k: v for k, v in LLAMA_BLOCK.items() if not k.endswith(".bias")},
     "attn_norm.weight": "input_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -202,36 +136,25 @@ def _phi3_configure(cfg: dict[str, Any], meta: dict[str, Any], shapes: dict[str,
     cfg["rope_parameters"] = rope
 
 
-# llama.cpp's mixture-of-experts blocks: the router, and every expert's gate/up/down stacked ([E, out, in]);
-# the stacked gate and up halves are placed into tapllm's [gate; up] rows by the model's checkpoint_names.
-_MOE_BLOCK = {
-    **_LLAMA_BLOCK,
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-    "ffn_gate_exps.weight": "mlp.experts.gate_exps",
-    "ffn_up_exps.weight": "mlp.experts.up_exps",
-    "ffn_down_exps.weight": "mlp.experts.down_proj",
-}
-
-
-def _moe_configure(cfg: dict[str, Any], meta: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
-    """The experts' width, which transformers' GGUF reader leaves at its config's default."""
-    if "expert_feed_forward_length" in meta:
-        cfg["moe_intermediate_size"] = int(meta["expert_feed_forward_length"])
-
-
 # llama.cpp architecture name -> its mapping. A family adds its entry here.
 GGUF_ARCHS: dict[str, GGUFArch] = {
-    "llama": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP, fix=_llama_fix),
-    "qwen2": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
-    "qwen3": GGUFArch(_LLAMA_BLOCK, _LLAMA_TOP),
-    "qwen3moe": GGUFArch(_MOE_BLOCK, _LLAMA_TOP, configure=_moe_configure),
+    "llama": GGUFArch(MOE_BLOCK, LLAMA_TOP, fix=llama_fix, fix_on_rows=True, configure=llama_configure),
+    "qwen2": GGUFArch(LLAMA_BLOCK, LLAMA_TOP),
+    "qwen3": GGUFArch(LLAMA_BLOCK, LLAMA_TOP),
+    "qwen2moe": GGUFArch(QWEN2MOE_BLOCK, LLAMA_TOP, fix=qwen2moe_fix, fix_on_rows=True, configure=qwen2moe_configure),
+    "qwen3moe": GGUFArch(MOE_BLOCK, LLAMA_TOP, configure=moe_configure),
+    # transformers' GGUF reader has no olmoe: its config is built from the metadata
+    "olmoe": GGUFArch(MOE_BLOCK, LLAMA_TOP, configure=olmoe_configure, model_type="olmoe"),
+    # transformers' reader of gpt-oss files fails on their rope.scaling.* keys: built from the metadata too
+    "gpt-oss": GGUFArch(GPT_OSS_BLOCK, LLAMA_TOP, configure=gpt_oss_configure, combine=combine_gpt_oss,
+                        model_type="gpt_oss"),
     "gpt2": GGUFArch(_GPT2_BLOCK, _GPT2_TOP, block_prefix="transformer.h.", fix=_gpt2_fix,
                      architecture="GPT2LMHeadModel", configure=_gpt2_configure),
     # gpt_neox (Pythia): transformers' GGUF reader does not support the architecture.
-    "gemma2": GGUFArch(_GEMMA_BLOCK, _LLAMA_TOP, fix=_gemma_fix, configure=_gemma_configure("gemma2")),
-    "gemma3": GGUFArch(_GEMMA_BLOCK, _LLAMA_TOP, fix=_gemma_fix, configure=_gemma_configure("gemma3"),
+    "gemma2": GGUFArch(_GEMMA_BLOCK, LLAMA_TOP, fix=_gemma_fix, configure=_gemma_configure("gemma2")),
+    "gemma3": GGUFArch(_GEMMA_BLOCK, LLAMA_TOP, fix=_gemma_fix, configure=_gemma_configure("gemma3"),
                        architecture="Gemma3ForCausalLM"),  # config class Gemma3TextConfig
-    "phi3": GGUFArch(_PHI3_BLOCK, _LLAMA_TOP, configure=_phi3_configure,
+    "phi3": GGUFArch(_PHI3_BLOCK, LLAMA_TOP, configure=_phi3_configure,
                      config_tensors=("rope_factors_long.weight", "rope_factors_short.weight")),
 }
 
@@ -262,7 +185,7 @@ def gguf_to_folder(path: Path) -> Path:
 def _convert(path: Path, out: Path) -> None:
     import gguf
     from gguf.quants import dequantize
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
@@ -277,23 +200,26 @@ def _convert(path: Path, out: Path) -> None:
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"{path}: GGUF rope frequency factors (llama3 rope scaling) are not supported")
 
-    meta = load_gguf_checkpoint(str(path), return_tensors=False)
-    cfg_dict = dict(meta["config"])
-    model_type = cfg_dict.pop("model_type")
+    prefix = f"{arch}."
+    values = {k[len(prefix):]: f.contents() for k, f in reader.fields.items() if k.startswith(prefix)}
+    if mapping.model_type is not None:
+        general = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.ggml.")}
+        cfg_dict = metadata_config(mapping.model_type, values, general)
+    else:
+        cfg_dict = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
     cfg_dict.pop("_model_name_or_path", None)
     names = {t.name for t in reader.tensors}
     cfg_dict["tie_word_embeddings"] = "output.weight" not in names
     if mapping.configure is not None:
-        prefix = f"{arch}."
-        values = {k[len(prefix):]: f.contents() for k, f in reader.fields.items() if k.startswith(prefix)}
         for t in reader.tensors:
             if t.name in mapping.config_tensors:
                 values[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1).tolist()
         mapping.configure(cfg_dict, values, {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors})
+    model_type = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg_dict)
     config.architectures = [mapping.architecture or type(config).__name__.replace("Config", "ForCausalLM")]
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", leave=False):
         data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         data = data.reshape([int(d) for d in reversed(t.shape)]) if data.ndim != len(t.shape) else data
@@ -302,9 +228,17 @@ def _convert(path: Path, out: Path) -> None:
             continue
         if mapping.fix is not None:
             data = mapping.fix(name, data, config)
-        tensors[name] = torch.from_numpy(np.array(data, dtype=np.float32, order="C", copy=True))
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+        tensors[name] = data
+    if mapping.combine is not None:
+        mapping.combine(tensors, config)
+    weights = {k: torch.from_numpy(np.array(tensors.pop(k), dtype=np.float32, order="C", copy=True))
+               for k in list(tensors)}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     config.save_pretrained(out)
 
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # AutoTokenizer reads the file's config first, which fails where transformers' reader has no such
+    # architecture; the fast tokenizer class builds the tokenizer the file describes (what AutoTokenizer
+    # returns for the architectures it reads)
+    cls = AutoTokenizer if mapping.model_type is None else PreTrainedTokenizerFast
+    tok = cls.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.save_pretrained(out)

@@ -9,7 +9,8 @@ and a mixture of experts with a biased router and a clamped SwiGLU.
   ``g = clamp(gate, max=limit)``. transformers stores them stacked as ``x @ W``
   (``gate_up_proj`` ``[E, hidden, 2I]`` with gate and up interleaved column by column,
   ``down_proj`` ``[E, I, hidden]``); they are turned into tapllm's ``[gate; up]`` rows at load.
-  MXFP4 checkpoints (``*_blocks``/``*_scales``) do not load yet.
+  MXFP4 checkpoints (``*_blocks``/``*_scales``) and GGUF files reach the model in that layout, dequantized
+  once by the loader (:mod:`tapllm.loader.mxfp4`, :mod:`tapllm.loader.gguf_moe`).
 * Norms scale in float32 before the cast back, as transformers' (equal in float32).
 
 The sinks are in the PyTorch attention only, so the model runs the eager step
@@ -50,7 +51,7 @@ class GptOssAttention(Attention):
 
 
 class GptOssForCausalLM(MoEForCausalLM):
-    """gpt-oss-20b / gpt-oss-120b, from checkpoints with the experts in float."""
+    """gpt-oss-20b / gpt-oss-120b (their MXFP4 experts dequantized by the loader)."""
 
     attention_cls = GptOssAttention
     eager_only = "attention sinks are computed by the PyTorch attention only"
