@@ -94,6 +94,20 @@ _ATTN_O = ("self_attn.o_proj", "attn.c_proj", "attention.dense")
 _MLP_DOWN = ("mlp.down_proj", "mlp.c_proj", "mlp.dense_4h_to_h")
 
 
+def check_logits(llm: LLM, model: nn.Module, prompts: list[list[int]], new: int, tol: float = 1e-5) -> None:
+    """The logits at every position of each prompt and its ``new`` greedy tokens (the head over the captured
+    ``final`` states) within ``tol`` of ``model``'s forward over the same tokens."""
+    spec = HiddenStatesSpec(points=["final"], positions="all")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, hidden_states=spec),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        seq = (prompt + out.outputs[0].token_ids)[:-1]
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([seq])).logits[0]
+            got = llm.engine.runner.model.compute_logits(out.hidden_states["final"][:, 0])
+        assert_close_states(got[:, None], want[:, None], f"logits (prompt {len(prompt)} tokens)", tol)
+
+
 def _submodule(block: nn.Module, names: tuple[str, ...]) -> nn.Module:
     found = dict(block.named_modules())
     return next(found[n] for n in names if n in found)

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from conftest import assert_matches_reference, hf_greedy, random_prompts, save_tiny_model
 from family_configs import moe_configs
-from family_harness import HFLayout, assert_close_states, check_points, check_situations, check_steering
+from family_harness import (HFLayout, assert_close_states, check_logits, check_points, check_situations,
+                            check_steering)
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 from tapllm.models.moe import Routing, gated, grouped_experts, route
 
@@ -199,15 +200,7 @@ def test_every_point_and_the_logits(family, moe_models):
         assert all(m.experts.gemv is not None for m in runner.model.modules() if isinstance(m, SparseMoE))
     prompts = random_prompts([1, 9, 22], seed=32)
     check_points(llm, model, LAYOUT, prompts, 5, tol=1e-5, mlp_post=False)
-    spec = HiddenStatesSpec(points=["final"], positions="all")
-    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, hidden_states=spec),
-                        use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        seq = (prompt + out.outputs[0].token_ids)[:-1]
-        with torch.no_grad():
-            ref = model(input_ids=torch.tensor([seq])).logits[0]
-            got = llm.engine.runner.model.compute_logits(out.hidden_states["final"][:, 0])
-        assert_close_states(got[:, None], ref[:, None], f"logits (prompt {len(prompt)} tokens)", 1e-5)
+    check_logits(llm, model, prompts, 5)
     with pytest.raises(ValueError, match="does not expose 'mlp_post'"):
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, hidden_states=HiddenStatesSpec(points=["mlp_post"])),
                      use_tqdm=False)

@@ -16,8 +16,8 @@ import torch
 
 from conftest import assert_matches_reference, hf_greedy, random_prompts, save_tiny_model
 from family_configs import moe_configs
-from family_harness import assert_close_states
-from tapllm import LLM, HiddenStatesSpec, SamplingParams
+from family_harness import check_logits
+from tapllm import LLM, SamplingParams
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -72,15 +72,7 @@ def test_mxfp4_checkpoint_loads_and_matches_transformers_dequantized(mxfp4_folde
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
     assert_matches_reference(outs, [hf_greedy(ref, p, 6) for p in prompts], atol=1e-5)
-    spec = HiddenStatesSpec(points=["final"], positions="all")
-    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, hidden_states=spec),
-                        use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        seq = (prompt + out.outputs[0].token_ids)[:-1]
-        with torch.no_grad():
-            want = ref(input_ids=torch.tensor([seq])).logits[0]
-            got = llm.engine.runner.model.compute_logits(out.hidden_states["final"][:, 0])
-        assert_close_states(got[:, None], want[:, None], f"logits (prompt {len(prompt)} tokens)", 1e-5)
+    check_logits(llm, ref, prompts, 3)
 
 
 def test_the_encoder_round_trips_through_transformers_dequantization():

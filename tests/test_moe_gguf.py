@@ -14,7 +14,7 @@ import torch
 
 from conftest import assert_matches_reference, hf_greedy, random_prompts, save_tiny_model
 from family_configs import moe_configs
-from family_harness import assert_close_states
+from family_harness import check_logits
 from gguf_moe_writer import write_moe_gguf
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
 
@@ -60,18 +60,6 @@ def _reference(family: str, model, state: dict[str, torch.Tensor]):
     return ref
 
 
-def _logits_match(llm: LLM, ref, prompts: list[list[int]]) -> None:
-    spec = HiddenStatesSpec(points=["final"], positions="all")
-    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, hidden_states=spec),
-                        use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        seq = (prompt + out.outputs[0].token_ids)[:-1]
-        with torch.no_grad():
-            want = ref(input_ids=torch.tensor([seq])).logits[0]
-            got = llm.engine.runner.model.compute_logits(out.hidden_states["final"][:, 0])
-        assert_close_states(got[:, None], want[:, None], f"logits (prompt {len(prompt)} tokens)", 1e-5)
-
-
 @pytest.mark.parametrize(("family", "qtype"), CASES, ids=[f"{f}-{q or 'F32'}" for f, q in CASES])
 def test_moe_gguf_loads_and_matches_transformers(family, qtype, moe_models, tmp_path):
     model = moe_models[family]
@@ -86,7 +74,7 @@ def test_moe_gguf_loads_and_matches_transformers(family, qtype, moe_models, tmp_
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
     assert_matches_reference(outs, [hf_greedy(ref, p, 6) for p in prompts], atol=1e-5)
-    _logits_match(llm, ref, prompts)
+    check_logits(llm, ref, prompts, 4)
 
 
 def test_a_mixtral_file_with_one_tensor_per_expert_loads(moe_models, tmp_path):
