@@ -84,8 +84,11 @@ from typing import Any
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+for _path in (REPO_ROOT, Path(__file__).resolve().parent):  # tapllm, and the sections' modules (gpu_moe)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+if __name__ == "__main__":  # the sections' modules import this one as ``gpu``: the same module, not a copy
+    sys.modules.setdefault("gpu", sys.modules[__name__])
 
 VOCAB = 49152
 FIRST_TOKEN_ID = 100  # away from the special tokens
@@ -185,7 +188,7 @@ def model_folder(root: Path, name: str, config: Any, tokenizer: Path) -> Path:
     """A folder with the shape's ``config.json`` and the tokenizer: what ``load_format="dummy"`` reads."""
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = config.architectures or ["LlamaForCausalLM"]
     config.save_pretrained(folder)
     for f in tokenizer.iterdir():
         if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja")):
@@ -315,6 +318,7 @@ class Bench:
         self._graph: tuple[str, Any] | None = None
         self._failed: dict[str, str] = {}  # shape -> why its graph engine did not start (not tried again)
         self.graph_summaries: dict[str, dict[str, Any]] = {}
+        self.moe_sizes: Any = None  # gpu_moe.MoESizes, set by main
 
     def over(self) -> bool:
         """True once the time budget is spent."""
@@ -1057,6 +1061,9 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         lambda v: v <= 0.02)
     add("serving.tapped_over_plain", "serving: half tapped / plain throughput",
         report.get("serving", {}).get("tapped_over_plain"), ">= 0.9", lambda v: v >= 0.9)
+    from gpu_moe import moe_targets
+
+    moe_targets(report, add)
     late = [e["captures_after_warmup"] for e in report.get("graph_engines", {}).values()]
     add("graphs.captures_after_warmup", "graphs captured after start-up (every graph engine)",
         sum(late) if late else None, "0", lambda v: v == 0)
@@ -1128,7 +1135,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Sizes
     p.add_argument("--budget", type=float, default=400.0,
                    help="seconds of measuring before the sections (and rows) not yet started are skipped; 0: none")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--only", choices=["parity", "speed", "split", "capture", "serving", "eager"], action="append",
+    p.add_argument("--moe-layers", type=int, default=None,
+                   help="blocks of the mixture-of-experts speed model (default 8; 1 on --smoke)")
+    p.add_argument("--only", choices=["parity", "speed", "split", "capture", "serving", "moe", "eager"],
+                   action="append",
                    help="run only these sections (repeatable)")
     p.add_argument("--tests", action="store_true", help="then run pytest -m cuda (not part of the 8 minutes)")
     p.add_argument("--test-timeout", type=int, default=900)
@@ -1161,6 +1171,9 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(os.environ.get("TAPLLM_GPU_BENCH_DIR", "/tmp/tapllm-gpu-bench"))
     root.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, sizes, device, root, tokenizer)
+    import gpu_moe
+
+    bench.moe_sizes = gpu_moe.MoESizes.of(args.smoke, args.moe_layers)
     report = bench.report
     report.update(provenance(device, args.commit))
     report.update(smoke=args.smoke, dtype=args.dtype, budget_s=args.budget, errors={}, skipped={})
@@ -1179,6 +1192,7 @@ def main(argv: list[str] | None = None) -> int:
         ("split", "split", lambda: step_split(bench)),
         ("capture", "capture", lambda: capture_costs(bench)),
         ("serving", "serving", lambda: serving(bench)),
+        ("moe", "moe", lambda: gpu_moe.moe(bench)),
         ("speed", "speed-1", lambda: speed(bench, 1)),
         ("eager", "eager-0", lambda: eager_speed(bench, 0)),
         ("eager", "eager-1", lambda: eager_speed(bench, 1)),
