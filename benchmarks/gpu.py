@@ -31,6 +31,15 @@ What it measures (random weights; every figure in one run of under 8 minutes, so
        p50/p99 inter-token latency, eager steps and why, graphs captured after start-up.
     6. Where a plain decode step's time goes (1B shape, batch 1 and 16): the graph replay's device
        time (CUDA events around it) against the whole step's wall time, median of 32 steps.
+    7. Mixture of experts (benchmarks/gpu_moe.py; the CUDA backend's Triton fused-MoE step in graphs):
+       float32 parity of a small Mixtral and a small Qwen3-MoE (the parity Llama's shape, 8 experts,
+       top-2; three prompts, one run in chunks, 8 greedy tokens): graph engine against ``enforce_eager``
+       and transformers, plain (tokens, chosen tokens' logprobs), ``router_logits`` at every block and
+       position (against ``output_router_logits``) and a routing ban at two blocks (graph against eager,
+       no banned expert chosen); decode steps run eagerly, by reason. Then bf16 speed of a
+       Qwen3-30B-A3B-shaped model (``--moe-layers`` blocks, 8 by default; 128 experts, top-8): tapllm
+       (graphs) and transformers at batch 1, 16, 64, and the batch-1 step against the active weights'
+       streaming time (attention, routers, norms, head and ``top_k`` experts per block).
 
 Targets (on a GPU; printed PASS or MISS, and in the JSON under ``targets``)
     parity float32, every path: greedy tokens 6/6 against transformers and the eager step, states
@@ -38,16 +47,19 @@ Targets (on a GPU; printed PASS or MISS, and in the JSON under ``targets``)
     and 64 >= 6x transformers; 8B batch 256 >= 12,000 tokens/s; capture costs <= 1% (last
     position), 1% (a mean), 5% (3 blocks, every position), 15% (every block, every position), 2.5%
     (half the batch steered), 5% (SAE top-16); serving: eager steps <= 2%, half tapped >= 0.9x the
-    plain run's throughput, no graph captured after start-up.
+    plain run's throughput, no graph captured after start-up; mixture of experts: float32 greedy
+    tokens all equal (every family and path, against transformers and eager; the ban held), errors
+    within 1e-4, no decode step run eagerly, batch 16 and 64 >= 3x transformers.
 
 How to run
     python benchmarks/gpu.py --prepare .gpu        # here: the tokenizer, for a machine without the model
     python benchmarks/gpu.py --tokenizer .gpu/tokenizer --json $OUT/gpu.json --commit <sha>
-    python benchmarks/gpu.py --smoke               # the same code on CPU with tiny shapes, < 2 minutes
+    python benchmarks/gpu.py --smoke               # the same code on CPU with tiny shapes, a few minutes
 
 The run's order puts the most telling figures first: bandwidth, parity, the 1B shape's speed (its
-graph engine then serves the step split, capture costs and serving), the 8B shape's speed, and
-last the eager reference step's speed on both shapes.
+graph engine then serves the step split, capture costs and serving), mixture of experts, the 8B
+shape's speed, and last the eager reference step's speed on both shapes. ``--only`` picks sections
+(``--only moe``: that one alone).
 
 ``--smoke`` runs every section on the CPU: the graph engines use ``backend="cuda"`` (Triton's
 interpreter, graphs emulated), so the graph path's code runs as it would on a GPU; its figures
@@ -1185,7 +1197,7 @@ def main(argv: list[str] | None = None) -> int:
     report["bandwidth_gbs"] = round(bench.bandwidth, 1)
     print(f"read bandwidth: {bench.bandwidth:,.0f} GB/s")
     # The most telling figures first: parity, the first shape (its graph engine serves four sections),
-    # the second shape, then the eager reference step's speed.
+    # mixture of experts, the second shape, then the eager reference step's speed.
     sections: list[tuple[str, str, Callable[[], None]]] = [
         ("parity", "parity", lambda: parity(bench)),
         ("speed", "speed-0", lambda: speed(bench, 0)),
