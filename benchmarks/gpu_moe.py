@@ -21,6 +21,7 @@ Results go under ``report["moe"]``; the targets are in gpu.py's ``targets()`` (:
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -230,8 +231,9 @@ def _nothing() -> Iterator[dict[str, Any]]:
     yield {"graph": 0, "eager": Counter(), "graphs_off": None}
 
 
-def speed(b: Bench) -> dict[str, Any]:
-    """The Qwen3-MoE shape: tapllm's graph engine, then transformers, at batch 1, 16, 64."""
+def speed(b: Bench, result: dict[str, Any]) -> None:
+    """The Qwen3-MoE shape: tapllm's graph engine, then transformers, at batch 1, 16, 64; into ``result``
+    (filled as it goes: a part that fails keeps what came before)."""
     from tapllm import LLM
 
     s, device, ms = b.sizes, b.device, b.moe_sizes
@@ -244,7 +246,7 @@ def speed(b: Bench) -> dict[str, Any]:
     shape = (f"{config.num_hidden_layers} blocks, hidden {config.hidden_size}, {config.num_attention_heads}/"
              f"{config.num_key_value_heads} heads of {config.head_dim}, {config.num_experts} experts top-"
              f"{config.num_experts_per_tok} of {config.moe_intermediate_size}, vocab {config.vocab_size}")
-    result: dict[str, Any] = {"model": name, "shape": shape, "batches": batches, "rows": rows}
+    result.update(model=name, shape=shape, batches=batches, rows=rows)
     reset_peak(device)
     start, llm = timed(device, lambda: LLM(folder, **{**b.options(max(batches), eager=False), "backend": "cuda"}))
     graphs = llm.engine.runner.graph_step.graphs if llm.engine.runner.graph_step is not None else None
@@ -280,17 +282,20 @@ def speed(b: Bench) -> dict[str, Any]:
         torch.manual_seed(0)
         model = hf_model(config, device, dtype)
         hf: dict[str, Any] = {"experts_implementation": getattr(model.config, "_experts_implementation", None)}
+        rows["transformers"] = hf
         for batch in [x for x in batches if x <= s.hf_max_batch]:
             if b.over():
                 hf[f"b{batch}"] = "skipped: time budget"
                 continue
-            hf[f"b{batch}"] = round(hf_rate(model, device, batch, s.new_tokens, s.prompt_len, name, s.runs), 1)
+            try:
+                hf[f"b{batch}"] = round(hf_rate(model, device, batch, s.new_tokens, s.prompt_len, name, s.runs), 1)
+            except torch.cuda.OutOfMemoryError as exc:  # the larger batches may not fit: the smaller still count
+                hf[f"b{batch}"] = f"failed: {type(exc).__name__}"
+                free(device)
         hf["peak_gpu_gb"] = peak_memory_gb(device)
-        rows["transformers"] = hf
         del model
         free(device)
     compare_to_transformers(rows, batches)
-    return result
 
 
 @dataclasses.dataclass
@@ -317,16 +322,29 @@ def moe(b: Bench) -> None:
     result: dict[str, Any] = {"parity_prompts": b.moe_sizes.parity_prompts, "parity_new": s.parity_new,
                               "parity": {}}
     b.report["moe"] = result
+    # Each part on its own: a failure is reported (under the run's errors) and the next part still runs.
     for family in PARITY_FAMILIES:
         if b.over():
             result["parity"][family] = "skipped: time budget"
             continue
-        result["parity"][family] = parity_family(b, family)
+        try:
+            result["parity"][family] = parity_family(b, family)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            result["parity"][family] = b.report["errors"][f"moe-parity-{family}"] = f"{type(exc).__name__}: {exc}"
+        free(b.device)
     print_parity(result)
     if b.over():
         result["speed"] = "skipped: time budget"
-    else:
-        result["speed"] = speed(b)
+        return
+    result["speed"] = {}
+    try:
+        speed(b, result["speed"])
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        result["speed"]["error"] = b.report["errors"]["moe-speed"] = f"{type(exc).__name__}: {exc}"
+    free(b.device)
+    if "rows" in result["speed"]:
         print_speed(result["speed"], s.prompt_len, s.new_tokens)
 
 
@@ -389,6 +407,7 @@ def moe_targets(report: dict[str, Any], add: Callable[[str, str, Any, str, Calla
     """The section's targets, through gpu.py's ``add(id, label, value, want, ok)``."""
     m = report.get("moe", {})
     parity = [fam for fam in m.get("parity", {}).values() if isinstance(fam, dict)]
+    missing = [name for name, fam in m.get("parity", {}).items() if not isinstance(fam, dict)]
     equal = total = 0
     errors: list[float] = []
     for fam in parity:
@@ -400,8 +419,9 @@ def moe_targets(report: dict[str, Any], add: Callable[[str, str, Any, str, Calla
             if "max_rel_error" in fam[path]:
                 errors.append(fam[path]["max_rel_error"])
         equal, total = equal + bool(fam["ban"]["ban_held"]), total + 1  # no banned expert chosen: one check more
-    add("moe.parity.tokens", "moe parity float32, every path: greedy tokens equal",
-        f"{equal}/{total}" if total else None, "all equal", lambda v: v.split("/")[0] == v.split("/")[1])
+    value = f"{equal}/{total}" + (f", not measured: {', '.join(missing)}" if missing else "") if total else None
+    add("moe.parity.tokens", "moe parity float32, every path: greedy tokens equal", value, "all equal",
+        lambda v: "," not in v and v.split("/")[0] == v.split("/")[1])
     add("moe.parity.error", "moe parity float32: largest relative error (logprobs, router)",
         max(errors) if errors else None, "<= 1e-4", lambda v: v <= 1e-4)
     add("moe.eager_decode_steps", "moe: decode steps run eagerly (graph engines)", eager_decode_total(m), "0",
