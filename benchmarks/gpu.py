@@ -31,6 +31,15 @@ What it measures (random weights; every figure in one run of under 8 minutes, so
        p50/p99 inter-token latency, eager steps and why, graphs captured after start-up.
     6. Where a plain decode step's time goes (1B shape, batch 1 and 16): the graph replay's device
        time (CUDA events around it) against the whole step's wall time, median of 32 steps.
+    7. Mixture of experts (benchmarks/gpu_moe.py; the CUDA backend's Triton fused-MoE step in graphs):
+       float32 parity of a small Mixtral and a small Qwen3-MoE (the parity Llama's shape, 8 experts,
+       top-2; three prompts, one run in chunks, 8 greedy tokens): graph engine against ``enforce_eager``
+       and transformers, plain (tokens, chosen tokens' logprobs), ``router_logits`` at every block and
+       position (against ``output_router_logits``) and a routing ban at two blocks (graph against eager,
+       no banned expert chosen); decode steps run eagerly, by reason. Then bf16 speed of a
+       Qwen3-30B-A3B-shaped model (``--moe-layers`` blocks, 8 by default; 128 experts, top-8): tapllm
+       (graphs) and transformers at batch 1, 16, 64, and the batch-1 step against the active weights'
+       streaming time (attention, routers, norms, head and ``top_k`` experts per block).
 
 Targets (on a GPU; printed PASS or MISS, and in the JSON under ``targets``)
     parity float32, every path: greedy tokens 6/6 against transformers and the eager step, states
@@ -38,16 +47,19 @@ Targets (on a GPU; printed PASS or MISS, and in the JSON under ``targets``)
     and 64 >= 6x transformers; 8B batch 256 >= 12,000 tokens/s; capture costs <= 1% (last
     position), 1% (a mean), 5% (3 blocks, every position), 15% (every block, every position), 2.5%
     (half the batch steered), 5% (SAE top-16); serving: eager steps <= 2%, half tapped >= 0.9x the
-    plain run's throughput, no graph captured after start-up.
+    plain run's throughput, no graph captured after start-up; mixture of experts: float32 greedy
+    tokens all equal (every family and path, against transformers and eager; the ban held), errors
+    within 1e-4, no decode step run eagerly, batch 16 and 64 >= 3x transformers.
 
 How to run
     python benchmarks/gpu.py --prepare .gpu        # here: the tokenizer, for a machine without the model
     python benchmarks/gpu.py --tokenizer .gpu/tokenizer --json $OUT/gpu.json --commit <sha>
-    python benchmarks/gpu.py --smoke               # the same code on CPU with tiny shapes, < 2 minutes
+    python benchmarks/gpu.py --smoke               # the same code on CPU with tiny shapes, a few minutes
 
 The run's order puts the most telling figures first: bandwidth, parity, the 1B shape's speed (its
-graph engine then serves the step split, capture costs and serving), the 8B shape's speed, and
-last the eager reference step's speed on both shapes.
+graph engine then serves the step split, capture costs and serving), mixture of experts, the 8B
+shape's speed, and last the eager reference step's speed on both shapes. ``--only`` picks sections
+(``--only moe``: that one alone).
 
 ``--smoke`` runs every section on the CPU: the graph engines use ``backend="cuda"`` (Triton's
 interpreter, graphs emulated), so the graph path's code runs as it would on a GPU; its figures
@@ -84,8 +96,11 @@ from typing import Any
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+for _path in (REPO_ROOT, Path(__file__).resolve().parent):  # tapllm, and the sections' modules (gpu_moe)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+if __name__ == "__main__":  # the sections' modules import this one as ``gpu``: the same module, not a copy
+    sys.modules.setdefault("gpu", sys.modules[__name__])
 
 VOCAB = 49152
 FIRST_TOKEN_ID = 100  # away from the special tokens
@@ -185,7 +200,7 @@ def model_folder(root: Path, name: str, config: Any, tokenizer: Path) -> Path:
     """A folder with the shape's ``config.json`` and the tokenizer: what ``load_format="dummy"`` reads."""
     folder = root / name
     folder.mkdir(parents=True, exist_ok=True)
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = config.architectures or ["LlamaForCausalLM"]
     config.save_pretrained(folder)
     for f in tokenizer.iterdir():
         if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens")) or f.name.endswith(".jinja")):
@@ -315,6 +330,7 @@ class Bench:
         self._graph: tuple[str, Any] | None = None
         self._failed: dict[str, str] = {}  # shape -> why its graph engine did not start (not tried again)
         self.graph_summaries: dict[str, dict[str, Any]] = {}
+        self.moe_sizes: Any = None  # gpu_moe.MoESizes, set by main
 
     def over(self) -> bool:
         """True once the time budget is spent."""
@@ -1057,6 +1073,9 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         lambda v: v <= 0.02)
     add("serving.tapped_over_plain", "serving: half tapped / plain throughput",
         report.get("serving", {}).get("tapped_over_plain"), ">= 0.9", lambda v: v >= 0.9)
+    from gpu_moe import moe_targets
+
+    moe_targets(report, add)
     late = [e["captures_after_warmup"] for e in report.get("graph_engines", {}).values()]
     add("graphs.captures_after_warmup", "graphs captured after start-up (every graph engine)",
         sum(late) if late else None, "0", lambda v: v == 0)
@@ -1128,7 +1147,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Sizes
     p.add_argument("--budget", type=float, default=400.0,
                    help="seconds of measuring before the sections (and rows) not yet started are skipped; 0: none")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--only", choices=["parity", "speed", "split", "capture", "serving", "eager"], action="append",
+    p.add_argument("--moe-layers", type=int, default=None,
+                   help="blocks of the mixture-of-experts speed model (default 8; 1 on --smoke)")
+    p.add_argument("--only", choices=["parity", "speed", "split", "capture", "serving", "moe", "eager"],
+                   action="append",
                    help="run only these sections (repeatable)")
     p.add_argument("--tests", action="store_true", help="then run pytest -m cuda (not part of the 8 minutes)")
     p.add_argument("--test-timeout", type=int, default=900)
@@ -1161,6 +1183,9 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(os.environ.get("TAPLLM_GPU_BENCH_DIR", "/tmp/tapllm-gpu-bench"))
     root.mkdir(parents=True, exist_ok=True)
     bench = Bench(args, sizes, device, root, tokenizer)
+    import gpu_moe
+
+    bench.moe_sizes = gpu_moe.MoESizes.of(args.smoke, args.moe_layers)
     report = bench.report
     report.update(provenance(device, args.commit))
     report.update(smoke=args.smoke, dtype=args.dtype, budget_s=args.budget, errors={}, skipped={})
@@ -1172,13 +1197,14 @@ def main(argv: list[str] | None = None) -> int:
     report["bandwidth_gbs"] = round(bench.bandwidth, 1)
     print(f"read bandwidth: {bench.bandwidth:,.0f} GB/s")
     # The most telling figures first: parity, the first shape (its graph engine serves four sections),
-    # the second shape, then the eager reference step's speed.
+    # mixture of experts, the second shape, then the eager reference step's speed.
     sections: list[tuple[str, str, Callable[[], None]]] = [
         ("parity", "parity", lambda: parity(bench)),
         ("speed", "speed-0", lambda: speed(bench, 0)),
         ("split", "split", lambda: step_split(bench)),
         ("capture", "capture", lambda: capture_costs(bench)),
         ("serving", "serving", lambda: serving(bench)),
+        ("moe", "moe", lambda: gpu_moe.moe(bench)),
         ("speed", "speed-1", lambda: speed(bench, 1)),
         ("eager", "eager-0", lambda: eager_speed(bench, 0)),
         ("eager", "eager-1", lambda: eager_speed(bench, 1)),

@@ -28,7 +28,9 @@ TARGETS = {"parity.float32.plain.tokens", "parity.float32.plain.error", "parity.
            "speed.small.b64_vs_transformers", "speed.large.b256_tok_s", "capture.last position (final)",
            "capture.mean over the prompt, 3 blocks", "capture.3 blocks, every position",
            "capture.every block, every position", "capture.half the batch steered", "capture.SAE top-16, one block",
-           "serving.eager_share", "serving.tapped_over_plain", "graphs.captures_after_warmup"}
+           "serving.eager_share", "serving.tapped_over_plain", "moe.parity.tokens", "moe.parity.error",
+           "moe.eager_decode_steps", "moe.b16_vs_transformers", "moe.b64_vs_transformers",
+           "graphs.captures_after_warmup"}
 
 
 def test_gpu_check_smoke_runs_every_section(tmp_path, default_model_folder):
@@ -86,10 +88,31 @@ def test_gpu_check_smoke_runs_every_section(tmp_path, default_model_folder):
         assert run["eager_share"] == 0 and run["captures_after_warmup"] == 0 and run["replays"].get("mixed", 0) >= 0
     assert any("tapped" in kind for kind in serving["runs"]["half tapped"]["replays"])
 
+    # mixture of experts: both families through the fused kernels in graphs, equal to transformers and eager
+    moe = report["moe"]
+    for family in ("mixtral", "qwen3_moe"):
+        rows = moe["parity"][family]
+        assert rows["fused_kernels"], family
+        for path in ("plain", "router", "ban"):
+            row = rows[path]
+            for key in ("tokens_equal", "tokens_vs_eager"):
+                if key in row:
+                    done, total = row[key].split("/")
+                    assert done == total, (family, path, key, row[key])
+            assert row["decode_graph_steps"] > 0 and row["eager_decode_steps"] == {} and row["eager_steps"] == {}
+            assert row.get("max_rel_error", 0) < 1e-4, (family, path)
+        assert rows["ban"]["ban_held"] and rows["ban"]["changed_vs_plain"] != "0/3"
+    speed = moe["speed"]["rows"]
+    assert speed["tapllm"]["b1"] > 0 and speed["transformers"]["b1"] > 0 and speed["tapllm"]["fused_kernels"]
+    assert speed["tapllm"]["step_ms"] > 0 and speed["tapllm"]["active_gb"] > 0
+    assert "b1_vs_transformers" in speed["tapllm"]
+    assert speed["tapllm"]["eager_decode_steps"] == {} and speed["tapllm"]["captures_after_warmup"] == 0
+
     # targets: every one, with its value and a verdict
     assert {t["id"] for t in report["targets"]} == TARGETS
     for t in report["targets"]:
         assert set(t) == {"id", "label", "value", "want", "status"} and t["status"] in ("PASS", "MISS", "NOT MEASURED")
-        if t["id"].startswith("parity.") or t["id"] == "graphs.captures_after_warmup":
+        if t["id"].startswith(("parity.", "moe.parity.")) or t["id"] in ("graphs.captures_after_warmup",
+                                                                            "moe.eager_decode_steps"):
             assert t["status"] == "PASS", t
     assert "== targets" in proc.stdout
