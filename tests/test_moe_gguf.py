@@ -17,20 +17,10 @@ from family_configs import moe_configs
 from family_harness import check_logits
 from gguf_moe_writer import write_moe_gguf
 from tapllm import LLM, HiddenStatesSpec, SamplingParams
+from test_family_moe import _init  # the same weights' initialisation
 
 CASES = [("mixtral", None), ("mixtral", "Q8_0"), ("qwen2_moe", None), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q8_0"),
          ("olmoe", None), ("olmoe", "Q8_0"), ("gpt_oss", None), ("gpt_oss", "Q8_0"), ("gpt_oss", "MXFP4")]
-
-
-def _init(model) -> None:
-    """Norm weights away from 1, random biases and sinks, so each really acts."""
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("bias", "sinks")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
 
 
 @pytest.fixture(scope="module")
